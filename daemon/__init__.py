@@ -1,0 +1,1 @@
+"""The hicache daemon: ZeroMQ server, wire protocol, sessions, CLI (``hicache.daemon``)."""

@@ -1,0 +1,74 @@
+"""The hicache error hierarchy.
+
+Every error carries a stable numeric code. The wire protocol sends the same codes in its
+error replies, so a client can tell "you sent a bad page id" from "the daemon is
+draining" without parsing text. Codes are append-only: never renumber one.
+
+Mechanism code raises these for caller bugs (a double free, unlocking what was never
+locked, breaking a tier invariant). "Cannot right now" conditions — no free pages, a
+miss — are not errors: those calls return ``None`` or an empty result.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    INTERNAL = 1
+    INVALID_ARGUMENT = 2
+    PAGE_OUT_OF_RANGE = 3
+    DOUBLE_FREE = 4
+    UNKNOWN_NAMESPACE = 5
+    UNKNOWN_NODE = 6
+    LOCK_UNDERFLOW = 7
+    RESIDENCY = 8
+    SPEC_MISMATCH = 9
+
+
+class HicacheError(Exception):
+    """Base class; ``code`` is stable across releases and travels on the wire."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code.name}] {self.message}"
+
+
+class InvalidArgument(HicacheError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class PageOutOfRange(InvalidArgument):
+    code = ErrorCode.PAGE_OUT_OF_RANGE
+
+
+class DoubleFree(InvalidArgument):
+    code = ErrorCode.DOUBLE_FREE
+
+
+class UnknownNamespace(HicacheError, KeyError):
+    code = ErrorCode.UNKNOWN_NAMESPACE
+
+
+class UnknownNode(HicacheError, KeyError):
+    code = ErrorCode.UNKNOWN_NODE
+
+
+class LockUnderflow(HicacheError, RuntimeError):
+    code = ErrorCode.LOCK_UNDERFLOW
+
+
+class ResidencyError(HicacheError, RuntimeError):
+    """A tier change that would break a residency invariant (closure under ancestors,
+    leaf-first removal)."""
+
+    code = ErrorCode.RESIDENCY
+
+
+class SpecMismatch(InvalidArgument):
+    code = ErrorCode.SPEC_MISMATCH

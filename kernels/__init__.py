@@ -1,0 +1,1 @@
+"""Triton page-copy and slot-assignment kernels with their torch references (``hicache.kernels``)."""

@@ -1,0 +1,1 @@
+"""Disk-tier storage backends (``hicache.storage``)."""

@@ -1,0 +1,149 @@
+"""Namespaces, token packing and page keys.
+
+Algorithms (format version 1; test vectors in ``tests/unit/test_keys.py`` pin them):
+
+*Namespace id* — 16 bytes::
+
+    blake2b(digest_size=16, person=b"hicache.ns.v1",
+            data = u32le(len(fp)) || fp || u32le(len(extra)) || extra)
+
+where ``fp`` is the model fingerprint (:attr:`hicache.spec.KVSpec.fingerprint`) and
+``extra`` the request's extra key as bytes (UTF-8 for text; empty when there is none).
+Length prefixes keep ``(fp, extra)`` pairs from colliding by concatenation.
+
+*Page key* — 16 bytes, chained from the namespace root::
+
+    key[i] = blake2b(digest_size=16, person=b"hicache.page.v1",
+                     data = namespace_id || key[i-1] || tokens_i)
+
+with ``key[-1] = 16 zero bytes`` and ``tokens_i`` the page's ``page_size`` token ids as
+little-endian int32. A page key therefore names the page *and its whole prefix* in its
+namespace: equal keys mean equal KV on every machine, in every process, after every
+restart. Python's ``hash`` is never involved.
+
+Tokens travel packed: ``bytes`` of little-endian int32, 4 bytes per token. The tree
+compares whole edges of that buffer at memcmp speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import NewType, Union
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hicache.errors import InvalidArgument
+
+PAGE_KEY_BYTES = 16
+TOKEN_BYTES = 4
+TOKEN_DTYPE = np.dtype("<i4")
+
+NamespaceId = NewType("NamespaceId", bytes)
+PageKey = NewType("PageKey", bytes)
+
+# The parent of a namespace's first page.
+ROOT_PARENT_KEY = PageKey(bytes(PAGE_KEY_BYTES))
+
+_NS_PERSON = b"hicache.ns.v1"
+_PAGE_PERSON = b"hicache.page.v1"
+
+Tokens = Union[bytes, bytearray, memoryview, NDArray[np.integer], "list[int]", "tuple[int, ...]", array]
+
+
+def namespace_id(model_fingerprint: bytes, extra_key: bytes | str | None = None) -> NamespaceId:
+    """The namespace of a model and a request's extra key (tenant salt, LoRA id, ...)."""
+    if not isinstance(model_fingerprint, (bytes, bytearray)) or not model_fingerprint:
+        raise InvalidArgument("model_fingerprint must be non-empty bytes")
+    if extra_key is None:
+        extra = b""
+    elif isinstance(extra_key, str):
+        extra = extra_key.encode("utf-8")
+    elif isinstance(extra_key, (bytes, bytearray)):
+        extra = bytes(extra_key)
+    else:
+        raise InvalidArgument(f"extra_key must be str, bytes or None, got {type(extra_key).__name__}")
+    h = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_NS_PERSON)
+    h.update(len(model_fingerprint).to_bytes(4, "little"))
+    h.update(model_fingerprint)
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    return NamespaceId(h.digest())
+
+
+def pack_tokens(tokens: Tokens) -> bytes:
+    """Token ids as packed little-endian int32 ``bytes``.
+
+    Accepts packed bytes-like objects as they are (their length must be a multiple of
+    4), integer numpy arrays, ``array.array`` and sequences of ints. Ids must fit int32.
+    """
+    if isinstance(tokens, bytes):
+        packed = tokens
+    elif isinstance(tokens, (bytearray, memoryview)):
+        packed = bytes(tokens)
+    else:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise InvalidArgument(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.size == 0:
+            return b""
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
+        if arr.dtype != TOKEN_DTYPE:
+            if arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max:
+                raise InvalidArgument("token ids must fit in int32")
+            arr = arr.astype(TOKEN_DTYPE)
+        return arr.tobytes()
+    if len(packed) % TOKEN_BYTES:
+        raise InvalidArgument(
+            f"packed tokens must be a multiple of {TOKEN_BYTES} bytes, got {len(packed)}"
+        )
+    return packed
+
+
+def unpack_tokens(packed: bytes) -> NDArray[np.int32]:
+    """The inverse of :func:`pack_tokens`, as a read-only int32 array."""
+    return np.frombuffer(packed, dtype=TOKEN_DTYPE)
+
+
+def chain_page_keys(
+    namespace: NamespaceId, parent_key: bytes, packed_tokens: bytes, page_size: int
+) -> bytes:
+    """Page keys of consecutive whole pages, concatenated (16 bytes per page).
+
+    ``parent_key`` is the key of the page just before ``packed_tokens`` (or
+    :data:`ROOT_PARENT_KEY` at the start of a sequence); ``len(packed_tokens)`` must be a
+    whole number of pages.
+    """
+    page_bytes = page_size * TOKEN_BYTES
+    if page_size <= 0 or len(packed_tokens) % page_bytes:
+        raise InvalidArgument(
+            f"{len(packed_tokens) // TOKEN_BYTES} tokens is not a whole number of pages of {page_size}"
+        )
+    if len(parent_key) != PAGE_KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {PAGE_KEY_BYTES} bytes")
+    base = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_PAGE_PERSON)
+    base.update(namespace)
+    keys = bytearray()
+    parent = parent_key
+    for start in range(0, len(packed_tokens), page_bytes):
+        h = base.copy()
+        h.update(parent)
+        h.update(packed_tokens[start : start + page_bytes])
+        parent = h.digest()
+        keys += parent
+    return bytes(keys)
+
+
+def page_keys(namespace: NamespaceId, tokens: Tokens, page_size: int) -> list[PageKey]:
+    """Keys of every whole page of ``tokens`` from the start of a sequence."""
+    packed = pack_tokens(tokens)
+    whole = len(packed) - len(packed) % (page_size * TOKEN_BYTES)
+    blob = chain_page_keys(namespace, ROOT_PARENT_KEY, packed[:whole], page_size)
+    return split_page_keys(blob)
+
+
+def split_page_keys(blob: bytes) -> list[PageKey]:
+    """Split a concatenation of page keys into a list of 16-byte keys."""
+    return [PageKey(blob[i : i + PAGE_KEY_BYTES]) for i in range(0, len(blob), PAGE_KEY_BYTES)]

@@ -1,0 +1,917 @@
+"""The HiRadixTree: one radix tree of cached pages, resident in three tiers.
+
+Each node is one edge of the tree: one or more whole pages of one namespace, keyed in
+its parent by its first page, with the residency of those pages in every tier::
+
+    root(ns A) ── [sys prompt, 64 pages] ── [turn 1, 12 pages] ── [turn 2, 15 pages]
+                  device{pool 0: ids}        device{pool 0: ids}   host: ids
+                  host: ids, disk            host: ids, disk       disk
+                                     └─── [other turn 1, 9 pages]
+                                          disk
+
+Residency per node: device page ids per pool (several engines share one tree; each pool
+has its own page ids, locks and eviction), host page ids (shared by all pools), on-disk
+(shared). Internally a residency "slot" is the pool id for a device pool (>= 0),
+:data:`HOST_SLOT` or :data:`DISK_SLOT`; page ids are kept as packed little-endian int32
+``bytes`` so that a match concatenates whole edges without a per-page loop.
+
+Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
+
+* Every slot's residency is closed under ancestors: a node resident in a slot has every
+  ancestor resident there. A match's device part is therefore a prefix, followed by the
+  host part, followed by the disk part. Removal is leaf-first per slot: only a node
+  with no child resident in a slot may leave it.
+* ``lock(node, pool)`` adds one reference on the node and each ancestor. A node with
+  references in ``pool`` keeps its device pages in that pool; a node with any reference
+  (any pool, or a transfer pin) keeps its host pages and its disk record, and is never
+  removed. A node that lives in no tier and holds no reference is removed.
+* Evictable and protected page counts per slot, and the set of evictable leaves per
+  slot, are maintained incrementally on every change.
+
+Page ids passed in are trusted to be the caller's private pages (the session layer
+checks ownership against the allocators); the tree never frees pages itself, it returns
+them (duplicates from :meth:`insert`, victims from :meth:`evict`) for the caller to free.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple, Union
+
+import numpy as np
+
+from hicache.errors import (
+    InvalidArgument,
+    LockUnderflow,
+    ResidencyError,
+    UnknownNamespace,
+    UnknownNode,
+)
+from hicache.eviction import EvictionPolicy, eviction_policy
+from hicache.keys import (
+    PAGE_KEY_BYTES,
+    ROOT_PARENT_KEY,
+    TOKEN_BYTES,
+    NamespaceId,
+    PageKey,
+    Tokens,
+    chain_page_keys,
+    pack_tokens,
+    split_page_keys,
+)
+from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
+
+PoolId = int
+
+HOST_SLOT = -1
+DISK_SLOT = -2
+# Lock key of transfer pins: protects host pages and the disk record, no device pool.
+PIN = -1
+
+_ID_BYTES = PAGE_ID_DTYPE.itemsize
+_NO_PAGES = np.empty(0, dtype=PAGE_ID_DTYPE)
+_NO_PAGES.flags.writeable = False
+
+
+class Tier(IntEnum):
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+Residency = Union[bytes, bool]  # packed page ids, or True for "on disk"
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One edge of the tree. Read its fields; change it only through the tree."""
+
+    node_id: int
+    namespace: NamespaceId
+    parent: "Node | None"
+    key: bytes  # packed int32 token ids, whole pages
+    page_keys: bytes  # 16 bytes per page
+    num_pages: int
+    children: dict[bytes, "Node"]  # first page of the child's key -> child
+    residency: dict[int, Residency]  # slot -> packed ids / True
+    resident_children: dict[int, int]  # slot -> children resident in it
+    lock_ref: dict[int, int]  # lock key -> references at or below this node
+    lock_total: int = 0
+    hit_count: int = 0
+    last_access: int = 0
+    priority: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def device_pages(self, pool: PoolId) -> PageIds | None:
+        pages = self.residency.get(pool)
+        return None if pages is None else np.frombuffer(pages, dtype=PAGE_ID_DTYPE)
+
+    @property
+    def host_pages(self) -> PageIds | None:
+        pages = self.residency.get(HOST_SLOT)
+        return None if pages is None else np.frombuffer(pages, dtype=PAGE_ID_DTYPE)
+
+    @property
+    def on_disk(self) -> bool:
+        return DISK_SLOT in self.residency
+
+    @property
+    def device_pools(self) -> list[PoolId]:
+        return [slot for slot in self.residency if slot >= 0]
+
+    def page_key_list(self) -> list[PageKey]:
+        return split_page_keys(self.page_keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(id={self.node_id}, pages={self.num_pages}, "
+            f"residency={sorted(self.residency)}, locks={self.lock_total})"
+        )
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix: device part (usable now), then host, then disk.
+
+    ``node`` is the deepest matched node (the namespace root on a miss, ``None`` when the
+    namespace is unknown); ``last_device_node`` ends the device part and
+    ``last_host_node`` the host part (each equal to the one before when its part is
+    empty). ``device_pages`` is read-only.
+    """
+
+    node: Node | None
+    last_device_node: Node | None
+    last_host_node: Node | None
+    device_pages: PageIds
+    num_host_pages: int
+    num_disk_pages: int
+    page_size: int
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) + self.num_host_pages + self.num_disk_pages
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+class InsertResult(NamedTuple):
+    """``device_pages``: the canonical pages of every whole page of the key (read-only).
+    ``duplicate_pages``: the caller's pages whose content the pool already had cached;
+    the caller frees them. ``num_prefix_pages``: pages already cached in the pool."""
+
+    node: Node
+    device_pages: PageIds
+    duplicate_pages: PageIds
+    num_prefix_pages: int
+
+
+class Evicted(NamedTuple):
+    """What an eviction removed from one tier. ``page_ids`` are the freed device or host
+    pages (empty for the disk tier); :meth:`page_keys` the keys of every evicted page."""
+
+    num_pages: int
+    page_ids: PageIds
+    key_blobs: tuple[bytes, ...]
+
+    def page_keys(self) -> list[PageKey]:
+        return split_page_keys(b"".join(self.key_blobs))
+
+
+class TierSizes(NamedTuple):
+    evictable: int
+    protected: int
+
+    @property
+    def cached(self) -> int:
+        return self.evictable + self.protected
+
+
+@dataclass(slots=True, eq=False)
+class _SlotIndex:
+    """Per-slot bookkeeping: unprotected leaves of this slot, and page counts."""
+
+    leaves: set[Node]
+    evictable: int = 0
+    protected: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class _Namespace:
+    root: Node
+    page_size: int
+    page_bytes: int
+
+
+class HiRadixTree:
+    """See the module docstring. Not thread-safe: one owner thread drives it."""
+
+    def __init__(self, *, eviction: str | EvictionPolicy = "lru") -> None:
+        self._policy = eviction_policy(eviction) if isinstance(eviction, str) else eviction
+        self._namespaces: dict[NamespaceId, _Namespace] = {}
+        self._nodes: dict[int, Node] = {}
+        self._next_id = 0
+        self._tick = 0
+        self._slots: dict[int, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
+        self._direct_locks: dict[tuple[int, int], int] = {}
+
+    # ------------------------------------------------------------------ namespaces
+
+    def add_namespace(self, namespace: NamespaceId, page_size: int) -> Node:
+        """Create the namespace's root (idempotent for the same page size)."""
+        if not isinstance(namespace, bytes) or len(namespace) != PAGE_KEY_BYTES:
+            raise InvalidArgument(f"namespace id must be {PAGE_KEY_BYTES} bytes")
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
+        entry = self._namespaces.get(namespace)
+        if entry is not None:
+            if entry.page_size != page_size:
+                raise InvalidArgument(
+                    f"namespace {namespace.hex()} has page size {entry.page_size}, not {page_size}"
+                )
+            return entry.root
+        root = self._make_node(namespace, None, b"", b"", 0)
+        self._namespaces[namespace] = _Namespace(root, page_size, page_size * TOKEN_BYTES)
+        return root
+
+    def namespaces(self) -> list[NamespaceId]:
+        return list(self._namespaces)
+
+    def page_size(self, namespace: NamespaceId) -> int:
+        return self._namespace(namespace).page_size
+
+    def root(self, namespace: NamespaceId) -> Node:
+        return self._namespace(namespace).root
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match(self, namespace: NamespaceId, tokens: Tokens, pool: PoolId) -> MatchResult:
+        """Longest cached page-aligned prefix of ``tokens`` as seen from ``pool``.
+
+        Splits the last node when the match ends inside it, and marks every matched node
+        accessed and hit. O(depth + log(pages of the last edge)) edge comparisons, each
+        one ``memcmp`` of the edge.
+        """
+        self._check_pool(pool)
+        key = pack_tokens(tokens)
+        entry = self._namespaces.get(namespace)
+        if entry is None:
+            return MatchResult(None, None, None, _NO_PAGES, 0, 0, 0)
+        page_bytes = entry.page_bytes
+        end = len(key) - len(key) % page_bytes
+        self._tick += 1
+        tick = self._tick
+        node = last_device = last_host = entry.root
+        device: list[bytes] = []
+        num_host = num_disk = 0
+        pos = 0
+        while pos < end:
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                break
+            res = child.residency
+            pages = res.get(pool)
+            if pages is None and HOST_SLOT not in res and DISK_SLOT not in res:
+                break
+            partial = not key.startswith(child.key, pos)
+            if partial:
+                child = self._split(child, self._common_pages(key, pos, child.key, page_bytes))
+                res = child.residency
+                pages = res.get(pool)
+            pos += len(child.key)
+            child.last_access = tick
+            child.hit_count += 1
+            if pages is not None:
+                device.append(pages)
+                last_device = last_host = child
+            elif HOST_SLOT in res:
+                num_host += child.num_pages
+                last_host = child
+            else:
+                num_disk += child.num_pages
+            node = child
+            if partial:
+                break
+        device_pages = np.frombuffer(b"".join(device), dtype=PAGE_ID_DTYPE) if device else _NO_PAGES
+        return MatchResult(
+            node, last_device, last_host, device_pages, num_host, num_disk, entry.page_size
+        )
+
+    def insert(
+        self,
+        namespace: NamespaceId,
+        tokens: Tokens,
+        pool: PoolId,
+        device_pages: PageIdsLike,
+        *,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Cache the whole pages of ``tokens``, whose KV is in ``device_pages`` of ``pool``.
+
+        ``device_pages`` has one id per whole page (a partial last page stays with the
+        caller). Where the pool already caches a page, the tree keeps its copy and the
+        caller's page is returned in ``duplicate_pages`` (unless it *is* the cached page,
+        e.g. it came from a match); everywhere else the caller's page becomes the pool's
+        cached copy — also for nodes cached only on host, on disk or in other pools.
+        """
+        entry = self._namespace(namespace)
+        self._check_pool(pool)
+        key = pack_tokens(tokens)
+        page_size = entry.page_size
+        num_pages = len(key) // entry.page_bytes
+        ids = as_page_ids(device_pages)
+        if len(ids) != num_pages:
+            raise InvalidArgument(
+                f"{len(key) // TOKEN_BYTES} tokens make {num_pages} whole pages of {page_size}, "
+                f"but {len(ids)} device pages were given"
+            )
+        if not num_pages:
+            return InsertResult(entry.root, _NO_PAGES, _NO_PAGES, 0)
+        pages = ids.tobytes()
+        path = self._path(entry, key[: num_pages * entry.page_bytes])
+        canonical: list[bytes] = []
+        duplicates: list[tuple[bytes, bytes]] = []
+        num_prefix = 0
+        offset = 0
+        for node in path:
+            mine = pages[offset : offset + node.num_pages * _ID_BYTES]
+            offset += len(mine)
+            if priority > node.priority:
+                node.priority = priority
+            cached = node.residency.get(pool)
+            if cached is None:
+                self._add_residency(node, pool, mine)
+                canonical.append(mine)
+            else:
+                num_prefix += node.num_pages
+                canonical.append(cached)
+                if cached != mine:
+                    duplicates.append((cached, mine))
+        dup_pages = _NO_PAGES
+        if duplicates:
+            parts = []
+            for cached, mine in duplicates:
+                theirs = np.frombuffer(cached, dtype=PAGE_ID_DTYPE)
+                ours = np.frombuffer(mine, dtype=PAGE_ID_DTYPE)
+                parts.append(ours[theirs != ours])
+            dup_pages = np.concatenate(parts)
+        return InsertResult(
+            path[-1],
+            np.frombuffer(b"".join(canonical), dtype=PAGE_ID_DTYPE),
+            dup_pages,
+            num_prefix,
+        )
+
+    def restore(self, namespace: NamespaceId, tokens: Tokens) -> Node:
+        """Mark every whole page of ``tokens`` as on disk, creating nodes as needed.
+
+        This is how a restarted daemon rebuilds its disk tier from storage metadata.
+        Returns the deepest node (the root when there is no whole page).
+        """
+        entry = self._namespace(namespace)
+        key = pack_tokens(tokens)
+        key = key[: len(key) - len(key) % entry.page_bytes]
+        if not key:
+            return entry.root
+        path = self._path(entry, key)
+        for node in path:
+            if DISK_SLOT not in node.residency:
+                self._add_residency(node, DISK_SLOT, True)
+        return path[-1]
+
+    # ------------------------------------------------------------------ locks and pins
+
+    def lock(self, node: Node, pool: PoolId) -> None:
+        """Protect ``node``'s path: its device pages in ``pool``, and its host pages and
+        disk record. Locking a root is a no-op. O(depth)."""
+        self._check_live(node)
+        self._check_pool(pool)
+        self._acquire(node, pool)
+
+    def unlock(self, node: Node, pool: PoolId) -> None:
+        """Undo one :meth:`lock` of the same node and pool."""
+        self._check_live(node)
+        self._check_pool(pool)
+        self._release(node, pool)
+
+    def pin(self, node: Node) -> None:
+        """Protect ``node``'s path on host and disk while a transfer reads or writes it."""
+        self._check_live(node)
+        self._acquire(node, PIN)
+
+    def unpin(self, node: Node) -> None:
+        self._check_live(node)
+        self._release(node, PIN)
+
+    def _acquire(self, node: Node, lock_key: int) -> None:
+        if node.parent is None:
+            return
+        held = (node.node_id, lock_key)
+        self._direct_locks[held] = self._direct_locks.get(held, 0) + 1
+        while node.parent is not None:
+            count = node.lock_ref.get(lock_key, 0)
+            node.lock_ref[lock_key] = count + 1
+            if count == 0 and lock_key >= 0 and lock_key in node.residency:
+                self._protect(node, lock_key)
+            node.lock_total += 1
+            if node.lock_total == 1:
+                if HOST_SLOT in node.residency:
+                    self._protect(node, HOST_SLOT)
+                if DISK_SLOT in node.residency:
+                    self._protect(node, DISK_SLOT)
+            node = node.parent
+
+    def _release(self, node: Node, lock_key: int) -> None:
+        if node.parent is None:
+            return
+        held = (node.node_id, lock_key)
+        count = self._direct_locks.get(held, 0)
+        if count == 0:
+            what = "pinned" if lock_key == PIN else f"locked in pool {lock_key}"
+            raise LockUnderflow(f"node {node.node_id} is not {what}")
+        if count == 1:
+            del self._direct_locks[held]
+        else:
+            self._direct_locks[held] = count - 1
+        while node.parent is not None:
+            parent = node.parent
+            count = node.lock_ref[lock_key] - 1
+            if count:
+                node.lock_ref[lock_key] = count
+            else:
+                del node.lock_ref[lock_key]
+                if lock_key >= 0 and lock_key in node.residency:
+                    self._unprotect(node, lock_key)
+            node.lock_total -= 1
+            if node.lock_total == 0:
+                if HOST_SLOT in node.residency:
+                    self._unprotect(node, HOST_SLOT)
+                if DISK_SLOT in node.residency:
+                    self._unprotect(node, DISK_SLOT)
+                if not node.residency:
+                    self._remove(node)
+            node = parent
+
+    # ------------------------------------------------------------------ tier moves
+
+    def add_device(self, node: Node, pool: PoolId, pages: PageIdsLike) -> None:
+        """Record that ``node``'s pages are now in ``pool`` at ``pages`` (e.g. a load)."""
+        self._check_pool(pool)
+        self._add_checked(node, pool, pages)
+
+    def add_host(self, node: Node, pages: PageIdsLike) -> None:
+        """Record a host copy of ``node`` at host ``pages`` (a finished backup)."""
+        self._add_checked(node, HOST_SLOT, pages)
+
+    def add_disk(self, node: Node) -> None:
+        """Record that ``node``'s pages are on disk (a finished write)."""
+        self._add_checked(node, DISK_SLOT, None)
+
+    def drop(self, node: Node, tier: Tier, pool: PoolId | None = None) -> PageIds | None:
+        """Remove ``node`` from one tier as eviction would: it must be resident there,
+        unprotected and a leaf of that tier. Returns the freed page ids (``None`` for
+        disk). A node left in no tier is removed from the tree."""
+        self._check_live(node)
+        slot = self._slot(tier, pool)
+        if slot not in node.residency:
+            raise ResidencyError(f"node {node.node_id} is not resident in {_slot_name(slot)}")
+        if self._is_protected(node, slot):
+            raise ResidencyError(f"node {node.node_id} is protected in {_slot_name(slot)}")
+        return _as_ids(self._drop_residency(node, slot))
+
+    def discard(self, node: Node, tier: Tier, pool: PoolId | None = None) -> PageIds | None:
+        """Forget ``node`` and its whole subtree in one tier, protected or not: for data
+        that is gone (a corrupt disk record, an unmapped pool). Returns the page ids
+        that were recorded there (``None`` for disk). Locked nodes that end up in no
+        tier stay in the tree, unusable, until their last lock is released."""
+        self._check_live(node)
+        slot = self._slot(tier, pool)
+        order = []
+        stack = [node] if slot in node.residency else []
+        while stack:
+            current = stack.pop()
+            order.append(current)
+            stack.extend(c for c in current.children.values() if slot in c.residency)
+        freed = [self._drop_residency(n, slot) for n in reversed(order)]
+        if slot == DISK_SLOT:
+            return None
+        return np.frombuffer(b"".join(freed), dtype=PAGE_ID_DTYPE) if freed else _NO_PAGES
+
+    def iter_evictable(self, tier: Tier, pool: PoolId | None = None) -> Iterator[Node]:
+        """Unprotected leaves of one tier in eviction order (the policy's smallest key
+        first). A parent that becomes a leaf because the consumer dropped its last
+        resident child is yielded in its turn. Building the order is O(L log L) for L
+        current leaves."""
+        slot = self._slot(tier, pool)
+        index = self._slots.get(slot)
+        if index is None:
+            return
+        key = self._policy.key
+        heap = [(key(n), n.node_id, n) for n in index.leaves]
+        heapq.heapify(heap)
+        while heap:
+            node = heapq.heappop(heap)[2]
+            if node not in index.leaves:
+                continue
+            parent = node.parent
+            yield node
+            if parent is not None and parent in index.leaves:
+                heapq.heappush(heap, (key(parent), parent.node_id, parent))
+
+    def evict(self, tier: Tier, num_pages: int, pool: PoolId | None = None) -> Evicted:
+        """Drop at least ``num_pages`` pages from one tier (fewer if not enough are
+        evictable), unprotected leaves first in policy order."""
+        slot = self._slot(tier, pool)
+        freed = 0
+        values: list[Residency] = []
+        key_blobs: list[bytes] = []
+        if num_pages > 0:
+            for node in self.iter_evictable(tier, pool):
+                freed += node.num_pages
+                key_blobs.append(node.page_keys)
+                values.append(self._drop_residency(node, slot))
+                if freed >= num_pages:
+                    break
+        if slot == DISK_SLOT or not values:
+            ids = _NO_PAGES
+        else:
+            ids = np.frombuffer(b"".join(values), dtype=PAGE_ID_DTYPE)  # type: ignore[arg-type]
+        return Evicted(freed, ids, tuple(key_blobs))
+
+    # ------------------------------------------------------------------ inspection
+
+    def sizes(self, tier: Tier, pool: PoolId | None = None) -> TierSizes:
+        """Evictable and protected page counts of one tier. O(1)."""
+        index = self._slots.get(self._slot(tier, pool))
+        if index is None:
+            return TierSizes(0, 0)
+        return TierSizes(index.evictable, index.protected)
+
+    def node(self, node_id: int) -> Node:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise UnknownNode(f"no node {node_id}") from None
+
+    def nodes(self) -> Iterator[Node]:
+        """Every live non-root node."""
+        return (n for n in self._nodes.values() if n.parent is not None)
+
+    def __len__(self) -> int:
+        return len(self._nodes) - len(self._namespaces)
+
+    def path(self, node: Node) -> list[Node]:
+        """The nodes from below the root down to ``node``."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def path_tokens(self, node: Node) -> bytes:
+        """The packed token ids from the namespace root to the end of ``node``."""
+        return b"".join(n.key for n in self.path(node))
+
+    def is_live(self, node: Node) -> bool:
+        return self._nodes.get(node.node_id) is node
+
+    # ------------------------------------------------------------------ internals
+
+    def _namespace(self, namespace: NamespaceId) -> _Namespace:
+        entry = self._namespaces.get(namespace)
+        if entry is None:
+            shown = namespace.hex() if isinstance(namespace, bytes) else repr(namespace)
+            raise UnknownNamespace(f"namespace {shown} is not registered")
+        return entry
+
+    @staticmethod
+    def _check_pool(pool: PoolId) -> None:
+        if type(pool) is not int or pool < 0:
+            raise InvalidArgument(f"pool id must be a non-negative int, got {pool!r}")
+
+    def _check_live(self, node: Node) -> None:
+        if not isinstance(node, Node) or self._nodes.get(node.node_id) is not node:
+            raise UnknownNode(f"{node!r} is not a live node of this tree")
+
+    def _slot(self, tier: Tier, pool: PoolId | None) -> int:
+        if tier == Tier.DEVICE:
+            if pool is None:
+                raise InvalidArgument("the device tier needs a pool id")
+            self._check_pool(pool)
+            return pool
+        if pool is not None:
+            raise InvalidArgument(f"the {Tier(tier).name.lower()} tier is shared; pass no pool")
+        if tier == Tier.HOST:
+            return HOST_SLOT
+        if tier == Tier.DISK:
+            return DISK_SLOT
+        raise InvalidArgument(f"unknown tier {tier!r}")
+
+    def _is_protected(self, node: Node, slot: int) -> bool:
+        if slot >= 0:
+            return slot in node.lock_ref
+        return node.lock_total > 0
+
+    def _make_node(
+        self, namespace: NamespaceId, parent: Node | None, key: bytes, page_keys: bytes, num_pages: int
+    ) -> Node:
+        node = Node(self._next_id, namespace, parent, key, page_keys, num_pages, {}, {}, {}, {})
+        self._next_id += 1
+        self._nodes[node.node_id] = node
+        return node
+
+    def _path(self, entry: _Namespace, key: bytes) -> list[Node]:
+        """The nodes that cover ``key`` (whole pages) exactly, splitting the last
+        existing node or adding a new one at the end as needed; all marked accessed."""
+        self._tick += 1
+        tick = self._tick
+        page_bytes = entry.page_bytes
+        node = entry.root
+        path = []
+        pos = 0
+        end = len(key)
+        while pos < end:
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                parent_key = node.page_keys[-PAGE_KEY_BYTES:] if node.num_pages else ROOT_PARENT_KEY
+                tail = key[pos:]
+                child = self._make_node(
+                    node.namespace,
+                    node,
+                    tail,
+                    chain_page_keys(node.namespace, parent_key, tail, entry.page_size),
+                    len(tail) // page_bytes,
+                )
+                node.children[tail[:page_bytes]] = child
+                pos = end
+            elif key.startswith(child.key, pos):
+                pos += len(child.key)
+            else:
+                child = self._split(child, self._common_pages(key, pos, child.key, page_bytes))
+                pos += len(child.key)
+            child.last_access = tick
+            path.append(child)
+            node = child
+        return path
+
+    @staticmethod
+    def _common_pages(key: bytes, pos: int, edge: bytes, page_bytes: int) -> int:
+        """Whole pages of ``edge`` equal to ``key[pos:]``, knowing the first page is
+        equal and the whole edge is not. Binary search: O(log pages) memcmps."""
+        lo = 1
+        hi = min(len(edge), len(key) - pos) // page_bytes
+        view = memoryview(edge)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key.startswith(view[: mid * page_bytes], pos):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, node: Node, num_pages: int) -> Node:
+        """Cut ``node`` after ``num_pages`` pages; the new upper node is returned and
+        ``node`` (which handles and locks point at) keeps the lower part."""
+        page_bytes = len(node.key) // node.num_pages
+        cut = num_pages * page_bytes
+        ids_cut = num_pages * _ID_BYTES
+        keys_cut = num_pages * PAGE_KEY_BYTES
+        parent = node.parent
+        upper = self._make_node(node.namespace, parent, node.key[:cut], node.page_keys[:keys_cut], num_pages)
+        upper.children[node.key[cut : cut + page_bytes]] = node
+        for slot, value in node.residency.items():
+            if value is True:
+                upper.residency[slot] = True
+            else:
+                upper.residency[slot] = value[:ids_cut]
+                node.residency[slot] = value[ids_cut:]
+            upper.resident_children[slot] = 1
+        upper.lock_ref.update(node.lock_ref)
+        upper.lock_total = node.lock_total
+        upper.hit_count = node.hit_count
+        upper.last_access = node.last_access
+        upper.priority = node.priority
+        parent.children[node.key[:page_bytes]] = upper  # type: ignore[union-attr]
+        node.parent = upper
+        node.key = node.key[cut:]
+        node.page_keys = node.page_keys[keys_cut:]
+        node.num_pages -= num_pages
+        return upper
+
+    def _slot_index(self, slot: int) -> _SlotIndex:
+        index = self._slots.get(slot)
+        if index is None:
+            index = self._slots[slot] = _SlotIndex(set())
+        return index
+
+    def _add_checked(self, node: Node, slot: int, pages: PageIdsLike | None) -> None:
+        self._check_live(node)
+        if node.parent is None:
+            raise ResidencyError("the root holds no pages")
+        if slot in node.residency:
+            raise ResidencyError(f"node {node.node_id} is already resident in {_slot_name(slot)}")
+        parent = node.parent
+        if parent.parent is not None and slot not in parent.residency:
+            raise ResidencyError(
+                f"node {node.node_id}'s parent is not resident in {_slot_name(slot)} "
+                "(residency is closed under ancestors: add the parent first)"
+            )
+        value: Residency = True
+        if pages is not None:
+            ids = as_page_ids(pages)
+            if len(ids) != node.num_pages:
+                raise InvalidArgument(f"node {node.node_id} has {node.num_pages} pages, got {len(ids)} ids")
+            value = ids.tobytes()
+        self._add_residency(node, slot, value)
+
+    def _add_residency(self, node: Node, slot: int, value: Residency) -> None:
+        index = self._slot_index(slot)
+        parent = node.parent
+        if parent.parent is not None:  # type: ignore[union-attr]
+            count = parent.resident_children.get(slot, 0)  # type: ignore[union-attr]
+            parent.resident_children[slot] = count + 1  # type: ignore[union-attr]
+            if count == 0:
+                index.leaves.discard(parent)  # type: ignore[arg-type]
+        node.residency[slot] = value
+        if self._is_protected(node, slot):
+            index.protected += node.num_pages
+        else:
+            index.evictable += node.num_pages
+            index.leaves.add(node)
+
+    def _drop_residency(self, node: Node, slot: int) -> Residency:
+        if node.resident_children.get(slot):
+            raise ResidencyError(
+                f"node {node.node_id} has children resident in {_slot_name(slot)}; drop them first"
+            )
+        index = self._slots[slot]
+        value = node.residency.pop(slot)
+        if self._is_protected(node, slot):
+            index.protected -= node.num_pages
+        else:
+            index.evictable -= node.num_pages
+            index.leaves.discard(node)
+        parent = node.parent
+        if parent.parent is not None:  # type: ignore[union-attr]
+            count = parent.resident_children[slot] - 1  # type: ignore[union-attr]
+            if count:
+                parent.resident_children[slot] = count  # type: ignore[union-attr]
+            else:
+                del parent.resident_children[slot]  # type: ignore[union-attr]
+                if not self._is_protected(parent, slot):  # type: ignore[arg-type]
+                    index.leaves.add(parent)  # type: ignore[arg-type]
+        if not node.residency and not node.lock_total:
+            self._remove(node)
+        return value
+
+    def _protect(self, node: Node, slot: int) -> None:
+        index = self._slots[slot]
+        index.evictable -= node.num_pages
+        index.protected += node.num_pages
+        index.leaves.discard(node)
+
+    def _unprotect(self, node: Node, slot: int) -> None:
+        index = self._slots[slot]
+        index.protected -= node.num_pages
+        index.evictable += node.num_pages
+        if not node.resident_children.get(slot):
+            index.leaves.add(node)
+
+    def _remove(self, node: Node) -> None:
+        # Only reached for a node in no tier and without references; its children, which
+        # could live nowhere either, were removed before it (leaf-first).
+        assert not node.children, node
+        parent = node.parent
+        del parent.children[node.key[: len(node.key) // node.num_pages]]  # type: ignore[union-attr]
+        del self._nodes[node.node_id]
+
+    # ------------------------------------------------------------------ verification
+
+    def check_invariants(self) -> None:
+        """Verify every structure against a full walk. O(nodes + pages); for tests."""
+        seen: dict[int, Node] = {}
+        expected_locks: dict[int, dict[int, int]] = {}
+        for (node_id, lock_key), count in self._direct_locks.items():
+            assert count > 0, (node_id, lock_key, count)
+            assert node_id in self._nodes, f"direct lock on dead node {node_id}"
+            expected_locks.setdefault(node_id, {})[lock_key] = count
+        sizes: dict[int, list[int]] = {}
+        leaves: dict[int, set[Node]] = {}
+        owners: dict[tuple[int, int], int] = {}
+        for namespace, entry in self._namespaces.items():
+            root = entry.root
+            assert root.parent is None and root.num_pages == 0 and not root.residency
+            assert root.namespace == namespace and self._nodes.get(root.node_id) is root
+            assert not root.lock_ref and root.lock_total == 0
+            seen[root.node_id] = root
+            self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen)
+        assert seen.keys() == self._nodes.keys(), "node registry disagrees with the tree"
+        for slot, index in self._slots.items():
+            evictable, protected = sizes.get(slot, (0, 0))
+            assert (index.evictable, index.protected) == (evictable, protected), (
+                _slot_name(slot), (index.evictable, index.protected), (evictable, protected))
+            assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
+        for slot in sizes:
+            assert slot in self._slots, _slot_name(slot)
+
+    def _check_subtree(
+        self,
+        entry: _Namespace,
+        expected_locks: dict[int, dict[int, int]],
+        sizes: dict[int, list[int]],
+        leaves: dict[int, set[Node]],
+        owners: dict[tuple[int, int], int],
+        seen: dict[int, Node],
+    ) -> None:
+        page_bytes = entry.page_bytes
+        # Post-order walk so that lock references can be summed from the children.
+        stack: list[tuple[Node, bool]] = [(c, False) for c in entry.root.children.values()]
+        for first, child in entry.root.children.items():
+            assert child.key[:page_bytes] == first
+        while stack:
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children.values())
+                continue
+            self._check_node(entry, node, expected_locks, sizes, leaves, owners)
+            assert node.node_id not in seen, f"node {node.node_id} reached twice"
+            seen[node.node_id] = node
+
+    def _check_node(
+        self,
+        entry: _Namespace,
+        node: Node,
+        expected_locks: dict[int, dict[int, int]],
+        sizes: dict[int, list[int]],
+        leaves: dict[int, set[Node]],
+        owners: dict[tuple[int, int], int],
+    ) -> None:
+        page_bytes = entry.page_bytes
+        parent = node.parent
+        assert parent is not None and parent.children.get(node.key[:page_bytes]) is node, node
+        assert self._nodes.get(node.node_id) is node, node
+        assert node.namespace == parent.namespace, node
+        assert node.num_pages > 0 and len(node.key) == node.num_pages * page_bytes, node
+        assert len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
+        parent_key = parent.page_keys[-PAGE_KEY_BYTES:] if parent.num_pages else ROOT_PARENT_KEY
+        assert node.page_keys == chain_page_keys(node.namespace, parent_key, node.key, entry.page_size), (
+            f"page keys of node {node.node_id} do not chain from its parent")
+        for first, child in node.children.items():
+            assert child.key[:page_bytes] == first and child.parent is node, child
+        # Lock references: own direct locks plus the children's references.
+        locks = dict(expected_locks.get(node.node_id, {}))
+        for child in node.children.values():
+            for lock_key, count in child.lock_ref.items():
+                locks[lock_key] = locks.get(lock_key, 0) + count
+        assert node.lock_ref == locks, (node, node.lock_ref, locks)
+        assert node.lock_total == sum(locks.values()), node
+        assert all(count > 0 for count in node.lock_ref.values()), node
+        # Residency: closure under ancestors, child counts, sizes, leaves, unique pages.
+        assert node.residency or node.lock_total, f"node {node.node_id} lives nowhere"
+        for slot, value in node.residency.items():
+            if parent.parent is not None:
+                assert slot in parent.residency, f"{node} resident in {_slot_name(slot)}, parent not"
+            if slot == DISK_SLOT:
+                assert value is True, node
+            else:
+                assert slot >= HOST_SLOT and isinstance(value, bytes), node
+                assert len(value) == node.num_pages * _ID_BYTES, node
+                for page in np.frombuffer(value, dtype=PAGE_ID_DTYPE).tolist():
+                    other = owners.setdefault((slot, page), node.node_id)
+                    assert other == node.node_id, (
+                        f"page {page} of {_slot_name(slot)} held by nodes {other} and {node.node_id}")
+            protected = self._is_protected(node, slot)
+            counts = sizes.setdefault(slot, [0, 0])
+            counts[1 if protected else 0] += node.num_pages
+            resident_children = sum(1 for c in node.children.values() if slot in c.residency)
+            assert node.resident_children.get(slot, 0) == resident_children, (node, slot)
+            if not protected and not resident_children:
+                leaves.setdefault(slot, set()).add(node)
+        for slot, count in node.resident_children.items():
+            assert count > 0 and slot in node.residency, (node, slot, count)
+
+
+def _slot_name(slot: int) -> str:
+    if slot == HOST_SLOT:
+        return "the host tier"
+    if slot == DISK_SLOT:
+        return "the disk tier"
+    return f"device pool {slot}"
+
+
+def _as_ids(value: Residency) -> PageIds | None:
+    if value is True:
+        return None
+    return np.frombuffer(value, dtype=PAGE_ID_DTYPE)  # type: ignore[arg-type]

@@ -1,0 +1,373 @@
+import numpy as np
+import pytest
+
+from hicache.errors import InvalidArgument, LockUnderflow, ResidencyError, UnknownNamespace, UnknownNode
+from hicache.eviction import EVICTION_POLICIES, eviction_policy
+from hicache.keys import namespace_id, page_keys
+from hicache.pages import PageAllocator
+from hicache.tree import HiRadixTree, Tier
+
+NS = namespace_id(b"model-fp")
+OTHER_NS = namespace_id(b"model-fp", "tenant-2")
+PS = 4
+
+
+def seq(*values, pages=None):
+    """Tokens: the values given, or ``pages`` pages filled from values[0] upward."""
+    if pages is not None:
+        return list(range(values[0], values[0] + pages * PS))
+    return list(values)
+
+
+@pytest.fixture
+def tree():
+    t = HiRadixTree()
+    t.add_namespace(NS, PS)
+    t.add_namespace(OTHER_NS, PS)
+    yield t
+    t.check_invariants()
+
+
+@pytest.fixture
+def alloc():
+    return PageAllocator.for_device(64)
+
+
+def insert(tree, alloc, tokens, pool=0, ns=NS):
+    pages = alloc.alloc(len(tokens) // PS)
+    result = tree.insert(ns, tokens, pool, pages)
+    alloc.free(result.duplicate_pages)
+    return result
+
+
+def test_insert_then_match_returns_the_same_pages(tree, alloc):
+    tokens = seq(100, pages=5) + [1, 2]  # a partial last page is not cached
+    result = insert(tree, alloc, tokens)
+    assert len(result.device_pages) == 5 and result.num_prefix_pages == 0
+    hit = tree.match(NS, tokens, 0)
+    assert hit.device_pages.tolist() == result.device_pages.tolist()
+    assert hit.num_tokens == 20 and hit.node is result.node
+    assert hit.last_device_node is hit.last_host_node is hit.node
+    assert not hit.device_pages.flags.writeable
+
+
+def test_match_splits_a_node_when_it_ends_inside(tree, alloc):
+    tokens = seq(100, pages=5)
+    result = insert(tree, alloc, tokens)
+    assert len(tree) == 1
+    hit = tree.match(NS, tokens[:11], 0)  # 2 whole pages + 3 tokens
+    assert hit.num_pages == 2 and len(tree) == 2
+    assert hit.device_pages.tolist() == result.device_pages[:2].tolist()
+    upper = hit.node
+    assert upper.num_pages == 2 and result.node.num_pages == 3 and result.node.parent is upper
+    # The lower half keeps its identity: the insert's handle still ends at page 5.
+    assert tree.path_tokens(result.node) == np.asarray(tokens, "<i4").tobytes()
+    assert tree.match(NS, tokens, 0).node is result.node
+    tree.check_invariants()
+
+
+def test_match_splits_where_a_page_differs(tree, alloc):
+    tokens = seq(100, pages=4)
+    insert(tree, alloc, tokens)
+    forked = tokens[:8] + [0, 0, 0, 0] + tokens[12:]
+    hit = tree.match(NS, forked, 0)
+    assert hit.num_pages == 2 and len(tree) == 2
+
+
+def test_insert_returns_duplicates_of_pages_already_cached(tree, alloc):
+    tokens = seq(100, pages=4)
+    first = insert(tree, alloc, tokens)
+    # A second request computed the same prefix privately, plus two new pages.
+    longer = tokens + seq(500, pages=2)
+    mine = alloc.alloc(6)
+    second = tree.insert(NS, longer, 0, mine)
+    assert second.duplicate_pages.tolist() == mine[:4].tolist()
+    assert second.device_pages.tolist() == first.device_pages.tolist() + mine[4:].tolist()
+    assert second.num_prefix_pages == 4
+    alloc.free(second.duplicate_pages)
+    # Reusing the matched canonical pages is not a duplicate.
+    hit = tree.match(NS, longer, 0)
+    third = tree.insert(NS, longer, 0, hit.device_pages)
+    assert third.duplicate_pages.size == 0 and third.num_prefix_pages == 6
+    # Mixed: canonical for some positions, private copies for others.
+    mixed = np.concatenate((hit.device_pages[:3], alloc.alloc(3)))
+    fourth = tree.insert(NS, longer, 0, mixed)
+    assert fourth.duplicate_pages.tolist() == mixed[3:].tolist()
+    alloc.free(fourth.duplicate_pages)
+    assert alloc.num_allocated == tree.sizes(Tier.DEVICE, 0).cached == 6
+
+
+def test_insert_adopts_pages_for_nodes_cached_elsewhere(tree, alloc):
+    host = PageAllocator.for_host(16)
+    tokens = seq(100, pages=3)
+    first = insert(tree, alloc, tokens)
+    tree.add_host(first.node, host.alloc(3))
+    evicted = tree.evict(Tier.DEVICE, 3, 0)
+    alloc.free(evicted.page_ids)
+    hit = tree.match(NS, tokens, 0)
+    assert hit.num_device_pages == 0 and hit.num_host_pages == 3
+    again = insert(tree, alloc, tokens)
+    assert again.duplicate_pages.size == 0 and again.num_prefix_pages == 0
+    assert tree.match(NS, tokens, 0).device_pages.tolist() == again.device_pages.tolist()
+    # Another pool gets its own copy; pool 0's stays.
+    other = PageAllocator.for_device(16)
+    third = insert(tree, other, tokens, pool=1)
+    assert third.duplicate_pages.size == 0
+    assert tree.match(NS, tokens, 1).device_pages.tolist() == third.device_pages.tolist()
+    assert tree.match(NS, tokens, 0).device_pages.tolist() == again.device_pages.tolist()
+
+
+def test_pools_share_host_and_disk_but_not_device_pages(tree, alloc):
+    host = PageAllocator.for_host(16)
+    tokens = seq(100, pages=3)
+    result = insert(tree, alloc, tokens, pool=0)
+    # Pool 1 cannot use pool 0's device pages...
+    assert tree.match(NS, tokens, 1).num_pages == 0
+    # ...but once they are backed up, engine B hits from host what engine A computed.
+    tree.add_host(result.node, host.alloc(3))
+    hit = tree.match(NS, tokens, 1)
+    assert hit.num_device_pages == 0 and hit.num_host_pages == 3
+    assert hit.last_device_node.is_root and hit.last_host_node is result.node
+
+
+def test_match_reports_device_then_host_then_disk(tree, alloc):
+    host = PageAllocator.for_host(16)
+    a, b, c = seq(100, pages=2), seq(200, pages=3), seq(300, pages=1)
+    node_a = insert(tree, alloc, a).node
+    node_b = insert(tree, alloc, a + b).node
+    node_c = insert(tree, alloc, a + b + c).node
+    for node in (node_a, node_b):
+        tree.add_host(node, host.alloc(node.num_pages))
+    for node in (node_a, node_b, node_c):
+        tree.pin(node)
+        tree.unpin(node)
+    tree.add_disk(node_a)
+    tree.add_disk(node_b)
+    tree.add_host(node_c, host.alloc(1))
+    tree.add_disk(node_c)
+    tree.drop(node_c, Tier.HOST)
+    alloc.free(tree.evict(Tier.DEVICE, 4, 0).page_ids)  # c (1 page) then b (3 pages)
+    hit = tree.match(NS, a + b + c, 0)
+    assert (hit.num_device_pages, hit.num_host_pages, hit.num_disk_pages) == (2, 3, 1)
+    assert hit.last_device_node is node_a and hit.last_host_node is node_b and hit.node is node_c
+
+
+def test_eviction_never_touches_locked_paths(tree, alloc):
+    shared = seq(100, pages=2)
+    left = insert(tree, alloc, shared + seq(200, pages=2)).node
+    right = insert(tree, alloc, shared + seq(300, pages=2)).node
+    tree.lock(left, 0)
+    assert tree.sizes(Tier.DEVICE, 0) == (2, 4)
+    evicted = tree.evict(Tier.DEVICE, 100, 0)
+    assert evicted.num_pages == 2  # only the right branch
+    alloc.free(evicted.page_ids)
+    assert tree.match(NS, shared + seq(200, pages=2), 0).num_pages == 4
+    assert tree.match(NS, shared + seq(300, pages=2), 0).num_pages == 2
+    assert not tree.is_live(right)
+    tree.unlock(left, 0)
+    assert tree.sizes(Tier.DEVICE, 0) == (4, 0)
+    alloc.free(tree.evict(Tier.DEVICE, 100, 0).page_ids)
+    assert len(tree) == 0 and alloc.num_allocated == 0
+
+
+def test_locks_are_per_pool(tree, alloc):
+    other = PageAllocator.for_device(16)
+    tokens = seq(100, pages=2)
+    node = insert(tree, alloc, tokens, pool=0).node
+    insert(tree, other, tokens, pool=1)
+    tree.lock(node, 0)
+    evicted = tree.evict(Tier.DEVICE, 10, 1)
+    assert evicted.num_pages == 2, "a lock in pool 0 does not protect pool 1's copy"
+    other.free(evicted.page_ids)
+    assert tree.evict(Tier.DEVICE, 10, 0).num_pages == 0
+    tree.unlock(node, 0)
+
+
+def test_locked_node_keeps_its_host_copy_and_disk_record(tree, alloc):
+    host = PageAllocator.for_host(16)
+    node = insert(tree, alloc, seq(100, pages=2)).node
+    tree.add_host(node, host.alloc(2))
+    tree.add_disk(node)
+    tree.lock(node, 0)
+    assert tree.evict(Tier.HOST, 10).num_pages == 0
+    assert tree.evict(Tier.DISK, 10).num_pages == 0
+    assert tree.sizes(Tier.HOST) == (0, 2) and tree.sizes(Tier.DISK) == (0, 2)
+    with pytest.raises(ResidencyError):
+        tree.drop(node, Tier.HOST)
+    tree.unlock(node, 0)
+    host.free(tree.evict(Tier.HOST, 10).page_ids)
+    assert tree.evict(Tier.DISK, 10).page_keys() == page_keys(NS, seq(100, pages=2), PS)
+    assert tree.is_live(node)  # still on the device
+
+
+def test_evicting_device_pages_keeps_nodes_that_live_elsewhere(tree, alloc):
+    tokens = seq(100, pages=3)
+    node = insert(tree, alloc, tokens).node
+    tree.add_disk(node)
+    evicted = tree.evict(Tier.DEVICE, 3, 0)
+    alloc.free(evicted.page_ids)
+    assert tree.is_live(node) and not node.device_pools
+    assert tree.match(NS, tokens, 0).num_disk_pages == 3
+
+
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+def test_eviction_order(tree, alloc, policy):
+    t = HiRadixTree(eviction=policy)
+    t.add_namespace(NS, PS)
+    nodes = {}
+    for name, start, priority in (("a", 100, 2), ("b", 200, 0), ("c", 300, 1)):
+        pages = alloc.alloc(1)
+        nodes[name] = t.insert(NS, seq(start, pages=1), 0, pages, priority=priority).node
+    # Access pattern: a is hit twice, then c once, then b once (b is most recent).
+    for name, start in (("a", 100), ("a", 100), ("c", 300), ("b", 200)):
+        t.match(NS, seq(start, pages=1), 0)
+    order = [n.node_id for n in t.iter_evictable(Tier.DEVICE, 0)]
+    by_id = {n.node_id: k for k, n in nodes.items()}
+    expected = {"lru": "acb", "lfu": "cba", "priority": "bca"}[policy]
+    assert "".join(by_id[i] for i in order) == expected
+    t.check_invariants()
+
+
+def test_iter_evictable_reaches_parents_after_their_children(tree, alloc):
+    parent = insert(tree, alloc, seq(100, pages=2)).node
+    child = insert(tree, alloc, seq(100, pages=2) + seq(200, pages=1)).node
+    seen = []
+    for node in tree.iter_evictable(Tier.DEVICE, 0):
+        seen.append(node)
+        alloc.free(tree.drop(node, Tier.DEVICE, 0))
+    assert seen == [child, parent] and len(tree) == 0
+
+
+def test_namespace_isolation(tree, alloc):
+    tokens = seq(100, pages=3)
+    a = insert(tree, alloc, tokens, ns=NS)
+    assert tree.match(OTHER_NS, tokens, 0).num_pages == 0
+    b = insert(tree, alloc, tokens, ns=OTHER_NS)
+    assert b.duplicate_pages.size == 0 and b.num_prefix_pages == 0
+    assert set(a.device_pages.tolist()).isdisjoint(b.device_pages.tolist())
+    assert a.node.page_keys != b.node.page_keys
+    assert a.node.page_key_list() == page_keys(NS, tokens, PS)
+    assert b.node.page_key_list() == page_keys(OTHER_NS, tokens, PS)
+
+
+def test_unknown_namespace(tree, alloc):
+    stranger = namespace_id(b"never-registered")
+    miss = tree.match(stranger, seq(1, pages=2), 0)
+    assert miss.node is None and miss.num_pages == 0
+    with pytest.raises(UnknownNamespace):
+        tree.insert(stranger, seq(1, pages=1), 0, [1])
+    with pytest.raises(InvalidArgument):
+        tree.add_namespace(NS, PS + 1)
+    assert tree.add_namespace(NS, PS) is tree.root(NS)
+
+
+def test_page_keys_survive_splits(tree, alloc):
+    tokens = seq(100, pages=6)
+    insert(tree, alloc, tokens)
+    tree.match(NS, tokens[:8], 0)
+    tree.match(NS, tokens[:17], 0)
+    node = tree.match(NS, tokens, 0).node
+    keys = b"".join(n.page_keys for n in tree.path(node))
+    assert keys == b"".join(page_keys(NS, tokens, PS))
+
+
+def test_restore_builds_disk_only_nodes(tree, alloc):
+    tokens = seq(100, pages=4)
+    node = tree.restore(NS, tokens + [7])
+    assert node.on_disk and not node.device_pools and node.host_pages is None
+    hit = tree.match(NS, tokens, 0)
+    assert hit.num_disk_pages == 4 and hit.num_device_pages == 0
+    assert tree.sizes(Tier.DISK) == (4, 0)
+    # Inserting on top adopts the engine's pages; the disk record stays.
+    again = insert(tree, alloc, tokens)
+    assert again.duplicate_pages.size == 0 and again.node.on_disk
+    assert tree.restore(NS, [1, 2]) is tree.root(NS)
+
+
+def test_discard_shortens_hits_and_returns_pages(tree, alloc):
+    host = PageAllocator.for_host(16)
+    a, b = seq(100, pages=2), seq(200, pages=2)
+    node_a = insert(tree, alloc, a).node
+    node_b = insert(tree, alloc, a + b).node
+    for node in (node_a, node_b):
+        tree.add_host(node, host.alloc(2))
+    alloc.free(tree.evict(Tier.DEVICE, 4, 0).page_ids)
+    tree.lock(node_b, 0)
+    freed = tree.discard(node_a, Tier.HOST)  # e.g. the host copy turned out corrupt
+    assert sorted(freed.tolist()) == list(range(4))
+    host.free(freed)
+    assert tree.match(NS, a + b, 0).num_pages == 0
+    # The locked nodes now live nowhere; they stay until the lock goes.
+    assert tree.is_live(node_b) and not node_b.residency
+    tree.check_invariants()
+    tree.unlock(node_b, 0)
+    assert len(tree) == 0
+
+
+def test_caller_errors_are_rejected(tree, alloc):
+    host = PageAllocator.for_host(16)
+    tokens = seq(100, pages=2)
+    with pytest.raises(InvalidArgument):
+        tree.insert(NS, tokens, 0, [1])  # 2 whole pages, 1 id
+    with pytest.raises(InvalidArgument):
+        tree.insert(NS, tokens, -1, [1, 2])
+    with pytest.raises(InvalidArgument):
+        tree.match(NS, tokens, "0")  # type: ignore[arg-type]
+    parent = insert(tree, alloc, tokens).node
+    child = insert(tree, alloc, tokens + seq(300, pages=1)).node
+    with pytest.raises(LockUnderflow):
+        tree.unlock(child, 0)
+    tree.lock(child, 0)
+    with pytest.raises(LockUnderflow):
+        tree.unlock(parent, 0)  # locking a child does not lock the parent directly
+    with pytest.raises(LockUnderflow):
+        tree.unlock(child, 1)
+    with pytest.raises(LockUnderflow):
+        tree.unpin(child)
+    tree.unlock(child, 0)
+    with pytest.raises(ResidencyError):
+        tree.add_host(child, host.alloc(1))  # parent not on host yet
+    with pytest.raises(InvalidArgument):
+        tree.add_host(parent, [1])  # wrong page count
+    with pytest.raises(ResidencyError):
+        tree.add_device(parent, 0, [9, 10])  # already resident
+    with pytest.raises(ResidencyError):
+        tree.drop(parent, Tier.DEVICE, 0)  # child still resident: leaf-first
+    with pytest.raises(ResidencyError):
+        tree.drop(parent, Tier.DISK)
+    with pytest.raises(ResidencyError):
+        tree.add_disk(tree.root(NS))
+    with pytest.raises(InvalidArgument):
+        tree.evict(Tier.DEVICE, 1)  # no pool
+    with pytest.raises(InvalidArgument):
+        tree.sizes(Tier.HOST, 0)
+    alloc.free(tree.evict(Tier.DEVICE, 10, 0).page_ids)
+    with pytest.raises(UnknownNode):
+        tree.lock(child, 0)  # evicted: the handle is dead
+    with pytest.raises(UnknownNode):
+        tree.node(child.node_id)
+    with pytest.raises(InvalidArgument):
+        eviction_policy("fifo")
+
+
+def test_hit_counts_and_access(tree, alloc):
+    tokens = seq(100, pages=2)
+    node = insert(tree, alloc, tokens).node
+    for _ in range(3):
+        tree.match(NS, tokens, 0)
+    assert node.hit_count == 3
+    before = node.last_access
+    tree.match(NS, tokens, 0)
+    assert node.last_access > before
+
+
+def test_page_size_one(alloc):
+    t = HiRadixTree()
+    t.add_namespace(NS, 1)
+    a = t.insert(NS, [1, 2, 3], 0, alloc.alloc(3))
+    mine = alloc.alloc(3)
+    b = t.insert(NS, [1, 2, 4], 0, mine)
+    assert b.duplicate_pages.tolist() == mine[:2].tolist()
+    assert b.device_pages.tolist() == a.device_pages[:2].tolist() + [mine[2]]
+    assert len(t) == 3  # [1,2] split from [3] and [4]
+    t.check_invariants()

@@ -11,7 +11,7 @@ the wire.
 Prints a table; with ``--json`` the last line is one JSON object with ``insert_us``,
 ``match_us`` (mean per call), ``hit_tokens_per_lookup``, the same for the baseline tree
 (the classic per-token Python radix cache, ``baseline_radix.py``) and the ratios
-baseline / hicache (``insert_speedup``, ``match_speedup``). ``--sglang`` adds SGLang's
+baseline / hicache (``baseline_insert_speedup``, ``baseline_match_speedup``). ``--sglang`` adds SGLang's
 own Python ``RadixCache`` when the ``sglang`` package is importable.
 """
 
@@ -174,31 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         **ours,
     }
     rows = [("hicache.tree", ours)]
-    if not args.no_baseline:
-        base = run_baseline(workload, args.page_size)
-        if base["hit_tokens_per_lookup"] != ours["hit_tokens_per_lookup"]:
-            raise SystemExit(
-                f"baseline and hicache disagree on hits: {base['hit_tokens_per_lookup']} "
-                f"vs {ours['hit_tokens_per_lookup']}"
-            )
-        figures.update(
-            baseline_insert_us=base["insert_us"],
-            baseline_match_us=base["match_us"],
-            insert_speedup=base["insert_us"] / ours["insert_us"],
-            match_speedup=base["match_us"] / ours["match_us"],
-        )
-        rows.append(("baseline (per-token radix)", base))
+    others = [] if args.no_baseline else [("baseline", "baseline (per-token radix)", run_baseline)]
     if args.sglang:
-        sgl = run_sglang(workload, args.page_size)
-        if sgl["hit_tokens_per_lookup"] != ours["hit_tokens_per_lookup"]:
-            raise SystemExit(f"sglang and hicache disagree on hits: {sgl} vs {ours}")
-        figures.update(
-            sglang_insert_us=sgl["insert_us"],
-            sglang_match_us=sgl["match_us"],
-            sglang_insert_speedup=sgl["insert_us"] / ours["insert_us"],
-            sglang_match_speedup=sgl["match_us"] / ours["match_us"],
-        )
-        rows.append(("sglang RadixCache (python)", sgl))
+        others.append(("sglang", "sglang RadixCache (python)", run_sglang))
+    for prefix, label, run in others:
+        theirs = run(workload, args.page_size)
+        if theirs["hit_tokens_per_lookup"] != ours["hit_tokens_per_lookup"]:
+            raise SystemExit(f"{label} and hicache disagree on hits: {theirs} vs {ours}")
+        figures.update({
+            f"{prefix}_insert_us": theirs["insert_us"],
+            f"{prefix}_match_us": theirs["match_us"],
+            f"{prefix}_insert_speedup": theirs["insert_us"] / ours["insert_us"],
+            f"{prefix}_match_speedup": theirs["match_us"] / ours["match_us"],
+        })
+        rows.append((label, theirs))
 
     print(f"workload: seed {args.seed}, {len(workload.inserts)} inserts, "
           f"{len(workload.lookups)} lookups, page size {args.page_size}")

@@ -219,7 +219,7 @@ def test_eviction_order(tree, alloc, policy):
         pages = alloc.alloc(1)
         nodes[name] = t.insert(NS, seq(start, pages=1), 0, pages, priority=priority).node
     # Access pattern: a is hit twice, then c once, then b once (b is most recent).
-    for name, start in (("a", 100), ("a", 100), ("c", 300), ("b", 200)):
+    for start in (100, 100, 300, 200):
         t.match(NS, seq(start, pages=1), 0)
     order = [n.node_id for n in t.iter_evictable(Tier.DEVICE, 0)]
     by_id = {n.node_id: k for k, n in nodes.items()}

@@ -1,0 +1,135 @@
+"""Moving pages between one rank's device pool and the host pool.
+
+:class:`PageMover` precomputes the copy-kernel segment tables of a (device pool, host
+pool) pair once — all layers device -> host, each layer host -> device, state slots
+both ways — and runs them with :func:`hicache.kernels.page_copy.copy_pages` (Triton on
+CUDA, the torch path on the CPU, spread over ``workers`` threads when given). Page ids
+are checked on the host before they go to the device, so no call synchronises. Calls
+are synchronous on the CPU and enqueue on the current stream on CUDA; a layer-wise load
+calls ``on_layer(i)`` right after layer *i*'s copies are done (CPU) or enqueued (CUDA),
+which is where a caller stamps the layer counter or records the layer's CUDA event.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hicache.errors import InvalidArgument, SpecMismatch
+from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, CpuCopyWorkers, check_page_ids, copy_pages
+from hicache.pools import DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
+
+PageList = Sequence[int] | torch.Tensor
+
+
+class PageMover:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
+                 max_programs: int = DEFAULT_MAX_PROGRAMS, workers: CpuCopyWorkers | None = None) -> None:
+        if device_pool.spec.fingerprint != host_pool.spec.fingerprint:
+            raise SpecMismatch("device pool and host pool have different KV specs")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.max_programs = max_programs
+        self.workers = workers
+        layout = device_pool.layout
+        self._backup = page_segments(layout, device_pool.rank)
+        restore = self._backup.reversed()
+        self._restore = restore
+        self._restore_layer = {layer: restore.select(r) for layer, r in layer_segment_ranges(layout).items()}
+        self._states = state_segments(layout, device_pool.rank) if layout.state_regions else None
+        self.num_layers = device_pool.spec.num_layers
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one page moves for this rank (all layers)."""
+        return self._backup.bytes_per_pair
+
+    def _ids(self, pages: PageList) -> torch.Tensor:
+        """Page ids as an int64 tensor on the pool's device (moved there without a sync)."""
+        ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        if self.device_pool.device.type == "cuda" and ids.device.type == "cpu":
+            ids = ids.pin_memory().to(self.device_pool.device, non_blocking=True)
+        return ids
+
+    def _copy(self, src, dst, src_pages, dst_pages, segments) -> None:
+        src_ids, dst_ids = self._checked(src_pages, dst_pages, src, dst, segments)
+        copy_pages(src, dst, src_ids, dst_ids, segments, max_programs=self.max_programs,
+                   workers=self.workers, check=False)
+
+    def _checked(self, src_pages, dst_pages, src, dst, segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check page ids on the host (no device sync), then move them to the device."""
+        host_src = torch.as_tensor(src_pages, dtype=torch.int64).reshape(-1).cpu()
+        host_dst = torch.as_tensor(dst_pages, dtype=torch.int64).reshape(-1).cpu()
+        check_page_ids(host_src, host_dst, segments, src.numel(), dst.numel())
+        return self._ids(host_src), self._ids(host_dst)
+
+    def backup(self, device_pages: PageList, host_pages: PageList) -> None:
+        """Device -> host, every layer: ``host_pages[i]`` receives ``device_pages[i]``."""
+        self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, self._backup)
+
+    def load(self, host_pages: PageList, device_pages: PageList, *,
+             on_layer: Callable[[int], None] | None = None) -> None:
+        """Host -> device layer by layer; ``on_layer(i)`` once layer ``i`` is complete
+        (every layer of the spec is reported, state layers included, in order).
+
+        With CPU ``workers``, each thread takes a share of the pages through every
+        layer without waiting for the others; a layer is reported by whichever thread
+        finishes it last, and since every thread goes through the layers in order, the
+        reports come in order too.
+        """
+        host_ids, device_ids = self._checked(host_pages, device_pages, self.host_pool.pages,
+                                             self.device_pool.buffer, self._restore)
+        if self.workers is None or self.device_pool.device.type != "cpu" or len(host_ids) < 2:
+            self._load_layers(host_ids, device_ids, on_layer)
+            return
+        parts = min(self.workers.num_threads, len(host_ids))
+        bounds = [len(host_ids) * i // parts for i in range(parts + 1)]
+        remaining = [parts] * self.num_layers
+        lock = threading.Lock()
+
+        def layer_done(layer: int) -> None:
+            with lock:
+                remaining[layer] -= 1
+                last = remaining[layer] == 0
+            if last and on_layer is not None:
+                on_layer(layer)
+
+        self.workers.run(
+            lambda part: self._load_layers(host_ids[part[0] : part[1]], device_ids[part[0] : part[1]], layer_done),
+            [(bounds[i], bounds[i + 1]) for i in range(parts)],
+        )
+
+    def _load_layers(self, host_ids: torch.Tensor, device_ids: torch.Tensor,
+                     on_layer: Callable[[int], None] | None) -> None:
+        for layer in range(self.num_layers):
+            segments = self._restore_layer.get(layer)
+            if segments is not None:
+                copy_pages(self.host_pool.pages, self.device_pool.buffer, host_ids, device_ids, segments,
+                           max_programs=self.max_programs, check=False)
+            if on_layer is not None:
+                on_layer(layer)
+
+    def load_all(self, host_pages: PageList, device_pages: PageList) -> None:
+        """Host -> device, every layer in one copy (no per-layer completion)."""
+        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, self._restore)
+
+    def load_layer(self, host_pages: PageList, device_pages: PageList, layer: int) -> None:
+        segments = self._restore_layer.get(layer)
+        if segments is None:
+            raise InvalidArgument(f"layer {layer} has no per-token KV")
+        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, segments)
+
+    def backup_states(self, device_slots: PageList, host_slots: PageList) -> None:
+        """Recurrent-state slots, device -> host (every state layer)."""
+        self._copy(self.device_pool.buffer, self.host_pool.states, device_slots, host_slots, self._state_segments())
+
+    def load_states(self, host_slots: PageList, device_slots: PageList) -> None:
+        self._copy(self.host_pool.states, self.device_pool.buffer, host_slots, device_slots,
+                   self._state_segments().reversed())
+
+    def _state_segments(self):
+        if self._states is None or not self.host_pool.num_state_slots:
+            raise InvalidArgument("no state slots on one side of this mover")
+        return self._states

@@ -1,0 +1,403 @@
+"""Page copies between a device pool and the host pool: Triton kernel, torch reference.
+
+Every copy hicache makes — device -> host backup of all layers, host -> device load of
+one layer or all layers, MHA / MLA / fp8 / recurrent-state slots alike — is the same
+operation on two flat byte buffers: for every pair ``(s, d)`` of page (or state-slot)
+ids and every segment ``j`` of a :class:`Segments` table::
+
+    dst[d * dst_stride[j] + dst_offset[j] : ... + nbytes[j]]
+        = src[s * src_stride[j] + src_offset[j] : ... + nbytes[j]]
+
+For a device -> host backup of a 2-layer MHA pool the table has four segments (L0.k,
+L0.v, L1.k, L1.v): on the device each lives in its own region with one page every
+``page_bytes`` bytes; on the host they sit side by side inside each host page::
+
+    device  | L0.k: pad p1 p2 ... | L0.v: pad p1 p2 ... | L1.k: ... | L1.v: ... |
+    host    | page 0: L0.k L0.v L1.k L1.v | page 1: L0.k L0.v L1.k L1.v | ...
+
+Sources may repeat and come in any order; a destination repeated within one call is
+rejected (two writers of one page is always a bug). Empty pair lists are a no-op.
+
+:func:`copy_pages_triton` launches one kernel whose grid is capped at ``max_programs``
+programs (a copy occupies a few SMs, not the GPU); each program walks (pair, segment)
+items with a grid-stride loop and moves words of the widest size that divides every
+offset, stride and length. :func:`copy_pages_reference` is the torch version with the
+same signature: one strided copy per run of consecutive pairs and regular group of
+segments, so contiguous page runs move in few large copies; on the CPU it can spread
+the runs over a few threads (:class:`CpuCopyWorkers`). :func:`copy_pages` dispatches:
+Triton when either buffer is on a CUDA device, the reference otherwise.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from hicache.errors import InvalidArgument
+
+DEFAULT_MAX_PROGRAMS = 16
+# Pages per strided copy on the reference path: large enough to amortise a call, small
+# enough to spread over worker threads evenly.
+RUN_CAP_PAGES = 8
+_BLOCK_WORDS = 1024
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """``count`` segments of equal length and strides whose offsets step regularly: one
+    strided view per side, so the reference moves the whole group in one copy."""
+
+    count: int
+    nbytes: int
+    src_offset: int
+    src_step: int
+    src_stride: int
+    dst_offset: int
+    dst_step: int
+    dst_stride: int
+
+
+@dataclass(frozen=True)
+class Segments:
+    """What one page pair moves: parallel tuples, one entry per segment (bytes)."""
+
+    src_offset: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.nbytes)
+        columns = (self.src_offset, self.src_stride, self.dst_offset, self.dst_stride)
+        if any(len(col) != n for col in columns):
+            raise InvalidArgument("segment columns differ in length")
+        if any(v < 0 for col in (*columns, self.nbytes) for v in col):
+            raise InvalidArgument("segment offsets, strides and lengths must be non-negative")
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def bytes_per_pair(self) -> int:
+        return sum(self.nbytes)
+
+    def reversed(self) -> "Segments":
+        """The same segments with source and destination swapped."""
+        return Segments(self.dst_offset, self.dst_stride, self.src_offset, self.src_stride, self.nbytes)
+
+    def select(self, indices: range | list[int]) -> "Segments":
+        pick = list(indices)
+        return Segments(
+            tuple(self.src_offset[i] for i in pick),
+            tuple(self.src_stride[i] for i in pick),
+            tuple(self.dst_offset[i] for i in pick),
+            tuple(self.dst_stride[i] for i in pick),
+            tuple(self.nbytes[i] for i in pick),
+        )
+
+    @cached_property
+    def word_bytes(self) -> int:
+        """The widest word (8, 4, 2 or 1 bytes) dividing every offset, stride and length."""
+        values = (*self.src_offset, *self.src_stride, *self.dst_offset, *self.dst_stride, *self.nbytes)
+        for word in (8, 4, 2):
+            if all(v % word == 0 for v in values):
+                return word
+        return 1
+
+    @cached_property
+    def groups(self) -> tuple[SegmentGroup, ...]:
+        """Maximal runs of consecutive segments that form one regular strided block."""
+        groups: list[SegmentGroup] = []
+        j = 0
+        n = len(self)
+        while j < n:
+            k = j + 1
+            if k < n and self._same_shape(j, k):
+                src_step = self.src_offset[k] - self.src_offset[j]
+                dst_step = self.dst_offset[k] - self.dst_offset[j]
+                while (
+                    k + 1 < n
+                    and self._same_shape(j, k + 1)
+                    and self.src_offset[k + 1] - self.src_offset[k] == src_step
+                    and self.dst_offset[k + 1] - self.dst_offset[k] == dst_step
+                ):
+                    k += 1
+                k += 1
+            else:
+                src_step = dst_step = 0
+            groups.append(SegmentGroup(
+                k - j, self.nbytes[j],
+                self.src_offset[j], src_step, self.src_stride[j],
+                self.dst_offset[j], dst_step, self.dst_stride[j],
+            ))
+            j = k
+        return tuple(groups)
+
+    def _same_shape(self, a: int, b: int) -> bool:
+        return (
+            self.nbytes[a] == self.nbytes[b]
+            and self.src_stride[a] == self.src_stride[b]
+            and self.dst_stride[a] == self.dst_stride[b]
+        )
+
+    def table(self, device: torch.device, word_bytes: int) -> torch.Tensor:
+        """``[5, num_segments]`` int64 table in words of ``word_bytes``, cached (Triton)."""
+        key = (str(device), word_bytes)
+        cached = self._tables.get(key)
+        if cached is None:
+            rows = (self.src_offset, self.src_stride, self.dst_offset, self.dst_stride, self.nbytes)
+            cached = torch.tensor([[v // word_bytes for v in row] for row in rows], dtype=torch.int64, device=device)
+            self._tables[key] = cached
+        return cached
+
+
+def check_page_ids(
+    src_pages: torch.Tensor, dst_pages: torch.Tensor, segments: Segments, src_bytes: int, dst_bytes: int
+) -> int:
+    """Validate a copy's page lists against buffers of ``src_bytes`` / ``dst_bytes``;
+    returns the number of pairs. Synchronises when the ids are on a device, so hot
+    paths check host-side lists first and pass ``check=False`` to the kernels."""
+    if src_pages.dim() != 1 or dst_pages.dim() != 1 or len(src_pages) != len(dst_pages):
+        raise InvalidArgument(
+            f"page lists must be 1-D and of equal length, got {tuple(src_pages.shape)} and {tuple(dst_pages.shape)}"
+        )
+    if src_pages.dtype.is_floating_point or dst_pages.dtype.is_floating_point:
+        raise InvalidArgument("page ids must be integers")
+    num_pairs = len(src_pages)
+    if num_pairs == 0 or len(segments) == 0:
+        return num_pairs
+    if len(torch.unique(dst_pages)) != num_pairs:
+        raise InvalidArgument("a destination page appears twice in one copy")
+    for name, nbytes, pages, offsets, strides in (
+        ("source", src_bytes, src_pages, segments.src_offset, segments.src_stride),
+        ("destination", dst_bytes, dst_pages, segments.dst_offset, segments.dst_stride),
+    ):
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0:
+            raise InvalidArgument(f"negative {name} page id {lo}")
+        end = max(hi * s + o + n for s, o, n in zip(strides, offsets, segments.nbytes))
+        if end > nbytes:
+            raise InvalidArgument(f"{name} page {hi} reaches byte {end}, past the buffer's {nbytes}")
+    return num_pairs
+
+
+def _check_args(
+    src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, segments: Segments,
+    check: bool,
+) -> int:
+    """The number of pairs to copy (0: nothing to do)."""
+    for name, buf in (("src", src), ("dst", dst)):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise InvalidArgument(f"{name} must be a contiguous 1-D uint8 buffer")
+    if check:
+        num_pairs = check_page_ids(src_pages, dst_pages, segments, src.numel(), dst.numel())
+    else:
+        num_pairs = len(src_pages)
+    return num_pairs if len(segments) else 0
+
+
+class CpuCopyWorkers:
+    """Threads that run the CPU copies of :func:`copy_pages_reference` in parallel."""
+
+    def __init__(self, num_threads: int = 2) -> None:
+        if num_threads <= 0:
+            raise InvalidArgument(f"num_threads must be positive, got {num_threads}")
+        self.num_threads = num_threads
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-copy")
+
+    def run(self, fn, batches) -> None:
+        for future in [self._pool.submit(fn, batch) for batch in batches]:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src,
+    dst,
+    src_pages,
+    dst_pages,
+    table,
+    num_pairs,
+    num_segments,
+    BLOCK: tl.constexpr,
+):
+    i_prog = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_block = tl.arange(0, BLOCK)
+    for i_item in range(i_prog, num_pairs * num_segments, n_prog):
+        i_pair = i_item // num_segments
+        i_seg = i_item % num_segments
+        b_src_page = tl.load(src_pages + i_pair).to(tl.int64)
+        b_dst_page = tl.load(dst_pages + i_pair).to(tl.int64)
+        b_src_offset = tl.load(table + i_seg)
+        b_src_stride = tl.load(table + num_segments + i_seg)
+        b_dst_offset = tl.load(table + 2 * num_segments + i_seg)
+        b_dst_stride = tl.load(table + 3 * num_segments + i_seg)
+        b_words = tl.load(table + 4 * num_segments + i_seg)
+        p_src = src + (b_src_page * b_src_stride + b_src_offset)
+        p_dst = dst + (b_dst_page * b_dst_stride + b_dst_offset)
+        for o_start in range(0, b_words, BLOCK):
+            o_ = o_start + o_block
+            m_ = o_ < b_words
+            tl.store(p_dst + o_, tl.load(p_src + o_, mask=m_), mask=m_)
+
+
+def copy_pages_triton(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    segments: Segments,
+    *,
+    max_programs: int = DEFAULT_MAX_PROGRAMS,
+    workers: CpuCopyWorkers | None = None,
+    check: bool = True,
+) -> None:
+    """Copy every segment of every page pair with one Triton launch (see module doc);
+    ``workers`` is accepted for the common signature and ignored. ``check=False`` skips
+    the page-id checks (which synchronise with the device) for callers that made them
+    on the host already."""
+    num_pairs = _check_args(src, dst, src_pages, dst_pages, segments, check)
+    if num_pairs == 0:
+        return
+    word = segments.word_bytes
+    while any(v % word for v in (src.numel(), dst.numel(), src.data_ptr(), dst.data_ptr())):
+        word //= 2
+    table = segments.table(src_pages.device, word)
+    grid = (max(1, min(max_programs, num_pairs * len(segments))),)
+    _copy_pages_kernel[grid](
+        _kernel_arg(src.view(_WORD_DTYPES[word])),
+        _kernel_arg(dst.view(_WORD_DTYPES[word])),
+        src_pages,
+        dst_pages,
+        table,
+        num_pairs,
+        len(segments),
+        BLOCK=_BLOCK_WORDS,
+    )
+
+
+def copy_pages_reference(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    segments: Segments,
+    *,
+    max_programs: int = DEFAULT_MAX_PROGRAMS,
+    workers: CpuCopyWorkers | None = None,
+    check: bool = True,
+) -> None:
+    """Torch version of :func:`copy_pages_triton`, same signature (``max_programs`` is
+    accepted and ignored). One strided copy per run of consecutive pairs (at most
+    ``RUN_CAP_PAGES`` long) and regular group of segments. On the CPU the copies are
+    numpy's, which release the GIL, spread over ``workers``' threads when given: two
+    threads each copying whole pages beat one copy split by torch's intra-op threads."""
+    if _check_args(src, dst, src_pages, dst_pages, segments, check) == 0:
+        return
+    runs = _runs(src_pages.tolist(), dst_pages.tolist())
+    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    # One [count, pages, nbytes] view per group and side; each run is a slice of it.
+    views = [(_group_view(src, g.count, g.src_offset, g.src_step, g.src_stride, g.nbytes, on_cpu),
+              _group_view(dst, g.count, g.dst_offset, g.dst_step, g.dst_stride, g.nbytes, on_cpu))
+             for g in segments.groups]
+
+    def move(batch: list[tuple[int, int, int]]) -> None:
+        for src_view, dst_view in views:
+            for s0, d0, length in batch:
+                if on_cpu:
+                    np.copyto(dst_view[:, d0 : d0 + length], src_view[:, s0 : s0 + length])
+                else:
+                    dst_view[:, d0 : d0 + length].copy_(src_view[:, s0 : s0 + length])
+
+    if workers is None or not on_cpu or len(runs) < 2:
+        move(runs)
+    else:
+        workers.run(move, _split(runs, workers.num_threads))
+
+
+def copy_pages(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    segments: Segments,
+    *,
+    max_programs: int = DEFAULT_MAX_PROGRAMS,
+    workers: CpuCopyWorkers | None = None,
+    check: bool = True,
+) -> None:
+    """Triton on CUDA, the reference on the CPU (on ``workers``' threads, if given)."""
+    if src.is_cuda or dst.is_cuda:
+        copy_pages_triton(src, dst, src_pages, dst_pages, segments, max_programs=max_programs, check=check)
+    else:
+        copy_pages_reference(src, dst, src_pages, dst_pages, segments, workers=workers, check=check)
+
+
+class _MappedHost:
+    """A pinned host buffer handed to a kernel by address: with unified addressing the
+    host pointer of page-locked, mapped memory is valid on the device, and Triton takes
+    any argument with ``data_ptr()`` and ``dtype`` as a pointer."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self._tensor.data_ptr()
+
+
+def _kernel_arg(buf: torch.Tensor):
+    if buf.device.type == "cpu" and torch.cuda.is_available() and buf.is_pinned():
+        return _MappedHost(buf)
+    return buf
+
+
+def _group_view(buf: torch.Tensor, count: int, offset: int, step: int, stride: int, nbytes: int,
+                as_numpy: bool):
+    """``buf`` seen as ``[count, pages, nbytes]``: every page the buffer holds whole."""
+    room = buf.numel() - offset - (count - 1) * step - nbytes
+    pages = room // stride + 1 if stride else 1
+    view = buf.as_strided((count, pages, nbytes), (step, stride, 1), buf.storage_offset() + offset)
+    return view.numpy() if as_numpy else view
+
+
+def _runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Runs where both page lists step by +1, at most RUN_CAP_PAGES long:
+    (first src, first dst, length)."""
+    runs = []
+    i = 0
+    n = len(src_pages)
+    while i < n:
+        j = i + 1
+        while (j < n and j - i < RUN_CAP_PAGES
+               and src_pages[j] == src_pages[j - 1] + 1 and dst_pages[j] == dst_pages[j - 1] + 1):
+            j += 1
+        runs.append((src_pages[i], dst_pages[i], j - i))
+        i = j
+    return runs
+
+
+def _split(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Split runs into at most ``parts`` consecutive batches of about equal page counts."""
+    total = sum(r[2] for r in runs)
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    done = 0
+    for run in runs:
+        if batches[-1] and done >= total * len(batches) / parts:
+            batches.append([])
+        batches[-1].append(run)
+        done += run[2]
+    return batches

@@ -1,0 +1,104 @@
+import pytest
+import torch
+
+from hicache.engine.kv_pool import export_kv_pool
+from hicache.errors import InvalidArgument, SpecMismatch
+from hicache.pools import ALIGN_BYTES, DeviceLayout, DevicePool, HostPool, PoolHandle
+from hicache.shm import SharedBuffer
+from hicache.spec import KVSpec, MHALayer, StateLayer
+from hicache.transfer import PageMover
+
+SPEC = KVSpec.mha(num_layers=4, num_kv_heads=2, head_dim=8, page_size=4, model="pool-test")
+
+
+def test_layout_regions_are_aligned_and_disjoint():
+    kda = StateLayer(conv_state_shape=(3, 5), temporal_state_shape=(1, 2, 2))
+    spec = KVSpec(page_size=3, layers=(kda, MHALayer(num_kv_heads=1, head_dim=3, dtype="float8_e5m2")))
+    layout = DeviceLayout.build(spec, num_pages=7, num_state_slots=2)
+    regions = sorted(layout.token_regions + layout.state_regions, key=lambda r: r.offset)
+    end = 0
+    for region in regions:
+        assert region.offset % ALIGN_BYTES == 0 and region.offset >= end
+        end = region.offset + region.nbytes
+    assert end <= layout.nbytes
+    k = layout.token_regions[0]
+    assert k.shape == (8 * 3, 1, 3) and k.unit_bytes == 3 * 3  # fp8: one byte per element
+    assert [r.component for r in layout.state_regions] == ["conv", "temporal"]
+    with pytest.raises(InvalidArgument):
+        DeviceLayout.build(spec, num_pages=7)  # state layers need state slots
+    with pytest.raises(InvalidArgument):
+        DeviceLayout.build(SPEC, num_pages=0)
+
+
+def test_export_and_attach_share_the_same_bytes():
+    exported = export_kv_pool(SPEC, num_pages=5)
+    handle = PoolHandle.from_dict(exported.handle.to_dict())
+    attached = DevicePool.attach(handle, expected=SPEC)
+    try:
+        exported.pool.v_buffer(2)[4:8] = 3.0  # page 1 of layer 2's V, from the engine
+        assert bool((attached.v_buffer(2)[4:8] == 3.0).all())
+        attached.k_buffer(0)[0:4] = -1.0  # the daemon writes the padding page
+        assert bool((exported.pool.k_buffer(0)[0:4] == -1.0).all())
+    finally:
+        attached.close()
+        exported.close()
+    with pytest.raises(InvalidArgument):
+        SharedBuffer.attach(handle.shm_name, handle.nbytes)  # the engine unlinked it
+
+
+def test_attach_refuses_other_specs_and_bad_handles():
+    exported = export_kv_pool(SPEC, num_pages=2)
+    try:
+        other = KVSpec.mha(num_layers=4, num_kv_heads=2, head_dim=8, page_size=4, model="other-weights")
+        with pytest.raises(SpecMismatch):
+            DevicePool.attach(exported.handle, expected=other)
+        bad = exported.handle.to_dict() | {"nbytes": exported.handle.nbytes + 1}
+        with pytest.raises(InvalidArgument):
+            DevicePool.attach(PoolHandle.from_dict(bad))
+        with pytest.raises(InvalidArgument):
+            DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict() | {"kind": "rdma"}))
+        with pytest.raises(InvalidArgument):
+            DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict() | {"shm_name": "../etc/passwd"}))
+        with pytest.raises(InvalidArgument):
+            PoolHandle.from_dict({"kind": "shm"})
+    finally:
+        exported.close()
+
+
+def test_host_pool_sizing():
+    assert HostPool.num_pages_for(SPEC, nbytes=10 * SPEC.host_page_bytes + 5) == 10
+    assert HostPool.num_pages_for(SPEC, ratio=2.5, device_pages=100) == 250
+    for kwargs in ({}, {"nbytes": 1, "ratio": 1.0}, {"ratio": 1.0}, {"nbytes": 1}, {"ratio": -1, "device_pages": 3}):
+        with pytest.raises(InvalidArgument):
+            HostPool.num_pages_for(SPEC, **kwargs)
+    pool = HostPool(SPEC, 3, pinned=False)
+    assert pool.page(2).numel() == SPEC.host_page_bytes
+    with pytest.raises(InvalidArgument):
+        pool.page(3)
+    pool.close()
+
+
+def test_page_mover_round_trip_in_process():
+    exported = export_kv_pool(SPEC, num_pages=6)
+    host = HostPool(SPEC, 4, pinned=False)
+    mover = PageMover(exported.pool, host)
+    buf = exported.pool.buffer
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+    before = buf.clone()
+    mover.backup([3, 1], [2, 0])
+    layers = []
+    mover.load([2, 0], [5, 6], on_layer=layers.append)
+    assert layers == [0, 1, 2, 3]
+    # Random bytes are not all valid fp16: compare the bytes, through the typed views.
+    for layer in range(4):
+        for name in ("k", "v"):
+            view = exported.pool.buffer_of(layer, name).view(torch.int16)
+            assert torch.equal(view[5 * 4 : 6 * 4], view[3 * 4 : 4 * 4])
+            assert torch.equal(view[6 * 4 : 7 * 4], view[1 * 4 : 2 * 4])
+    untouched = [p for p in range(7) if p not in (5, 6)]
+    for region in exported.pool.layout.token_regions:
+        for page in untouched:
+            start = region.offset + page * region.unit_bytes
+            assert torch.equal(buf[start : start + region.unit_bytes], before[start : start + region.unit_bytes])
+    host.close()
+    exported.close()

@@ -24,6 +24,9 @@ class ErrorCode(IntEnum):
     LOCK_UNDERFLOW = 7
     RESIDENCY = 8
     SPEC_MISMATCH = 9
+    LOAD_FAILED = 10
+    STALE_TICKET = 11
+    TIMEOUT = 12
 
 
 class HicacheError(Exception):
@@ -72,3 +75,19 @@ class ResidencyError(HicacheError, RuntimeError):
 
 class SpecMismatch(InvalidArgument):
     code = ErrorCode.SPEC_MISMATCH
+
+
+class LoadFailed(HicacheError, RuntimeError):
+    """A load could not complete; the engine must compute those tokens itself."""
+
+    code = ErrorCode.LOAD_FAILED
+
+
+class StaleTicket(HicacheError, RuntimeError):
+    """A load ticket's counter slot has been reused: the waiter asked too late."""
+
+    code = ErrorCode.STALE_TICKET
+
+
+class WaitTimeout(HicacheError, TimeoutError):
+    code = ErrorCode.TIMEOUT

@@ -1,0 +1,213 @@
+"""Per-layer completion counters of loads, shared between the daemon and an engine.
+
+A load moves a path's pages into the engine's pool layer by layer; the engine starts
+attention on layer *i* as soon as layer *i* has landed. The daemon owns a ring of
+``num_slots`` slots; each load gets a :class:`Ticket` (slot, generation) and the daemon
+stamps each layer when it is complete. The ring lives in shared memory, int64 words::
+
+    slot s:  [ generation | stamp L0 | stamp L1 | ... | stamp L(n-1) ]
+
+``stamp == generation`` means done, ``stamp == -generation`` failed; any other value is
+from an older load that used the slot. Generations never repeat, so a waiter can never
+mistake an earlier (or a later) load's progress for its own: when the slot has moved on
+to another generation it raises :class:`StaleTicket` instead of returning early. The
+daemon writes the KV bytes before the stamp (x86 keeps stores in order; the stamp is one
+aligned 8-byte store).
+
+GPU mode adds :class:`CudaLayerEvents`: an interprocess CUDA event per slot and layer,
+recorded on the daemon's copy stream after each layer and waited on by the engine's
+stream, with no CPU block. The shared ring still carries generations and failures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
+from hicache.shm import SharedBuffer
+
+
+class Ticket(NamedTuple):
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class CountersHandle:
+    shm_name: str
+    num_slots: int
+    num_layers: int
+    event_handles: tuple[bytes, ...] = ()  # slot-major, num_slots * num_layers (GPU mode)
+    device: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shm_name": self.shm_name, "num_slots": self.num_slots, "num_layers": self.num_layers,
+                "event_handles": list(self.event_handles), "device": self.device}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CountersHandle":
+        try:
+            return cls(data["shm_name"], data["num_slots"], data["num_layers"],
+                       tuple(data.get("event_handles", ())), data.get("device", -1))
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument(f"bad counters handle: {exc}") from None
+
+
+def _ring(buffer: torch.Tensor, num_slots: int, num_layers: int) -> np.ndarray:
+    return buffer.numpy().view(np.int64).reshape(num_slots, 1 + num_layers)
+
+
+class LayerCounters:
+    """The daemon's side: hands out tickets and stamps layers."""
+
+    def __init__(self, num_slots: int, num_layers: int, *, cuda_device: int | None = None) -> None:
+        if num_slots <= 0 or num_layers <= 0:
+            raise InvalidArgument("a counters ring needs at least one slot and one layer")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self._shared = SharedBuffer.create(num_slots * (1 + num_layers) * 8, prefix="hicache-layers")
+        self._words = _ring(self._shared.tensor, num_slots, num_layers)
+        self._words[:] = 0
+        self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
+        self._next_generation = 1
+        self.events = CudaLayerEvents.create(num_slots, num_layers, cuda_device) if cuda_device is not None else None
+
+    @property
+    def handle(self) -> CountersHandle:
+        if self.events is None:
+            return CountersHandle(self._shared.name, self.num_slots, self.num_layers)
+        return CountersHandle(self._shared.name, self.num_slots, self.num_layers,
+                              self.events.ipc_handles(), self.events.device)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def begin(self) -> Ticket | None:
+        """A ticket for a new load, or ``None`` when every slot is in use."""
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        ticket = Ticket(slot, self._next_generation)
+        self._next_generation += 1
+        self._words[slot, 0] = ticket.generation
+        return ticket
+
+    def complete_layer(self, ticket: Ticket, layer: int) -> None:
+        self._check(ticket)
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgument(f"layer {layer} outside [0, {self.num_layers})")
+        self._words[ticket.slot, 1 + layer] = ticket.generation
+
+    def fail(self, ticket: Ticket) -> None:
+        """Mark every layer not yet complete as failed."""
+        self._check(ticket)
+        stamps = self._words[ticket.slot, 1:]
+        stamps[stamps != ticket.generation] = -ticket.generation
+
+    def finish(self, ticket: Ticket) -> None:
+        """Give the slot back; every layer must be complete or failed."""
+        self._check(ticket)
+        stamps = self._words[ticket.slot, 1:]
+        if not np.all(np.abs(stamps) == ticket.generation):
+            raise InvalidArgument(f"ticket {ticket} still has layers in flight")
+        self._free.append(ticket.slot)
+
+    def _check(self, ticket: Ticket) -> None:
+        if not 0 <= ticket.slot < self.num_slots or self._words[ticket.slot, 0] != ticket.generation:
+            raise InvalidArgument(f"{ticket} is not a live ticket of this ring")
+
+    def close(self) -> None:
+        self._words = None  # type: ignore[assignment]
+        self._shared.close()
+
+
+class LayerWaiter:
+    """The engine's side: waits for layers of a ticket."""
+
+    def __init__(self, handle: CountersHandle) -> None:
+        self.handle = handle
+        self._shared = SharedBuffer.attach(handle.shm_name, handle.num_slots * (1 + handle.num_layers) * 8)
+        self._words = _ring(self._shared.tensor, handle.num_slots, handle.num_layers)
+        self.events = CudaLayerEvents.open(handle) if handle.event_handles else None
+
+    def is_done(self, ticket: Ticket, layer: int) -> bool:
+        """Non-blocking: has ``layer`` of the ticket's load completed?"""
+        if not 0 <= ticket.slot < self.handle.num_slots or not 0 <= layer < self.handle.num_layers:
+            raise InvalidArgument(f"bad ticket {ticket} or layer {layer}")
+        if int(self._words[ticket.slot, 0]) != ticket.generation:
+            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
+        stamp = int(self._words[ticket.slot, 1 + layer])
+        if stamp == ticket.generation:
+            return True
+        if stamp == -ticket.generation:
+            raise LoadFailed(f"layer {layer} of load {ticket} failed")
+        # Not done: unless the slot was reused between the two reads above.
+        if int(self._words[ticket.slot, 0]) != ticket.generation:
+            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
+        return False
+
+    def wait_layer(self, ticket: Ticket, layer: int, *, timeout_s: float | None = None,
+                   stream: Any = None) -> None:
+        """Return once ``layer`` of the load is complete (CPU mode: poll; GPU mode: make
+        ``stream`` wait on the layer's event, without blocking the CPU)."""
+        if self.events is not None:
+            self._check_not_failed(ticket, layer)
+            self.events.wait(ticket, layer, stream)
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 0.0
+        while not self.is_done(ticket, layer):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"layer {layer} of load {ticket} not complete after {timeout_s} s")
+            # Spin briefly, then back off up to 100 us: layers land every few hundred us.
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-6, 1e-4)
+
+    def _check_not_failed(self, ticket: Ticket, layer: int) -> None:
+        stamp = int(self._words[ticket.slot, 1 + layer])
+        if stamp == -ticket.generation:
+            raise LoadFailed(f"layer {layer} of load {ticket} failed")
+        if int(self._words[ticket.slot, 0]) != ticket.generation:
+            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
+
+    def close(self) -> None:
+        self._words = None  # type: ignore[assignment]
+        self._shared.close()
+
+
+class CudaLayerEvents:
+    """A slot x layer grid of interprocess CUDA events."""
+
+    def __init__(self, events: list[list[Any]], device: int) -> None:
+        self._events = events
+        self.device = device
+
+    @classmethod
+    def create(cls, num_slots: int, num_layers: int, device: int) -> "CudaLayerEvents":
+        with torch.cuda.device(device):
+            events = [[torch.cuda.Event(interprocess=True) for _ in range(num_layers)] for _ in range(num_slots)]
+        return cls(events, device)
+
+    @classmethod
+    def open(cls, handle: CountersHandle) -> "CudaLayerEvents":
+        device = torch.device("cuda", handle.device)
+        flat = [torch.cuda.Event.from_ipc_handle(device, h) for h in handle.event_handles]
+        layers = handle.num_layers
+        return cls([flat[s * layers : (s + 1) * layers] for s in range(handle.num_slots)], handle.device)
+
+    def ipc_handles(self) -> tuple[bytes, ...]:
+        return tuple(ev.ipc_handle() for row in self._events for ev in row)
+
+    def record(self, ticket: Ticket, layer: int, stream: Any) -> None:
+        self._events[ticket.slot][layer].record(stream)
+
+    def wait(self, ticket: Ticket, layer: int, stream: Any = None) -> None:
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        stream.wait_event(self._events[ticket.slot][layer])

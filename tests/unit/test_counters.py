@@ -1,0 +1,90 @@
+import pytest
+
+from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
+from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
+
+
+@pytest.fixture
+def ring():
+    counters = LayerCounters(num_slots=2, num_layers=3)
+    waiter = LayerWaiter(CountersHandle.from_dict(counters.handle.to_dict()))
+    yield counters, waiter
+    waiter.close()
+    counters.close()
+
+
+def test_layers_complete_in_any_order(ring):
+    counters, waiter = ring
+    ticket = counters.begin()
+    assert [waiter.is_done(ticket, i) for i in range(3)] == [False] * 3
+    counters.complete_layer(ticket, 1)
+    assert [waiter.is_done(ticket, i) for i in range(3)] == [False, True, False]
+    counters.complete_layer(ticket, 0)
+    counters.complete_layer(ticket, 2)
+    waiter.wait_layer(ticket, 2)
+    with pytest.raises(InvalidArgument):
+        waiter.is_done(ticket, 3)
+
+
+def test_a_reused_slot_never_reports_an_older_load_as_done(ring):
+    counters, waiter = ring
+    first = counters.begin()
+    for layer in range(3):
+        counters.complete_layer(first, layer)
+    counters.finish(first)
+    second = counters.begin()  # the other slot
+    for layer in range(3):
+        counters.complete_layer(second, layer)
+    counters.finish(second)
+    third_slot_user = counters.begin()
+    assert third_slot_user.slot == first.slot and third_slot_user.generation > first.generation
+    # The new load has done nothing yet: layer 0 of it is not done...
+    assert not waiter.is_done(third_slot_user, 0)
+    # ...and a waiter still holding the first ticket learns the slot moved on.
+    with pytest.raises(StaleTicket):
+        waiter.is_done(first, 0)
+    counters.complete_layer(third_slot_user, 0)
+    with pytest.raises(StaleTicket):
+        waiter.is_done(first, 0)
+
+
+def test_a_stale_stamp_from_the_previous_load_is_not_done(ring):
+    counters, waiter = ring
+    first = counters.begin()
+    counters.complete_layer(first, 0)
+    counters.fail(first)
+    counters.finish(first)
+    second = counters.begin()
+    counters.fail(second)
+    counters.finish(second)
+    reuse = counters.begin()
+    assert reuse.slot == first.slot
+    # Layer 0 still carries the first load's stamp: it is not the new load's.
+    assert not waiter.is_done(reuse, 0)
+
+
+def test_failure_is_reported(ring):
+    counters, waiter = ring
+    ticket = counters.begin()
+    counters.complete_layer(ticket, 0)
+    counters.fail(ticket)
+    assert waiter.is_done(ticket, 0)
+    with pytest.raises(LoadFailed):
+        waiter.wait_layer(ticket, 1)
+    counters.finish(ticket)
+
+
+def test_ring_exhaustion_and_misuse(ring):
+    counters, waiter = ring
+    a, b = counters.begin(), counters.begin()
+    assert counters.begin() is None and counters.num_free_slots == 0
+    with pytest.raises(InvalidArgument):
+        counters.finish(a)  # layers still in flight
+    with pytest.raises(InvalidArgument):
+        counters.complete_layer(Ticket(a.slot, a.generation + 7), 0)
+    with pytest.raises(InvalidArgument):
+        counters.complete_layer(b, 3)
+    with pytest.raises(WaitTimeout):
+        waiter.wait_layer(a, 0, timeout_s=0)
+    with pytest.raises(InvalidArgument):
+        LayerCounters(0, 3)

@@ -1,0 +1,59 @@
+"""Exporting an engine's KV pool to the daemon.
+
+The engine allocates its whole KV pool (every layer, plus recurrent-state slots) as one
+flat buffer laid out by :class:`hicache.pools.DeviceLayout`, uses the typed views of
+:class:`hicache.pools.DevicePool` for its forward pass, and sends the
+:class:`hicache.pools.PoolHandle` to the daemon at registration. CPU engines get the
+buffer in POSIX shared memory; CUDA engines in device memory shared by a CUDA IPC
+handle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.errors import InvalidArgument
+from hicache.pools import DeviceLayout, DevicePool, PoolHandle
+from hicache.shm import SharedBuffer
+from hicache.spec import KVSpec
+
+
+class ExportedKVPool:
+    """The engine's side of an exported pool: ``pool`` for compute, ``handle`` for the
+    daemon. Close it when the engine is done (the shared memory is unlinked)."""
+
+    def __init__(self, pool: DevicePool, handle: PoolHandle) -> None:
+        self.pool = pool
+        self.handle = handle
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def export_kv_pool(
+    spec: KVSpec,
+    num_pages: int,
+    *,
+    num_state_slots: int = 0,
+    device: str | torch.device = "cpu",
+    rank: int = 0,
+    shm_mode: int = 0o600,
+) -> ExportedKVPool:
+    """Allocate a zeroed KV pool of ``num_pages`` pages (plus the padding page) and
+    describe it for the daemon. ``shm_mode`` sets the permissions of a CPU pool's
+    shared-memory file (0o660 lets a daemon in the same group map it)."""
+    layout = DeviceLayout.build(spec, num_pages, num_state_slots)
+    device = torch.device(device)
+    if device.type == "cpu":
+        shared = SharedBuffer.create(layout.nbytes, prefix="hicache-kv", mode=shm_mode)
+        pool = DevicePool(layout, shared.tensor, rank=rank, owner=shared)
+        handle = PoolHandle("shm", layout.to_dict(), layout.nbytes, rank, shm_name=shared.name)
+    elif device.type == "cuda":
+        from hicache.cuda_ipc import export_tensor
+
+        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+        pool = DevicePool(layout, buffer, rank=rank)
+        handle = PoolHandle("cuda_ipc", layout.to_dict(), layout.nbytes, rank, cuda_ipc=export_tensor(buffer))
+    else:
+        raise InvalidArgument(f"cannot export a KV pool on {device}")
+    return ExportedKVPool(pool, handle)

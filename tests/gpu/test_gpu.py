@@ -1,0 +1,168 @@
+"""Checks that need a CUDA device (``pytest -m gpu``; skipped elsewhere).
+
+scripts/gpu_check.sh runs these and the CUDA page-copy benchmark on a GPU machine:
+CUDA IPC pool export / import between two processes, the pinned host pool, every Triton
+kernel compiled for real against its torch reference, interprocess layer events.
+"""
+
+import multiprocessing
+import traceback
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket  # noqa: E402
+from hicache.engine.kv_pool import export_kv_pool  # noqa: E402
+from hicache.kernels.kv_indices import build_kv_indices, build_kv_page_indices  # noqa: E402
+from hicache.kernels.page_copy import copy_pages_reference, copy_pages_triton  # noqa: E402
+from hicache.kernels.slot_alloc import alloc_decode, alloc_extend  # noqa: E402
+from hicache.pools import DeviceLayout, DevicePool, HostPool, PoolHandle, page_segments  # noqa: E402
+from hicache.spec import KVSpec  # noqa: E402
+from hicache.transfer import PageMover  # noqa: E402
+
+SPEC = KVSpec.mha(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, model="gpu-check")
+TIMEOUT_S = 120
+
+
+def _engine(conn) -> None:
+    """Child process: export a CUDA pool, fill it, and answer the parent's checks."""
+    try:
+        exported = export_kv_pool(SPEC, 32, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        exported.pool.buffer.copy_(torch.randint(0, 256, (exported.pool.buffer.numel(),), generator=gen,
+                                                 device="cuda", dtype=torch.int32).to(torch.uint8))
+        torch.cuda.synchronize()
+        conn.send(("pool", exported.handle.to_dict(), exported.pool.buffer.sum(dtype=torch.int64).item()))
+        kind, counters = conn.recv()
+        assert kind == "events"
+        waiter = LayerWaiter(CountersHandle.from_dict(counters))
+        conn.send(("ready", None))
+        kind, ticket, src, dst = conn.recv()
+        ticket = Ticket(*ticket)
+        stream = torch.cuda.Stream()
+        for layer in range(SPEC.num_layers):
+            waiter.wait_layer(ticket, layer, stream=stream)
+        stream.synchronize()
+        ok = all(
+            torch.equal(exported.pool.buffer_of(layer, name)[d * 16 : (d + 1) * 16],
+                        exported.pool.buffer_of(layer, name)[s * 16 : (s + 1) * 16])
+            for layer in range(SPEC.num_layers) for name in ("k", "v") for s, d in zip(src, dst)
+        )
+        conn.send(("loaded", ok))
+        assert conn.recv() == "close"
+        waiter.close()
+        exported.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _expect(conn, kind):
+    assert conn.poll(TIMEOUT_S), f"no {kind!r} from the engine process"
+    got, *values = conn.recv()
+    if got == "error":
+        raise AssertionError(values[0])
+    assert got == kind
+    return values
+
+
+def test_cuda_ipc_pool_pinned_host_and_layer_events_across_processes():
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    engine = ctx.Process(target=_engine, args=(child,))
+    engine.start()
+    try:
+        handle, checksum = _expect(parent, "pool")
+        pool = DevicePool.attach(PoolHandle.from_dict(handle), expected=SPEC)
+        assert pool.device.type == "cuda"
+        assert pool.buffer.sum(dtype=torch.int64).item() == checksum, "the daemon sees other bytes"
+        host = HostPool(SPEC, 16, pinned=True)
+        assert host.buffer.is_pinned()
+        mover = PageMover(pool, host)
+        src, hosts, dst = [3, 9, 17, 30], [5, 0, 11, 2], [1, 2, 20, 31]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            mover.backup(src, hosts)
+        stream.synchronize()
+        for s, h in zip(src, hosts):
+            for region in pool.layout.token_regions:
+                a = region.offset + s * region.unit_bytes
+                seg = [x for x in SPEC.host_page_layout() if (x.layer, x.component) == (region.layer, region.component)]
+                b = h * SPEC.host_page_bytes + seg[0].offset
+                assert torch.equal(pool.buffer[a : a + region.unit_bytes].cpu(), host.pages[b : b + region.unit_bytes])
+        counters = LayerCounters(num_slots=2, num_layers=SPEC.num_layers, cuda_device=pool.device.index or 0)
+        parent.send(("events", counters.handle.to_dict()))
+        _expect(parent, "ready")
+        ticket = counters.begin()
+        with torch.cuda.stream(stream):
+            # Enqueue every layer's copy and event record before telling the engine.
+            mover.load(hosts, dst, on_layer=lambda layer: (counters.events.record(ticket, layer, stream),
+                                                           counters.complete_layer(ticket, layer)))
+        parent.send(("load", tuple(ticket), src, dst))
+        (ok,) = _expect(parent, "loaded")
+        assert ok, "the engine saw other bytes after waiting on the layer events"
+        stream.synchronize()
+        counters.finish(ticket)
+        parent.send("close")
+        engine.join(TIMEOUT_S)
+        assert engine.exitcode == 0
+        host.close()
+        assert not host.pinned or host._registered == []
+        counters.close()
+        pool.close()
+    finally:
+        if engine.is_alive():
+            engine.kill()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_copy_kernel_compiled(page_size):
+    spec = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=8, page_size=page_size)
+    layout = DeviceLayout.build(spec, num_pages=64)
+    segments = page_segments(layout)
+    src = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, device="cuda")
+    src_pages = torch.tensor([5, 1, 63, 5, 20], device="cuda")
+    dst_pages = torch.tensor([0, 9, 3, 4, 8], device="cuda")
+    out = {}
+    for name, kernel in (("triton", copy_pages_triton), ("reference", copy_pages_reference)):
+        dst = torch.full((10 * spec.host_page_bytes,), 0xA5, dtype=torch.uint8, device="cuda")
+        kernel(src, dst, src_pages, dst_pages, segments, max_programs=4)
+        out[name] = dst
+    assert torch.equal(out["triton"], out["reference"])
+    # Straight into pinned host memory through its device-mapped pointer.
+    host = HostPool(spec, 10, pinned=True)
+    host.pages.fill_(0xA5)
+    copy_pages_triton(src, host.pages, src_pages, dst_pages, segments)
+    torch.cuda.synchronize()
+    assert torch.equal(host.pages, out["reference"].cpu())
+    host.close()
+
+
+def test_slot_and_index_kernels_compiled():
+    ps = 16
+    prefix = torch.tensor([0, 5, 16, 33], device="cuda")
+    seq = torch.tensor([40, 5, 70, 34], device="cuda")
+    last = torch.tensor([-1, 4 + 3 * ps, 16 * 7 + 15, 2 * ps], device="cuda")
+    free = torch.tensor([11, 4, 9, 30, 2, 7, 8], device="cuda")
+    got = alloc_extend(prefix, seq, last, free, ps)
+    from hicache.kernels.slot_alloc import alloc_extend_torch, alloc_decode_torch
+
+    ref = alloc_extend_torch(prefix.cpu(), seq.cpu(), last.cpu(), free.cpu(), ps)
+    assert torch.equal(got.slots.cpu(), ref.slots) and got.num_pages == ref.num_pages
+    dec_seq = torch.tensor([17, 18, 33], device="cuda")
+    dec_last = torch.tensor([15, 16 + 16, 31], device="cuda")
+    got = alloc_decode(dec_seq, dec_last, free, ps)
+    ref = alloc_decode_torch(dec_seq.cpu(), dec_last.cpu(), free.cpu(), ps)
+    assert torch.equal(got.slots.cpu(), ref.slots) and got.num_pages == ref.num_pages
+    table = torch.randint(0, 10_000, (5, 3000), dtype=torch.int32, device="cuda")
+    rows = torch.tensor([4, 0, 2], device="cuda")
+    lens = torch.tensor([2999, 0, 1025], device="cuda")
+    from hicache.kernels.kv_indices import build_kv_indices_torch, build_kv_page_indices_torch
+
+    got = build_kv_indices(table, rows, lens)
+    ref = build_kv_indices_torch(table.cpu(), rows.cpu(), lens.cpu())
+    assert torch.equal(got.indices.cpu(), ref.indices) and torch.equal(got.indptr.cpu(), ref.indptr)
+    got = build_kv_page_indices(table, rows, lens, ps)
+    ref = build_kv_page_indices_torch(table.cpu(), rows.cpu(), lens.cpu(), ps)
+    assert torch.equal(got.indices.cpu(), ref.indices) and torch.equal(got.indptr.cpu(), ref.indptr)

@@ -1,0 +1,101 @@
+"""The storage port: what the tier manager needs from a disk (or remote) tier.
+
+A record is one host page as is (``KVSpec.host_page_bytes`` bytes, every rank and
+layer of one page), stored under its 16-byte page key, with metadata from which the
+tree's disk residency is rebuilt after a restart::
+
+    page key ──> payload   (header + host page bytes; checksum verified on every read)
+             └─> metadata  (namespace, parent page key, the page's token ids, payload size,
+                            last access)
+
+Writes are asynchronous: :meth:`StorageBackend.put` and :meth:`StorageBackend.delete`
+queue work for the backend's writer and return a :class:`concurrent.futures.Future`
+that completes once the batch is committed (a committed batch survives the process
+being killed) — the caller keeps the source pages pinned until then. Reads are
+synchronous, run on the caller's thread, and never wait behind a write.
+
+A record that fails any integrity check on read is reported missing and counted, never
+returned. Backends with a byte capacity evict least-recently-used records and report
+which, so the tree can forget them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Union
+
+import numpy as np
+import torch
+
+PAGE_KEY_BYTES = 16
+
+# A destination the payload is copied into: a writable, contiguous byte buffer of
+# exactly the payload size (a host page of the host pool, a numpy array, a bytearray).
+Buffer = Union[torch.Tensor, np.ndarray, bytearray, memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    """What the tree needs to put a page back where it was."""
+
+    namespace: bytes  # 16-byte namespace id
+    parent: bytes  # page key of the previous page (16 zero bytes for the first page)
+    tokens: bytes  # the page's token ids, packed little-endian int32
+    payload_size: int = 0  # set by the backend on write
+    last_access_s: float = 0.0  # unix time, kept by the backend
+
+
+@dataclass(frozen=True, slots=True)
+class PageRecord:
+    key: bytes  # 16-byte page key
+    payload: Buffer  # the host page bytes (read by the writer before the future completes)
+    meta: PageMeta
+
+
+class PutResult(NamedTuple):
+    """A committed put: how many records were written, and which keys the backend
+    evicted to make room (the caller must drop their disk residency)."""
+
+    written: int
+    evicted: tuple[bytes, ...]
+
+
+class StorageStats(NamedTuple):
+    records: int
+    bytes: int  # payload bytes stored (headers excluded)
+    capacity_bytes: int
+    map_size_bytes: int  # reserved address space / file size where that means something
+    corrupt_records: int  # reads that failed an integrity check since open
+    evicted_records: int  # records evicted for capacity since open
+    pending_writes: int  # records queued but not committed
+
+
+class StorageBackend(Protocol):
+    """The port the tier manager drives. Implementations: :mod:`hicache.storage.lmdb_backend`."""
+
+    def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
+        """Queue ``records`` (one spec, ``fingerprint``) for one committed batch."""
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
+        """Copy each present, intact record of spec ``fingerprint`` into its buffer;
+        ``False`` where a record is missing or fails a check (the buffer may then hold
+        anything). Counts as an access for LRU."""
+
+    def longest_run(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored (not verified)."""
+
+    def delete(self, keys: Sequence[bytes]) -> Future[int]:
+        """Queue the deletion of ``keys``; the future gives how many existed."""
+
+    def iter_metadata(self) -> Iterator[tuple[bytes, PageMeta]]:
+        """Every stored record's key and metadata (a consistent snapshot)."""
+
+    def flush(self) -> None:
+        """Wait until every queued write is committed."""
+
+    def stats(self) -> StorageStats: ...
+
+    def close(self) -> None:
+        """Commit what is queued, then release the store."""

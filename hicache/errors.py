@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     LOAD_FAILED = 10
     STALE_TICKET = 11
     TIMEOUT = 12
+    STORAGE_UNAVAILABLE = 13
 
 
 class HicacheError(Exception):
@@ -91,3 +92,9 @@ class StaleTicket(HicacheError, RuntimeError):
 
 class WaitTimeout(HicacheError, TimeoutError):
     code = ErrorCode.TIMEOUT
+
+
+class StorageUnavailable(HicacheError, RuntimeError):
+    """The store is closed, failed to open, or is used from a process that did not open it."""
+
+    code = ErrorCode.STORAGE_UNAVAILABLE

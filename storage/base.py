@@ -5,8 +5,8 @@ layer of one page), stored under its 16-byte page key, with metadata from which 
 tree's disk residency is rebuilt after a restart::
 
     page key ──> payload   (header + host page bytes; checksum verified on every read)
-             └─> metadata  (namespace, parent page key, the page's token ids, payload size,
-                            last access)
+             └─> metadata  (namespace, parent page key, the page's token ids, spec
+                            fingerprint, payload size, last access)
 
 Writes are asynchronous: :meth:`StorageBackend.put` and :meth:`StorageBackend.delete`
 queue work for the backend's writer and return a :class:`concurrent.futures.Future`
@@ -45,6 +45,7 @@ class PageMeta:
     tokens: bytes  # the page's token ids, packed little-endian int32
     payload_size: int = 0  # set by the backend on write
     last_access_s: float = 0.0  # unix time, kept by the backend
+    fingerprint: bytes = b""  # the KV spec's, set by the backend from the put
 
 
 @dataclass(frozen=True, slots=True)

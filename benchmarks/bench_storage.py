@@ -1,0 +1,217 @@
+"""Disk-tier benchmark: LmdbBackend vs one file per page (SGLang's file backend pattern).
+
+For each page size (64 KiB and 1 MiB by default) it writes ``--mib`` MiB of pages and
+reads them straight back (page cache warm), through
+
+* ``lmdb``: :class:`hicache.storage.lmdb_backend.LmdbBackend`, its real API: ``put`` of
+  ``--batch`` records per call, all futures awaited (``flush``), then ``get`` of
+  ``--batch`` keys per call into preallocated numpy page buffers (checksums verified);
+* ``file``: one file per page in a flat directory — write a temp file, ``os.replace``
+  it into place; read = ``open`` + ``readinto`` a preallocated buffer.
+
+Both write the same bytes to a fresh temporary directory on disk (``--dir``; not a
+tmpfs), with no fsync (LMDB ``sync=False``; a process kill loses neither). Before each
+timed write phase the dirty pages of earlier phases are written back
+(``os.sync``), so background writeback of one variant does not land on the other. Each
+figure is the best of ``--rounds`` rounds (the variants alternate within a round); MB/s
+are 10^6 bytes per second.
+
+    python benchmarks/bench_storage.py [--mib 256] [--rounds 3] [--writemap] [--json]
+
+With ``--json`` the last line is one JSON object with ``lmdb_put_64k_mbps``,
+``file_put_64k_mbps``, ``put_64k_ratio``, ``lmdb_get_64k_mbps``, ``file_get_64k_mbps``,
+``get_64k_ratio`` and the same six for ``1m``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from hicache.storage.base import PageMeta, PageRecord
+from hicache.storage.lmdb_backend import LmdbBackend
+
+SIZES = {"64k": 64 << 10, "1m": 1 << 20}
+FINGERPRINT = hashlib.blake2b(b"bench-spec", digest_size=16).digest()
+NAMESPACE = hashlib.blake2b(b"bench-namespace", digest_size=16).digest()
+NUM_SOURCE_PAGES = 64
+TOKENS_PER_PAGE = 64
+
+
+def page_keys(num_pages: int, salt: str) -> list[bytes]:
+    return [hashlib.blake2b(f"{salt}:{i}".encode(), digest_size=16).digest() for i in range(num_pages)]
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem type that holds ``path`` (longest matching mount point)."""
+    best, fstype = "", "?"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1]
+                if os.path.realpath(path).startswith(mount_point.rstrip("/") + "/") and len(mount_point) > len(best):
+                    best, fstype = mount_point, fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def fresh_dir(root: str, name: str, prefault_mib: int) -> str:
+    """A new directory for one timed run, and a machine in the same state for every run.
+
+    Earlier runs' files stay until the end (deleting them makes the filesystem discard
+    blocks under the next run); their dirty pages are written back first, so that the
+    next run does not pay for them. Then ``prefault_mib`` of anonymous memory is touched
+    and freed: on a VM whose balloon reports free pages to the host, the first touch of
+    a page after that costs a host fault, which would otherwise charge whichever run
+    happens to get the returned pages (several-fold swings in write MB/s here).
+    """
+    path = tempfile.mkdtemp(prefix=name + "-", dir=root)
+    os.sync()
+    if prefault_mib:
+        np.ones(prefault_mib << 20, dtype=np.uint8)
+    return path
+
+
+def bench_lmdb(root: str, keys: list[bytes], sources: list[np.ndarray], batch: int, args) -> tuple[float, float]:
+    page_bytes = sources[0].nbytes
+    total = len(keys) * page_bytes
+    path = fresh_dir(root, "lmdb", args.prefault_mib)
+    tokens = bytes(4 * TOKENS_PER_PAGE)
+    records = [
+        PageRecord(key, sources[i % len(sources)], PageMeta(namespace=NAMESPACE, parent=bytes(16), tokens=tokens))
+        for i, key in enumerate(keys)
+    ]
+    store = LmdbBackend(
+        path,
+        capacity_bytes=total * 2,
+        writemap=args.writemap,
+        sync=args.sync,
+        max_batch_records=args.max_batch_records,
+        max_batch_bytes=args.max_batch_mib << 20,
+    )
+    try:
+        start = time.perf_counter()
+        futures = [store.put(records[i : i + batch], fingerprint=FINGERPRINT) for i in range(0, len(records), batch)]
+        store.flush()
+        put_s = time.perf_counter() - start
+        assert sum(f.result().written for f in futures) == len(keys)
+
+        buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            chunk = keys[i : i + batch]
+            found = store.get(chunk, buffers[: len(chunk)], fingerprint=FINGERPRINT)
+            if not all(found):
+                raise RuntimeError("lmdb: a page written was not read back")
+        get_s = time.perf_counter() - start
+        if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
+            raise RuntimeError("lmdb: wrong bytes read back")
+    finally:
+        store.close()
+    return total / put_s / 1e6, total / get_s / 1e6
+
+
+def bench_files(root: str, keys: list[bytes], sources: list[np.ndarray], batch: int, args) -> tuple[float, float]:
+    page_bytes = sources[0].nbytes
+    total = len(keys) * page_bytes
+    path = fresh_dir(root, "files", args.prefault_mib)
+    names = [os.path.join(path, key.hex() + ".bin") for key in keys]
+    start = time.perf_counter()
+    for i, name in enumerate(names):
+        temp = name + ".tmp"
+        with open(temp, "wb") as f:
+            f.write(memoryview(sources[i % len(sources)]))
+        os.replace(temp, name)
+    put_s = time.perf_counter() - start
+
+    buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
+    views = [memoryview(b) for b in buffers]
+    start = time.perf_counter()
+    for i, name in enumerate(names):
+        with open(name, "rb", buffering=0) as f:
+            if f.readinto(views[i % batch]) != page_bytes:
+                raise RuntimeError(f"file: short read of {name}")
+    get_s = time.perf_counter() - start
+    if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
+        raise RuntimeError("file: wrong bytes read back")
+    return total / put_s / 1e6, total / get_s / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=256, help="MiB written per page size and variant")
+    parser.add_argument("--sizes", default="64k,1m", help=f"page sizes, from {sorted(SIZES)}")
+    parser.add_argument("--batch", type=int, default=32, help="records per put / get call")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default="/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir(),
+                        help="where the temporary directory goes (a disk, not a tmpfs)")
+    parser.add_argument("--writemap", action=argparse.BooleanOptionalAction, default=False,
+                        help="open LMDB with a writable map (LmdbBackend's default: off)")
+    parser.add_argument("--sync", action="store_true", help="LMDB fsync per commit")
+    parser.add_argument("--max-batch-records", type=int, default=512, help="LmdbBackend writer batch bound")
+    parser.add_argument("--max-batch-mib", type=int, default=16, help="LmdbBackend writer batch bound")
+    parser.add_argument("--prefault-mib", type=int, default=None,
+                        help="anonymous memory touched and freed before each timed write (default 2 x --mib; 0: off)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.prefault_mib is None:
+        args.prefault_mib = 2 * args.mib
+    sizes = [s.strip() for s in args.sizes.split(",")]
+    if any(s not in SIZES for s in sizes):
+        parser.error(f"--sizes must be among {sorted(SIZES)}")
+
+    root = tempfile.mkdtemp(prefix="hicache-bench-storage-", dir=args.dir)
+    fstype = filesystem_of(root)
+    if fstype in ("tmpfs", "ramfs"):
+        print(f"warning: {root} is on {fstype}, not a disk", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    best: dict[str, float] = {}
+    try:
+        for size in sizes:
+            page_bytes = SIZES[size]
+            num_pages = (args.mib << 20) // page_bytes
+            sources = [rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(NUM_SOURCE_PAGES)]
+            for round_index in range(args.rounds):
+                keys = page_keys(num_pages, f"{size}:{round_index}")
+                results = {
+                    "lmdb": bench_lmdb(root, keys, sources, args.batch, args),
+                    "file": bench_files(root, keys, sources, args.batch, args),
+                }
+                for variant, (put_mbps, get_mbps) in results.items():
+                    for op, mbps in (("put", put_mbps), ("get", get_mbps)):
+                        name = f"{variant}_{op}_{size}_mbps"
+                        best[name] = max(best.get(name, 0.0), mbps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    figures: dict[str, float | int | str | bool] = {}
+    print(f"{args.mib} MiB per page size and variant, best of {args.rounds} rounds, batch {args.batch}, "
+          f"{root} ({fstype}), writemap={args.writemap}, sync={args.sync}")
+    print(f"{'page':>6} {'op':>4} {'lmdb MB/s':>10} {'file MB/s':>10} {'lmdb/file':>10}")
+    for size in sizes:
+        for op in ("put", "get"):
+            lmdb_mbps, file_mbps = best[f"lmdb_{op}_{size}_mbps"], best[f"file_{op}_{size}_mbps"]
+            ratio = lmdb_mbps / file_mbps
+            print(f"{size:>6} {op:>4} {lmdb_mbps:>10.0f} {file_mbps:>10.0f} {ratio:>10.2f}")
+            figures[f"lmdb_{op}_{size}_mbps"] = round(lmdb_mbps, 1)
+            figures[f"file_{op}_{size}_mbps"] = round(file_mbps, 1)
+            figures[f"{op}_{size}_ratio"] = round(ratio, 3)
+    if args.json:
+        figures.update(mib=args.mib, rounds=args.rounds, batch=args.batch, writemap=args.writemap,
+                       sync=args.sync, filesystem=fstype)
+        print(json.dumps(figures, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

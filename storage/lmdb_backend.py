@@ -1,0 +1,944 @@
+"""The default disk tier: one LMDB environment, one writer thread, readers on any thread.
+
+Layout of the environment (directory ``path``, files ``data.mdb`` and ``lock.mdb``)::
+
+    sub-database "payload": page key (16 B) -> header (48 B) + host page bytes
+    sub-database "meta":    page key (16 B) -> metadata record (56 B) + token ids
+
+    payload header, little-endian                      metadata record, little-endian
+    +-------+---------------------------------------+  +-------+---------------------------+
+    | 0  4s | magic b"HCKV"                         |  | 0  B  | meta format version (1)   |
+    | 4  H  | payload format version (1)            |  | 1  3x | reserved (zero)           |
+    | 6  H  | header size (48)                      |  | 4  Q  | payload size              |
+    | 8  16s| spec fingerprint                      |  | 12 d  | last access (unix s)      |
+    | 24 Q  | payload length                        |  | 20 16s| namespace id              |
+    | 32 Q  | xxh3_64 of bytes [0, 32) + payload    |  | 36 16s| parent page key           |
+    | 40 8x | reserved (zero)                       |  | 52 I  | token bytes that follow   |
+    +-------+---------------------------------------+  +-------+---------------------------+
+
+The checksum covers the header fields before it as well as the payload, so a flipped
+fingerprint or length is caught like a flipped payload byte. A value that takes LMDB
+overflow pages starts 16 bytes into its first page, so the payload lands 64-byte aligned.
+
+Integrity: every get checks magic, version, header size, value length against the
+header, and the checksum, over LMDB's zero-copy view inside the read transaction, before
+copying anything out. A record that fails is reported missing, counted in
+``corrupt_records`` and queued for deletion: the writer checks it again in its own
+transaction (the key may have been rewritten since) and deletes payload and metadata,
+so it stops taking capacity. An intact record of another spec fingerprint is reported
+missing and counted as well, but kept: deleting it would punish a caller bug.
+
+Writes: :meth:`LmdbBackend.put` and :meth:`LmdbBackend.delete` validate on the caller's
+thread and queue an operation; the writer thread (which also opens the environment, so
+every write transaction lives on the thread that opened it) takes whatever is queued, up
+to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transaction,
+commits, updates the in-memory index and only then resolves the futures, in queue order.
+A batch that raises is aborted and fails all its futures; the index changes only after a
+commit, so the store and the index stay consistent. ``lmdb.MapFullError`` doubles the map
+and retries the batch.
+
+Reads run on the caller's thread in their own read transaction (LMDB MVCC: they never
+wait for a commit). Growing the map (and closing) needs every transaction of this
+process to be finished — py-lmdb aborts open ones and the mapping moves, which would
+leave a reader's zero-copy views pointing at unmapped memory — so readers hold a shared
+:class:`_ReadGate` for the life of their transaction and the writer takes it exclusively
+for a resize. That is the only time a read can wait, and a resize is rare (the map
+doubles each time).
+
+Durability: a commit is atomic and, once ``put``'s future resolves, survives the process
+being killed at any moment (the data is in the OS page cache). With ``sync=False`` (the
+default) an OS crash or power loss can lose the last commits, never tear one;
+``sync=True`` fsyncs on every commit.
+
+``writemap`` is off by default. On, LMDB writes pages in the map in place (puts about 20%
+faster in ``benchmarks/bench_storage.py``), but the data file becomes a sparse file of
+the map's size, and on a full disk the first write to a page kills the process with
+SIGBUS; off, the commit fails with ENOSPC and only that batch's futures fail.
+
+Capacity: ``capacity_bytes`` bounds the stored payload bytes. The LRU order is kept in
+memory (rebuilt on open from the stored last-access times); reads record their accesses
+in memory and the writer persists them lazily, with the next batch or after
+``access_flush_interval_s`` of idleness, never one write per read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Union
+
+import lmdb
+import numpy as np
+import torch
+import xxhash
+
+from hicache.errors import HicacheError, InvalidArgument, StorageUnavailable
+from hicache.storage.base import PAGE_KEY_BYTES, Buffer, PageMeta, PageRecord, PutResult, StorageStats
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_BYTES = 16
+TOKEN_BYTES = 4
+
+PAYLOAD_MAGIC = b"HCKV"
+PAYLOAD_VERSION = 1
+_HEADER = struct.Struct("<4sHH16sQQ8x")
+HEADER_BYTES = _HEADER.size  # 48
+_CHECKSUM = struct.Struct("<Q")
+_CHECKSUM_OFFSET = 32  # the checksum covers header bytes [0, 32) and the payload
+
+META_VERSION = 2
+_META = struct.Struct("<B3xQd16s16s16sI")
+META_BYTES = _META.size  # 72
+_META_ACCESS = struct.Struct("<d")
+_META_ACCESS_OFFSET = 12
+
+_PAYLOAD_DB = b"payload"
+_META_DB = b"meta"
+_MIB = 1 << 20
+# Keeps successive access stamps strictly increasing, so the order persisted for a
+# restart is the in-memory LRU order even when the clock does not advance between calls.
+_STAMP_STEP_S = 1e-6
+
+
+def default_map_size(capacity_bytes: int) -> int:
+    """Initial map size for a store of ``capacity_bytes`` of payload: room for headers,
+    page rounding, the B-trees and pages freed but not yet reusable; the map doubles on
+    demand beyond that. 2 MiB multiple."""
+    size = capacity_bytes + capacity_bytes // 2 + 64 * _MIB
+    return -(-size // (2 * _MIB)) * (2 * _MIB)
+
+
+def _byte_view(buffer: Buffer, *, writable: bool) -> np.ndarray:
+    """``buffer`` as a flat uint8 array over the same memory (no copy).
+
+    Accepts contiguous CPU torch tensors, C-contiguous numpy arrays and objects with the
+    buffer protocol (bytearray, memoryview; bytes only when ``writable`` is false).
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise InvalidArgument(f"tensor buffer must be on the CPU, got {buffer.device}")
+        if not buffer.is_contiguous():
+            raise InvalidArgument("tensor buffer must be contiguous")
+        return buffer.detach().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise InvalidArgument("numpy buffer must be C-contiguous")
+        if writable and not buffer.flags.writeable:
+            raise InvalidArgument("numpy buffer is read-only")
+        if buffer.dtype.hasobject:
+            raise InvalidArgument("numpy buffer must not hold objects")
+        return buffer.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidArgument(f"not a byte buffer: {type(buffer).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgument("buffer must be contiguous")
+    if writable and view.readonly:
+        raise InvalidArgument(f"buffer is read-only: {type(buffer).__name__}")
+    return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
+
+
+def _require_key(key: bytes, what: str = "page key") -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != PAGE_KEY_BYTES:
+        raise InvalidArgument(f"{what} must be {PAGE_KEY_BYTES} bytes, got {key!r:.60}")
+    return bytes(key)
+
+
+def _require_fingerprint(fingerprint: bytes) -> bytes:
+    if not isinstance(fingerprint, (bytes, bytearray)) or len(fingerprint) != FINGERPRINT_BYTES:
+        raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
+    return bytes(fingerprint)
+
+
+def _payload_checksum(value, length: int) -> int:
+    digest = xxhash.xxh3_64(value[:_CHECKSUM_OFFSET])
+    digest.update(value[HEADER_BYTES : HEADER_BYTES + length])
+    return digest.intdigest()
+
+
+def _parse_payload(value) -> tuple[bytes, int] | None:
+    """``(fingerprint, payload length)`` of an intact record, ``None`` for a corrupt one
+    (bad magic, version or header size, a value shorter or longer than its header says,
+    or a checksum mismatch). Reads ``value`` in place."""
+    if len(value) < HEADER_BYTES:
+        return None
+    magic, version, header_bytes, fingerprint, length, checksum = _HEADER.unpack_from(value, 0)
+    if (
+        magic != PAYLOAD_MAGIC
+        or version != PAYLOAD_VERSION
+        or header_bytes != HEADER_BYTES
+        or len(value) != HEADER_BYTES + length
+        or _payload_checksum(value, length) != checksum
+    ):
+        return None
+    return fingerprint, length
+
+
+def _encode_meta(
+    namespace: bytes, parent: bytes, fingerprint: bytes, tokens: bytes, payload_size: int
+) -> bytearray:
+    """The metadata record with last access 0; the writer stamps it on commit."""
+    value = bytearray(META_BYTES + len(tokens))
+    _META.pack_into(value, 0, META_VERSION, payload_size, 0.0, namespace, parent, fingerprint, len(tokens))
+    value[META_BYTES:] = tokens
+    return value
+
+
+def _decode_meta(value) -> PageMeta | None:
+    """The metadata record, or ``None`` if it is not a well-formed current-version record."""
+    if len(value) < META_BYTES:
+        return None
+    version, payload_size, last_access_s, namespace, parent, fingerprint, num_token_bytes = _META.unpack_from(value, 0)
+    if version != META_VERSION or len(value) != META_BYTES + num_token_bytes or num_token_bytes % TOKEN_BYTES:
+        return None
+    return PageMeta(
+        namespace=namespace,
+        parent=parent,
+        tokens=bytes(value[META_BYTES:]),
+        payload_size=payload_size,
+        last_access_s=last_access_s,
+        fingerprint=fingerprint,
+    )
+
+
+class _ReadGate:
+    """Many transactions of this process at once, or one exclusive holder (map resize,
+    close). A waiting exclusive holder stops new readers, so a stream of gets cannot
+    starve a resize; readers never wait for anything else while they hold the gate."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._readers:
+                self._cond.wait()
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    key: bytes
+    payload: np.ndarray  # uint8 view of the caller's buffer
+    meta: bytearray  # the encoded metadata; the writer stamps the access time into it
+
+
+@dataclass(frozen=True, slots=True)
+class _PutOp:
+    records: tuple[_Record, ...]
+    fingerprint: bytes
+    future: Future
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(r.payload.nbytes for r in self.records)
+
+
+@dataclass(frozen=True, slots=True)
+class _DeleteOp:
+    keys: tuple[bytes, ...]
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class _PurgeOp:
+    """Delete ``keys`` if their payload is (still) corrupt; ``force`` deletes them
+    unconditionally (orphans and unreadable metadata found on open)."""
+
+    keys: tuple[bytes, ...]
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _BarrierOp:
+    future: Future
+
+
+_Op = Union[_PutOp, _DeleteOp, _PurgeOp, _BarrierOp]
+
+
+@dataclass(slots=True)
+class _BatchState:
+    """What one write transaction changes, applied to the index only after commit."""
+
+    num_bytes: int
+    changes: dict  # key -> payload size, or None if removed; insertion order = recency
+    num_evicted: int = 0
+
+
+class LmdbBackend:
+    """A :class:`~hicache.storage.base.StorageBackend` on one LMDB environment.
+
+    ``put``/``delete`` are O(records) on the caller's thread (validation only); a get is
+    one read transaction, one checksum pass and one copy per record; ``longest_run`` is
+    one B-tree lookup per key. Call :meth:`close` (or use it as a context manager);
+    :meth:`flush` and :meth:`close` must not be called from a future's done-callback,
+    which runs on the writer thread. One process owns a store: open it in that process
+    (after any fork); other processes may at most read it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        capacity_bytes: int,
+        map_size_bytes: int | None = None,
+        sync: bool = False,
+        writemap: bool = False,
+        max_batch_records: int = 512,
+        max_batch_bytes: int = 16 * _MIB,
+        max_readers: int = 126,
+        access_flush_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise InvalidArgument(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if map_size_bytes is not None and map_size_bytes <= 0:
+            raise InvalidArgument(f"map_size_bytes must be positive, got {map_size_bytes!r}")
+        if max_batch_records <= 0 or max_batch_bytes <= 0:
+            raise InvalidArgument("max_batch_records and max_batch_bytes must be positive")
+        self._path = os.fspath(path)
+        self._capacity_bytes = capacity_bytes
+        self._initial_map_size = map_size_bytes or default_map_size(capacity_bytes)
+        self._sync = sync
+        self._writemap = writemap
+        self._max_readers = max_readers
+        self._max_batch_records = max_batch_records
+        self._max_batch_bytes = max_batch_bytes
+        self._access_flush_interval_s = access_flush_interval_s
+        self._clock = clock
+        self._pid = os.getpid()
+
+        # Set by the writer thread while opening; read-only afterwards.
+        self._env: lmdb.Environment | None = None
+        self._payload_db = None
+        self._meta_db = None
+        self._map_size = 0
+
+        # The index: committed keys, oldest access first -> payload size. Guarded by _lock,
+        # like every other field below that readers and the writer share.
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self._num_bytes = 0
+        self._dirty_access: dict[bytes, float] = {}
+        self._last_stamp = 0.0
+        self._num_corrupt = 0
+        self._num_evicted = 0
+
+        # The writer's queue.
+        self._queue_cond = threading.Condition(threading.Lock())
+        self._queue: deque[_Op] = deque()
+        self._num_pending_records = 0
+        self._closing = False
+
+        self._gate = _ReadGate()
+        self._open = False  # the environment is usable; changes under the exclusive gate
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+        ready: Future = Future()
+        self._writer = threading.Thread(
+            target=self._writer_main, args=(ready,), name=f"hicache-lmdb-writer:{self._path}", daemon=True
+        )
+        self._writer.start()
+        ready.result()
+
+    # ----------------------------------------------------------------- public API
+
+    def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
+        """Queue ``records`` as one batch; the future gives a :class:`PutResult` once the
+        batch is committed. The payload buffers are read by the writer before then.
+        Raises :class:`InvalidArgument` for a malformed record, or records larger in
+        total than the capacity."""
+        self._check_usable()
+        fingerprint = _require_fingerprint(fingerprint)
+        prepared = tuple(self._prepare(record, fingerprint) for record in records)
+        sizes = {r.key: r.payload.nbytes for r in prepared}
+        total = sum(sizes.values())
+        if total > self._capacity_bytes:
+            raise InvalidArgument(
+                f"put of {total} bytes does not fit a store of capacity {self._capacity_bytes} bytes"
+            )
+        future: Future[PutResult] = Future()
+        if not prepared:
+            future.set_result(PutResult(0, ()))
+            return future
+        self._enqueue(_PutOp(prepared, fingerprint, future), len(prepared))
+        return future
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
+        """Copy each present, intact record of spec ``fingerprint`` into its buffer (a
+        contiguous CPU tensor, numpy array, bytearray or writable memoryview of exactly
+        the payload size; :class:`InvalidArgument` otherwise). ``False`` where a record
+        is missing or fails a check; a failed check is counted, and a corrupt record is
+        deleted by the writer. A hit counts as an access for LRU."""
+        self._check_usable()
+        fingerprint = _require_fingerprint(fingerprint)
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        keys = [_require_key(key) for key in keys]
+        targets = [_byte_view(buffer, writable=True) for buffer in buffers]
+        found = [False] * len(keys)
+        corrupt: list[bytes] = []
+        num_mismatched = 0
+        self._gate.acquire_shared()
+        try:
+            self._check_open()
+            with self._env.begin(db=self._payload_db, buffers=True) as txn:
+                for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
+                    value = txn.get(key)
+                    if value is None:
+                        continue
+                    parsed = _parse_payload(value)
+                    if parsed is None:
+                        corrupt.append(key)
+                        continue
+                    stored_fingerprint, length = parsed
+                    if stored_fingerprint != fingerprint:
+                        num_mismatched += 1
+                        continue
+                    if length != target.nbytes:
+                        raise InvalidArgument(
+                            f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}"
+                        )
+                    # The view dies with the transaction: copy out before it ends.
+                    np.copyto(target, np.frombuffer(value, dtype=np.uint8, count=length, offset=HEADER_BYTES))
+                    found[i] = True
+        finally:
+            self._gate.release_shared()
+        self._record_reads([k for k, hit in zip(keys, found, strict=True) if hit], len(corrupt) + num_mismatched)
+        if corrupt:
+            logger.warning("%d corrupt records in %s (first %s); deleting them", len(corrupt), self._path,
+                           corrupt[0].hex())
+            with self._queue_cond:
+                if not self._closing:  # else a later open meets them again
+                    self._queue.append(_PurgeOp(tuple(corrupt)))
+                    self._queue_cond.notify()
+        return found
+
+    def longest_run(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored (present, not verified). One
+        B-tree lookup per key, payloads untouched."""
+        self._check_usable()
+        self._gate.acquire_shared()
+        try:
+            self._check_open()
+            with self._env.begin(db=self._payload_db, buffers=True) as txn:
+                for i, key in enumerate(keys):
+                    if txn.get(_require_key(key)) is None:
+                        return i
+                return len(keys)
+        finally:
+            self._gate.release_shared()
+
+    def delete(self, keys: Sequence[bytes]) -> Future[int]:
+        """Queue the deletion of ``keys``; the future gives how many existed."""
+        self._check_usable()
+        keys = tuple(_require_key(key) for key in keys)
+        future: Future[int] = Future()
+        if not keys:
+            future.set_result(0)
+            return future
+        self._enqueue(_DeleteOp(keys, future), 0)
+        return future
+
+    def iter_metadata(self) -> Iterator[tuple[bytes, PageMeta]]:
+        """Every stored record's key and metadata, in key order, from one snapshot taken
+        when this is called (O(records) memory; the read transaction is not held while
+        the caller iterates). ``last_access_s`` is the persisted time, which may lag the
+        in-memory LRU by up to one writer batch or ``access_flush_interval_s``."""
+        self._check_usable()
+        self._gate.acquire_shared()
+        try:
+            self._check_open()
+            with self._env.begin(db=self._meta_db) as txn:
+                raw = list(txn.cursor())
+        finally:
+            self._gate.release_shared()
+        return self._decode_snapshot(raw)
+
+    def flush(self) -> None:
+        """Wait until every write queued before this call is committed (and the access
+        times recorded so far are persisted)."""
+        self._check_usable()
+        self._check_not_writer("flush")
+        barrier: Future = Future()
+        self._enqueue(_BarrierOp(barrier), 0)
+        barrier.result()
+
+    def stats(self) -> StorageStats:
+        self._check_usable()
+        with self._queue_cond:
+            pending = self._num_pending_records
+        with self._lock:
+            return StorageStats(
+                records=len(self._lru),
+                bytes=self._num_bytes,
+                capacity_bytes=self._capacity_bytes,
+                map_size_bytes=self._map_size,
+                corrupt_records=self._num_corrupt,
+                evicted_records=self._num_evicted,
+                pending_writes=pending,
+            )
+
+    def close(self) -> None:
+        """Commit what is queued, persist access times, close the environment and join
+        the writer. Idempotent; every other method raises afterwards."""
+        if os.getpid() != self._pid:
+            raise self._wrong_process()
+        self._check_not_writer("close")
+        with self._queue_cond:
+            self._closing = True
+            self._queue_cond.notify_all()
+        self._writer.join()
+
+    def __enter__(self) -> LmdbBackend:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def lru_keys(self) -> list[bytes]:
+        """Every stored key, least recently used first (O(records); for tests and tools)."""
+        self._check_usable()
+        with self._lock:
+            return list(self._lru)
+
+    def check_invariants(self) -> None:
+        """The in-memory index equals the committed store (call with no writes queued)."""
+        self._check_usable()
+        self.flush()
+        stored: dict[bytes, int] = {}
+        self._gate.acquire_shared()
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for key, value in txn.cursor(db=self._meta_db):
+                    meta = _decode_meta(value)
+                    assert meta is not None, f"unreadable metadata for {bytes(key).hex()}"
+                    stored[bytes(key)] = meta.payload_size
+                payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
+        finally:
+            self._gate.release_shared()
+        assert payload_keys == set(stored), "payload and metadata keys differ"
+        with self._lock:
+            assert dict(self._lru) == stored, "the LRU index differs from the store"
+            assert self._num_bytes == sum(stored.values()), "byte count differs from the store"
+            assert self._num_bytes <= self._capacity_bytes, "over capacity"
+
+    # ------------------------------------------------------------ caller-side helpers
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise self._wrong_process()
+        if self._closing:
+            raise StorageUnavailable(f"storage {self._path} is closed")
+
+    def _check_open(self) -> None:
+        # Under the shared gate: close() flips this under the exclusive gate.
+        if not self._open:
+            raise StorageUnavailable(f"storage {self._path} is closed")
+
+    def _wrong_process(self) -> HicacheError:
+        return StorageUnavailable(
+            f"storage {self._path} was opened in process {self._pid} and used in process {os.getpid()}; "
+            "LMDB environments do not survive fork: open the store in the process that uses it"
+        )
+
+    def _check_not_writer(self, what: str) -> None:
+        if threading.current_thread() is self._writer:
+            raise HicacheError(f"{what}() called on the storage writer thread (from a future's callback?)")
+
+    def _prepare(self, record: PageRecord, fingerprint: bytes) -> _Record:
+        key = _require_key(record.key)
+        meta = record.meta
+        namespace = _require_key(meta.namespace, "namespace id")
+        parent = _require_key(meta.parent, "parent page key")
+        tokens = meta.tokens
+        if not isinstance(tokens, (bytes, bytearray, memoryview)) or len(tokens) % TOKEN_BYTES:
+            raise InvalidArgument(f"tokens must be packed int32 bytes (a multiple of {TOKEN_BYTES})")
+        payload = _byte_view(record.payload, writable=False)
+        if not payload.nbytes:
+            raise InvalidArgument(f"empty payload for key {key.hex()}")
+        if payload.nbytes > self._capacity_bytes:
+            raise InvalidArgument(
+                f"record of {payload.nbytes} bytes is larger than the capacity ({self._capacity_bytes} bytes)"
+            )
+        return _Record(key, payload, _encode_meta(namespace, parent, fingerprint, tokens, payload.nbytes))
+
+    def _enqueue(self, op: _Op, num_records: int) -> None:
+        with self._queue_cond:
+            if self._closing:
+                raise StorageUnavailable(f"storage {self._path} is closed")
+            self._queue.append(op)
+            self._num_pending_records += num_records
+            self._queue_cond.notify()
+
+    def _next_stamp(self) -> float:
+        """A last-access time after every earlier one. Call with ``_lock`` held."""
+        self._last_stamp = max(self._clock(), self._last_stamp + _STAMP_STEP_S)
+        return self._last_stamp
+
+    def _record_reads(self, hits: list[bytes], num_failed: int) -> None:
+        with self._lock:
+            self._num_corrupt += num_failed
+            for key in hits:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    self._dirty_access[key] = self._next_stamp()
+
+    def _decode_snapshot(self, raw: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, PageMeta]]:
+        for key, value in raw:
+            meta = _decode_meta(value)
+            if meta is None:
+                logger.warning("skipping unreadable metadata of %s in %s", key.hex(), self._path)
+                continue
+            yield key, meta
+
+    # ----------------------------------------------------------------- writer thread
+
+    def _writer_main(self, ready: Future) -> None:
+        try:
+            startup = self._open_env()
+        except BaseException as exc:  # handed to the constructor, which re-raises it
+            ready.set_exception(exc)
+            return
+        try:
+            # Before the constructor returns: whoever rebuilds from iter_metadata then
+            # sees a store within capacity and without orphans.
+            self._commit(startup)
+        except BaseException as exc:
+            self._close_env()
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        batch: list[_Op] = []
+        try:
+            while (batch := self._next_batch()) is not None:
+                self._commit(batch)
+            self._commit([])  # the last access times
+        except BaseException as exc:  # a bug: fail what waits on the writer, not hang it
+            logger.exception("storage writer of %s stopped", self._path)
+            for op in batch:
+                future = getattr(op, "future", None)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+            raise
+        finally:
+            self._fail_queued(StorageUnavailable(f"storage {self._path} writer stopped"))
+            self._close_env()
+
+    def _open_env(self) -> list[_Op]:
+        """Open the environment and rebuild the index; return the maintenance work."""
+        try:
+            env = lmdb.open(
+                self._path,
+                map_size=self._initial_map_size,
+                subdir=True,
+                max_dbs=2,
+                sync=self._sync,
+                metasync=self._sync,
+                readahead=True,
+                writemap=self._writemap,
+                max_readers=self._max_readers,
+                lock=True,
+            )
+        except lmdb.Error as exc:
+            raise StorageUnavailable(f"cannot open storage {self._path}: {exc}") from exc
+        try:
+            # Reader slots of processes that died (kill -9) pin old pages; free them.
+            num_stale = env.reader_check()
+            if num_stale:
+                logger.info("%s: cleared %d stale reader slots", self._path, num_stale)
+            self._payload_db = env.open_db(_PAYLOAD_DB)
+            self._meta_db = env.open_db(_META_DB)
+            entries: list[tuple[float, bytes, int]] = []
+            unreadable: list[bytes] = []
+            with env.begin(buffers=True) as txn:
+                for key, value in txn.cursor(db=self._meta_db):
+                    meta = _decode_meta(value)
+                    if meta is None:
+                        unreadable.append(bytes(key))
+                    else:
+                        entries.append((meta.last_access_s, bytes(key), meta.payload_size))
+                known = {key for _, key, _ in entries}.union(unreadable)
+                orphans = [
+                    bytes(key) for key in txn.cursor(db=self._payload_db).iternext(values=False)
+                    if bytes(key) not in known
+                ]
+        except BaseException:
+            env.close()
+            raise
+        entries.sort()
+        self._lru = OrderedDict((key, size) for _, key, size in entries)
+        self._num_bytes = sum(self._lru.values())
+        self._last_stamp = entries[-1][0] if entries else 0.0
+        self._env = env
+        self._map_size = env.info()["map_size"]
+        self._open = True
+        if unreadable or orphans:
+            logger.warning("%s: dropping %d records with unreadable metadata and %d orphan payloads",
+                           self._path, len(unreadable), len(orphans))
+        logger.info("opened %s: %d records, %d bytes, map %d bytes", self._path, len(self._lru),
+                    self._num_bytes, self._map_size)
+        return [_PurgeOp(tuple(unreadable + orphans), force=True)]
+
+    def _close_env(self) -> None:
+        self._gate.acquire_exclusive()
+        try:
+            self._open = False
+            if self._env is not None:
+                self._env.close()
+        finally:
+            self._gate.release_exclusive()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        with self._queue_cond:
+            self._closing = True
+            ops, self._queue = list(self._queue), deque()
+            self._num_pending_records = 0
+        for op in ops:
+            future = getattr(op, "future", None)
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+    def _next_batch(self) -> list[_Op] | None:
+        """Wait for work; take queued operations up to the batch bounds (at least one).
+        ``[]`` means only access times are due; ``None`` means closing with nothing left."""
+        with self._queue_cond:
+            while not self._queue:
+                if self._closing:
+                    return None
+                if not self._queue_cond.wait(self._access_flush_interval_s) and self._dirty_access:
+                    return []
+            batch: list[_Op] = []
+            num_records = num_bytes = 0
+            while self._queue:
+                op = self._queue[0]
+                op_records = len(op.records) if isinstance(op, _PutOp) else 0
+                op_bytes = op.num_bytes if isinstance(op, _PutOp) else 0
+                if batch and (
+                    num_records + op_records > self._max_batch_records or num_bytes + op_bytes > self._max_batch_bytes
+                ):
+                    break
+                batch.append(self._queue.popleft())
+                num_records += op_records
+                num_bytes += op_bytes
+            return batch
+
+    def _commit(self, batch: list[_Op]) -> None:
+        """Apply ``batch`` and the recorded accesses in one transaction, growing the map
+        as needed; then update the index and resolve the futures, in order."""
+        with self._lock:
+            access, self._dirty_access = self._dirty_access, {}
+        num_records = sum(len(op.records) for op in batch if isinstance(op, _PutOp))
+        while True:
+            try:
+                state, outcomes = self._write_batch(batch, access)
+                break
+            except lmdb.MapFullError:
+                pass  # the transaction is aborted: grow the map outside this handler, then retry
+            except BaseException as exc:
+                self._fail_batch(batch, access, num_records, exc)
+                return
+            try:
+                self._grow_map()
+            except BaseException as exc:
+                self._fail_batch(batch, access, num_records, exc)
+                return
+        with self._lock:
+            for key, size in state.changes.items():
+                if size is None:
+                    self._lru.pop(key, None)
+                else:
+                    self._lru[key] = size
+                    self._lru.move_to_end(key)
+            self._num_bytes = state.num_bytes
+            self._num_evicted += state.num_evicted
+        self._finish(batch, outcomes, num_records)
+
+    def _fail_batch(self, batch: list[_Op], access: dict[bytes, float], num_records: int,
+                    exc: BaseException) -> None:
+        logger.error("write batch of %d operations failed in %s: %r", len(batch), self._path, exc)
+        with self._lock:
+            for key, stamp in access.items():  # not persisted: keep them for the next batch
+                if self._dirty_access.get(key, 0.0) < stamp:
+                    self._dirty_access[key] = stamp
+        self._finish(batch, [exc] * len(batch), num_records)
+
+    def _finish(self, batch: list[_Op], outcomes: list, num_records: int) -> None:
+        with self._queue_cond:
+            self._num_pending_records -= num_records
+        for op, outcome in zip(batch, outcomes, strict=True):
+            future = getattr(op, "future", None)
+            if future is None:
+                continue
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _grow_map(self) -> None:
+        new_size = self._map_size * 2
+        logger.info("growing the map of %s from %d to %d bytes", self._path, self._map_size, new_size)
+        self._gate.acquire_exclusive()
+        try:
+            self._env.set_mapsize(new_size)
+        finally:
+            self._gate.release_exclusive()
+        self._map_size = self._env.info()["map_size"]
+
+    def _write_batch(self, batch: list[_Op], access: dict[bytes, float]) -> tuple[_BatchState, list]:
+        state = _BatchState(num_bytes=self._num_bytes, changes={})
+        outcomes: list = []
+        txn = self._env.begin(write=True, buffers=True)
+        try:
+            for op in batch:
+                if isinstance(op, _PutOp):
+                    outcomes.append(self._write_put(txn, op, state))
+                elif isinstance(op, _DeleteOp):
+                    outcomes.append(self._write_delete(txn, op.keys, state))
+                elif isinstance(op, _PurgeOp):
+                    outcomes.append(self._write_purge(txn, op, state))
+                else:
+                    outcomes.append(None)
+            self._evict(txn, state, exclude=frozenset())
+            self._write_access(txn, access, state)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+        return state, outcomes
+
+    def _size_of(self, key: bytes, state: _BatchState) -> int | None:
+        if key in state.changes:
+            return state.changes[key]
+        with self._lock:
+            return self._lru.get(key)
+
+    def _write_put(self, txn, op: _PutOp, state: _BatchState) -> PutResult:
+        sizes = {record.key: record.payload.nbytes for record in op.records}
+        changes = state.changes
+        with self._lock:
+            for key, size in sizes.items():
+                old = changes[key] if key in changes else self._lru.get(key)
+                state.num_bytes += size - (old or 0)
+            stamps = [self._next_stamp() for _ in op.records]
+        evicted = self._evict(txn, state, exclude=sizes.keys())
+        for record, stamp in zip(op.records, stamps, strict=True):
+            key, payload, meta = record.key, record.payload, record.meta
+            txn.put(key, self._encode_payload(payload, op.fingerprint), db=self._payload_db)
+            _META_ACCESS.pack_into(meta, _META_ACCESS_OFFSET, stamp)
+            txn.put(key, meta, db=self._meta_db)
+            changes.pop(key, None)
+            changes[key] = payload.nbytes
+        return PutResult(len(op.records), evicted)
+
+    def _evict(self, txn, state: _BatchState, exclude) -> tuple[bytes, ...]:
+        """Delete least-recently-used records until the batch fits the capacity; keys in
+        ``exclude`` (the put being applied) are never chosen."""
+        if state.num_bytes <= self._capacity_bytes:
+            return ()
+        victims: list[bytes] = []
+        num_bytes = state.num_bytes
+        with self._lock:
+            for key, size in self._lru.items():
+                if key in state.changes or key in exclude:
+                    continue
+                victims.append(key)
+                num_bytes -= size
+                if num_bytes <= self._capacity_bytes:
+                    break
+        # Still over: records written earlier in this batch go next, oldest first.
+        if num_bytes > self._capacity_bytes:
+            for key, size in list(state.changes.items()):
+                if size is None or key in exclude:
+                    continue
+                victims.append(key)
+                num_bytes -= size
+                if num_bytes <= self._capacity_bytes:
+                    break
+        assert num_bytes <= self._capacity_bytes, "put larger than capacity passed validation"
+        for key in victims:
+            txn.delete(key, db=self._payload_db)
+            txn.delete(key, db=self._meta_db)
+            state.changes[key] = None
+        state.num_bytes = num_bytes
+        state.num_evicted += len(victims)
+        return tuple(victims)
+
+    def _write_delete(self, txn, keys: Sequence[bytes], state: _BatchState) -> int:
+        num_existing = 0
+        for key in keys:
+            size = self._size_of(key, state)
+            existed = txn.delete(key, db=self._payload_db)
+            txn.delete(key, db=self._meta_db)
+            if existed:
+                num_existing += 1
+                state.num_bytes -= size or 0
+            state.changes[key] = None
+        return num_existing
+
+    def _write_purge(self, txn, op: _PurgeOp, state: _BatchState) -> None:
+        # A reader saw these corrupt; the key may have been rewritten since, so look again.
+        doomed = [
+            key for key in op.keys
+            if op.force or ((value := txn.get(key, db=self._payload_db)) is not None and _parse_payload(value) is None)
+        ]
+        if doomed:
+            self._write_delete(txn, doomed, state)
+
+    def _write_access(self, txn, access: dict[bytes, float], state: _BatchState) -> None:
+        for key, stamp in access.items():
+            if key in state.changes:
+                continue  # removed, or rewritten with a newer stamp
+            value = txn.get(key, db=self._meta_db)
+            if value is None or len(value) < META_BYTES:
+                continue
+            patched = bytearray(value)
+            _META_ACCESS.pack_into(patched, _META_ACCESS_OFFSET, stamp)
+            txn.put(key, patched, db=self._meta_db)
+
+    def _encode_payload(self, payload: np.ndarray, fingerprint: bytes) -> memoryview:
+        """Header + payload in the writer's scratch buffer (valid until the next call;
+        LMDB copies it on put)."""
+        length = payload.nbytes
+        if self._scratch.nbytes < HEADER_BYTES + length:
+            self._scratch = np.empty(HEADER_BYTES + length, dtype=np.uint8)
+        value = memoryview(self._scratch)[: HEADER_BYTES + length]
+        _HEADER.pack_into(value, 0, PAYLOAD_MAGIC, PAYLOAD_VERSION, HEADER_BYTES, fingerprint, length, 0)
+        self._scratch[HEADER_BYTES : HEADER_BYTES + length] = payload
+        _CHECKSUM.pack_into(value, _CHECKSUM_OFFSET, _payload_checksum(value, length))
+        return value

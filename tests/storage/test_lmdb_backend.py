@@ -1,0 +1,692 @@
+"""LmdbBackend: round trips, integrity checks, LRU capacity, map growth, errors.
+
+Payload bytes are derived from the key and size (:func:`content`), so any record read
+back can be checked without remembering what was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from hicache.errors import HicacheError, InvalidArgument
+from hicache.storage.base import PageMeta, PageRecord, PutResult, StorageStats
+from hicache.storage.lmdb_backend import HEADER_BYTES, LmdbBackend
+
+FP = hashlib.blake2b(b"spec-a", digest_size=16).digest()
+OTHER_FP = hashlib.blake2b(b"spec-b", digest_size=16).digest()
+NS = hashlib.blake2b(b"namespace", digest_size=16).digest()
+ROOT = bytes(16)
+
+
+def key_of(name) -> bytes:
+    return hashlib.blake2b(repr(name).encode(), digest_size=16).digest()
+
+
+def content(key: bytes, size: int) -> np.ndarray:
+    seed = int.from_bytes(key[:8], "little") ^ size
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def meta_for(key: bytes, parent: bytes = ROOT, num_tokens: int = 4) -> PageMeta:
+    tokens = np.frombuffer(key * num_tokens, dtype="<i4")[:num_tokens].tobytes()
+    return PageMeta(namespace=NS, parent=parent, tokens=tokens)
+
+
+def record(key: bytes, size: int, payload=None) -> PageRecord:
+    return PageRecord(key=key, payload=content(key, size) if payload is None else payload, meta=meta_for(key))
+
+
+def read(store: LmdbBackend, key: bytes, size: int, fingerprint: bytes = FP) -> np.ndarray | None:
+    buffer = np.full(size, 0xA5, dtype=np.uint8)
+    return buffer if store.get([key], [buffer], fingerprint=fingerprint) == [True] else None
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    """Open stores under ``tmp_path``; all are closed at teardown."""
+    opened: list[LmdbBackend] = []
+
+    def _open(name: str = "store", **kwargs) -> LmdbBackend:
+        kwargs.setdefault("capacity_bytes", 64 << 20)
+        store = LmdbBackend(tmp_path / name, **kwargs)
+        opened.append(store)
+        return store
+
+    yield _open
+    for store in opened:
+        store.close()
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batches=st.lists(
+        st.lists(st.tuples(st.integers(0, 30), st.integers(1, 70_000), st.integers(0, 16)), min_size=1, max_size=8),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_round_trip_random_records(tmp_path, batches):
+    path = tmp_path / uuid.uuid4().hex
+    model: dict[bytes, tuple[int, PageMeta]] = {}
+    with LmdbBackend(path, capacity_bytes=64 << 20) as store:
+        futures = []
+        for batch in batches:
+            records = []
+            for name, size, num_tokens in batch:
+                key = key_of(name)
+                meta = meta_for(key, parent=key_of(("parent", name)), num_tokens=num_tokens)
+                records.append(PageRecord(key, content(key, size), meta))
+                model[key] = (size, meta)
+            futures.append((store.put(records, fingerprint=FP), len(records)))
+        for future, num_records in futures:
+            assert future.result() == PutResult(num_records, ())
+        store.flush()
+        store.check_invariants()
+
+    with LmdbBackend(path, capacity_bytes=64 << 20) as store:
+        listed = dict(store.iter_metadata())
+        assert set(listed) == set(model)
+        for key, (size, meta) in model.items():
+            got = listed[key]
+            assert (got.namespace, got.parent, got.tokens, got.payload_size, got.fingerprint) == (
+                meta.namespace, meta.parent, meta.tokens, size, FP,
+            )
+            assert got.last_access_s > 0
+        keys = list(model)
+        buffers = [bytearray(model[key][0]) for key in keys]
+        assert store.get(keys, buffers, fingerprint=FP) == [True] * len(keys)
+        for key, buffer in zip(keys, buffers, strict=True):
+            assert np.array_equal(np.frombuffer(buffer, dtype=np.uint8), content(key, model[key][0]))
+        assert store.stats().corrupt_records == 0
+
+
+def test_get_into_every_buffer_kind(open_store):
+    store = open_store()
+    size = 4096
+    key = key_of("kinds")
+    source = torch.from_numpy(content(key, size).copy()).view(torch.bfloat16)  # a typed host page
+    assert store.put([PageRecord(key, source, meta_for(key))], fingerprint=FP).result().written == 1
+    expected = content(key, size)
+    targets = {
+        "torch uint8": torch.zeros(size, dtype=torch.uint8),
+        "torch float16 2-d": torch.zeros(16, size // 32, dtype=torch.float16),
+        "numpy uint8": np.zeros(size, dtype=np.uint8),
+        "numpy float32": np.zeros(size // 4, dtype=np.float32),
+        "bytearray": bytearray(size),
+        "memoryview": memoryview(bytearray(size)),
+        "memoryview int32": memoryview(bytearray(size)).cast("i"),
+    }
+    for name, target in targets.items():
+        assert store.get([key], [target], fingerprint=FP) == [True], name
+        raw = target.contiguous().view(torch.uint8).numpy().reshape(-1) if isinstance(target, torch.Tensor) else (
+            np.frombuffer(target, dtype=np.uint8)
+        )
+        assert np.array_equal(raw, expected), name
+
+
+def test_put_reads_payload_sources_of_every_kind(open_store):
+    store = open_store()
+    size = 1024
+    sources = {
+        "bytes": lambda a: a.tobytes(),
+        "bytearray": lambda a: bytearray(a.tobytes()),
+        "memoryview": lambda a: memoryview(a.tobytes()),
+        "numpy int16": lambda a: a.view(np.int16),
+        "torch": lambda a: torch.from_numpy(a.copy()),
+    }
+    keys = []
+    for name, convert in sources.items():
+        key = key_of(("source", name))
+        keys.append(key)
+        store.put([record(key, size, payload=convert(content(key, size)))], fingerprint=FP).result()
+    for key in keys:
+        assert np.array_equal(read(store, key, size), content(key, size))
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def _data_file(store_path) -> str:
+    return os.path.join(store_path, "data.mdb")
+
+
+def _patch_file(path: str, offset: int, new: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(new)
+
+
+def _find_unique(path: str, pattern: bytes) -> int:
+    with open(path, "rb") as f:
+        data = f.read()
+    offset = data.find(pattern)
+    assert offset >= 0 and data.find(pattern, offset + 1) < 0, "pattern not found exactly once"
+    return offset
+
+
+def _payload_with_marker(key: bytes, size: int) -> tuple[np.ndarray, bytes]:
+    payload = content(key, size)
+    marker = hashlib.blake2b(key, digest_size=32).digest()
+    payload[:32] = np.frombuffer(marker, dtype=np.uint8)
+    return payload, marker
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["payload byte", "last payload byte", "fingerprint", "magic", "length field", "checksum"],
+)
+def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, damage):
+    size = 20_000
+    keys = [key_of(("damage", i)) for i in range(5)]
+    victim = keys[2]
+    store = open_store()
+    payloads = {}
+    for key in keys:
+        payload, marker = _payload_with_marker(key, size)
+        payloads[key] = (payload, marker)
+        store.put([record(key, size, payload=payload)], fingerprint=FP).result()
+    store.close()
+
+    data = _data_file(tmp_path / "store")
+    start = _find_unique(data, payloads[victim][1])  # first payload byte
+    header = start - HEADER_BYTES
+    with open(data, "rb") as f:
+        f.seek(header)
+        assert f.read(4) == b"HCKV"
+    where = {
+        "payload byte": start + 1000,
+        "last payload byte": start + size - 1,
+        "fingerprint": header + 8,
+        "magic": header,
+        "length field": header + 24,
+        "checksum": header + 32,
+    }[damage]
+    with open(data, "rb") as f:
+        f.seek(where)
+        old = f.read(1)
+    _patch_file(data, where, bytes([old[0] ^ 0x10]))
+
+    store = open_store()
+    assert read(store, victim, size) is None
+    assert store.stats().corrupt_records == 1
+    for key in keys:
+        if key != victim:
+            assert np.array_equal(read(store, key, size), payloads[key][0])
+    store.flush()  # the writer deletes the corrupt record
+    stats = store.stats()
+    assert (stats.records, stats.bytes, stats.corrupt_records) == (4, 4 * size, 1)
+    assert store.longest_run([victim]) == 0
+    assert victim not in dict(store.iter_metadata())
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("change", [-1, -HEADER_BYTES - 100, +7])
+def test_value_shorter_or_longer_than_its_header_reads_as_missing(open_store, tmp_path, change):
+    size = 10_000
+    keys = [key_of(("trunc", i)) for i in range(3)]
+    store = open_store()
+    store.put([record(key, size) for key in keys], fingerprint=FP).result()
+    store.close()
+
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=2)
+    try:
+        payload_db = env.open_db(b"payload")
+        with env.begin(write=True, db=payload_db) as txn:
+            value = txn.get(keys[0])
+            txn.put(keys[0], value[:change] if change < 0 else value + bytes(change))
+    finally:
+        env.close()
+
+    store = open_store()
+    assert read(store, keys[0], size) is None
+    assert store.stats().corrupt_records == 1
+    assert all(read(store, key, size) is not None for key in keys[1:])
+    store.flush()
+    assert store.stats().records == 2
+    store.check_invariants()
+
+
+def test_open_drops_orphan_payloads_and_unreadable_metadata(open_store, tmp_path):
+    keys = [key_of(("orphan", i)) for i in range(4)]
+    store = open_store()
+    store.put([record(k, 700) for k in keys], fingerprint=FP).result()
+    store.close()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=2)
+    try:
+        meta_db = env.open_db(b"meta")
+        with env.begin(write=True, db=meta_db) as txn:
+            txn.delete(keys[0])  # payload without metadata
+            txn.put(keys[1], b"\x09garbage")  # metadata of an unknown version
+    finally:
+        env.close()
+    store = open_store()
+    assert sorted(dict(store.iter_metadata())) == sorted(keys[2:])
+    assert store.longest_run(keys[:2]) == 0
+    assert store.stats().bytes == 1400
+    store.check_invariants()
+
+
+def test_opening_an_open_store_again_in_one_process_is_refused(open_store):
+    store = open_store()
+    with pytest.raises(HicacheError, match="already open"):
+        LmdbBackend(store.path, capacity_bytes=1 << 20)
+    assert store.longest_run([]) == 0
+
+
+def test_wrong_fingerprint_reads_as_missing_and_keeps_the_record(open_store):
+    store = open_store()
+    key = key_of("fp")
+    store.put([record(key, 3000)], fingerprint=FP).result()
+    assert read(store, key, 3000, fingerprint=OTHER_FP) is None
+    assert store.stats().corrupt_records == 1
+    store.flush()
+    assert np.array_equal(read(store, key, 3000), content(key, 3000))
+    assert store.stats().records == 1
+
+
+def test_sync_mode_round_trip(open_store):
+    store = open_store(sync=True)
+    keys = [key_of(("sync", i)) for i in range(3)]
+    store.put([record(k, 5000) for k in keys], fingerprint=FP).result()
+    assert all(np.array_equal(read(store, k, 5000), content(k, 5000)) for k in keys)
+
+
+def test_missing_keys_are_not_corrupt(open_store):
+    store = open_store()
+    key = key_of("present")
+    store.put([record(key, 100)], fingerprint=FP).result()
+    buffers = [bytearray(100), bytearray(100), bytearray(100)]
+    assert store.get([key_of("absent"), key, key_of("absent2")], buffers, fingerprint=FP) == [False, True, False]
+    assert store.stats().corrupt_records == 0
+
+
+# ---------------------------------------------------------------- capacity and LRU
+
+
+class FakeClock:
+    """A clock that never advances: access order must not depend on its resolution."""
+
+    def __call__(self) -> float:
+        return 1_700_000_000.0
+
+
+def _put(store, names, size=1000):
+    return store.put([record(key_of(n), size) for n in names], fingerprint=FP).result()
+
+
+def test_lru_eviction_order_and_gets_refresh(open_store):
+    store = open_store(capacity_bytes=4000, clock=FakeClock())
+    for name in "abcd":
+        assert _put(store, name) == PutResult(1, ())
+    assert read(store, key_of("a"), 1000) is not None  # a is now the most recent
+    assert _put(store, "e") == PutResult(1, (key_of("b"),))
+    assert _put(store, "fg") == PutResult(2, (key_of("c"), key_of("d")))
+    stats = store.stats()
+    assert (stats.records, stats.bytes, stats.evicted_records) == (4, 4000, 3)
+    assert store.longest_run([key_of(n) for n in "aefg"]) == 4
+    assert store.longest_run([key_of("b")]) == 0
+    store.check_invariants()
+
+
+def test_overwrite_counts_the_size_change(open_store):
+    store = open_store(capacity_bytes=4000)
+    _put(store, "ab")
+    assert _put(store, "a", size=2500) == PutResult(1, ())
+    assert store.stats().bytes == 3500
+    assert _put(store, "c", size=1000) == PutResult(1, (key_of("b"),))
+    store.check_invariants()
+
+
+def test_restart_keeps_the_lru_order(open_store):
+    clock = FakeClock()
+    store = open_store(capacity_bytes=4000, clock=clock)
+    for name in "abcd":
+        _put(store, name)
+    read(store, key_of("b"), 1000)
+    read(store, key_of("a"), 1000)  # order now: c d b a
+    store.close()
+    store = open_store(capacity_bytes=4000, clock=clock)
+    assert _put(store, "e") == PutResult(1, (key_of("c"),))
+    assert _put(store, "f") == PutResult(1, (key_of("d"),))
+    assert _put(store, "g") == PutResult(1, (key_of("b"),))
+    store.check_invariants()
+
+
+def test_access_times_are_persisted_lazily(open_store):
+    times = iter(float(t) for t in range(1000, 2000))
+    store = open_store(clock=lambda: next(times))
+    _put(store, "ab")
+    before = {k: m.last_access_s for k, m in store.iter_metadata()}
+    read(store, key_of("a"), 1000)
+    assert {k: m.last_access_s for k, m in store.iter_metadata()} == before  # not one write per read
+    store.flush()
+    after = {k: m.last_access_s for k, m in store.iter_metadata()}
+    assert after[key_of("a")] > before[key_of("a")] and after[key_of("b")] == before[key_of("b")]
+
+
+def test_reopening_with_a_smaller_capacity_evicts_the_oldest(open_store):
+    store = open_store(capacity_bytes=10_000, clock=FakeClock())
+    for name in "abcde":
+        _put(store, name)
+    store.close()
+    store = open_store(capacity_bytes=3000)
+    assert sorted(dict(store.iter_metadata())) == sorted(key_of(n) for n in "cde")
+    assert store.stats().evicted_records == 2
+    store.check_invariants()
+
+
+def test_too_large_puts_are_rejected(open_store):
+    store = open_store(capacity_bytes=4000)
+    with pytest.raises(InvalidArgument):
+        _put(store, "a", size=4001)
+    with pytest.raises(InvalidArgument):
+        _put(store, "abc", size=1500)
+    assert _put(store, "abcd", size=1000) == PutResult(4, ())
+
+
+class LruModel(RuleBasedStateMachine):
+    """The backend against an ordered dict, through puts, gets, deletes and restarts."""
+
+    CAPACITY = 10_000
+    root = ""  # set per test run
+
+    def __init__(self):
+        super().__init__()
+        self.path = os.path.join(self.root, uuid.uuid4().hex)
+        self.store = LmdbBackend(self.path, capacity_bytes=self.CAPACITY, clock=FakeClock())
+        self.model: OrderedDict[bytes, int] = OrderedDict()
+
+    names = st.integers(0, 12)
+
+    @rule(items=st.lists(st.tuples(names, st.integers(1, 4000)), min_size=1, max_size=4))
+    def put(self, items):
+        sizes: dict[bytes, int] = {}
+        for name, size in items:
+            sizes[key_of(name)] = size
+        if sum(sizes.values()) > self.CAPACITY:
+            with pytest.raises(InvalidArgument):
+                self.store.put([record(key_of(n), s) for n, s in items], fingerprint=FP)
+            return
+        result = self.store.put([record(key_of(n), s) for n, s in items], fingerprint=FP).result()
+        total = sum(self.model.values())
+        for key, size in sizes.items():
+            total += size - self.model.get(key, 0)
+        evicted = []
+        for key in list(self.model):
+            if total <= self.CAPACITY:
+                break
+            if key not in sizes:
+                evicted.append(key)
+                total -= self.model.pop(key)
+        for name, size in items:
+            self.model.pop(key_of(name), None)
+            self.model[key_of(name)] = size
+        assert result == PutResult(len(items), tuple(evicted))
+
+    @rule(names=st.lists(names, min_size=1, max_size=4))
+    def get(self, names):
+        keys = [key_of(n) for n in names]
+        buffers = [np.zeros(self.model.get(k, 1), dtype=np.uint8) for k in keys]
+        found = self.store.get(keys, buffers, fingerprint=FP)
+        assert found == [k in self.model for k in keys]
+        for key, buffer, hit in zip(keys, buffers, found, strict=True):
+            if hit:
+                assert np.array_equal(buffer, content(key, self.model[key]))
+                self.model.move_to_end(key)
+
+    @rule(names=st.lists(names, min_size=1, max_size=3, unique=True))
+    def delete(self, names):
+        keys = [key_of(n) for n in names]
+        assert self.store.delete(keys).result() == sum(k in self.model for k in keys)
+        for key in keys:
+            self.model.pop(key, None)
+
+    @rule()
+    def reopen(self):
+        self.store.close()
+        self.store = LmdbBackend(self.path, capacity_bytes=self.CAPACITY, clock=FakeClock())
+
+    @invariant()
+    def matches_model(self):
+        self.store.check_invariants()
+        assert self.store.lru_keys() == list(self.model)
+        assert self.store.stats().bytes == sum(self.model.values())
+        assert self.store.longest_run(list(self.model)) == len(self.model)
+
+    def teardown(self):
+        self.store.close()
+
+
+def test_lru_state_machine(tmp_path):
+    class Machine(LruModel):
+        root = str(tmp_path)
+
+    run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
+
+
+# ---------------------------------------------------------------- map growth, concurrency, failures
+
+
+@pytest.mark.parametrize("writemap", [False, True])
+def test_map_grows_instead_of_failing(open_store, writemap):
+    store = open_store(capacity_bytes=64 << 20, map_size_bytes=1 << 20, writemap=writemap)
+    initial = store.stats().map_size_bytes
+    keys = [key_of(("grow", i)) for i in range(200)]
+    futures = [store.put([record(k, 60_000) for k in keys[i : i + 10]], fingerprint=FP) for i in range(0, 200, 10)]
+    assert all(f.result().written == 10 for f in futures)
+    stats = store.stats()
+    assert stats.map_size_bytes >= 16 * initial and stats.records == 200
+    assert all(read(store, k, 60_000) is not None for k in keys)
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("writemap", [False, True])
+def test_reads_run_while_the_writer_commits_and_grows_the_map(open_store, writemap):
+    store = open_store(capacity_bytes=64 << 20, map_size_bytes=1 << 20, writemap=writemap)
+    size = 30_000
+    first = [key_of(("c", i)) for i in range(20)]
+    store.put([record(k, size) for k in first], fingerprint=FP).result()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader():
+        buffer = np.empty(size, dtype=np.uint8)
+        try:
+            while not stop.is_set():
+                for key in first:
+                    assert store.get([key], [buffer], fingerprint=FP) == [True]
+                    assert np.array_equal(buffer, content(key, size))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    futures = [store.put([record(key_of(("w", i, j)), size) for j in range(8)], fingerprint=FP) for i in range(60)]
+    for f in futures:
+        f.result()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert store.stats().map_size_bytes > 1 << 20
+    store.check_invariants()
+
+
+def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_store, monkeypatch):
+    store = open_store()
+    _put(store, "ab")
+    real_encode = store._encode_payload
+
+    def failing(payload, fingerprint):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(store, "_encode_payload", failing)
+    future = store.put([record(key_of("c"), 1000)], fingerprint=FP)
+    with pytest.raises(OSError, match="disk on fire"):
+        future.result()
+    store.check_invariants()
+    assert store.longest_run([key_of("c")]) == 0
+    monkeypatch.setattr(store, "_encode_payload", real_encode)
+    assert _put(store, "c") == PutResult(1, ())
+    assert store.longest_run([key_of(n) for n in "abc"]) == 3
+    assert store.stats().pending_writes == 0
+
+
+def test_pending_writes_and_flush(open_store, monkeypatch):
+    store = open_store()
+    release = threading.Event()
+    entered = threading.Event()
+    real_write = store._write_batch
+
+    def blocked(batch, access):
+        entered.set()
+        release.wait()
+        return real_write(batch, access)
+
+    monkeypatch.setattr(store, "_write_batch", blocked)
+    first = store.put([record(key_of("p0"), 100)], fingerprint=FP)
+    entered.wait()
+    second = store.put([record(key_of(("p", i)), 100) for i in range(3)], fingerprint=FP)
+    assert store.stats().pending_writes == 4
+    release.set()
+    store.flush()
+    assert first.done() and second.done()
+    assert store.stats().pending_writes == 0 and store.stats().records == 4
+
+
+def test_batches_preserve_queue_order(open_store):
+    store = open_store(max_batch_records=3)
+    futures = [store.put([record(key_of("k"), 100 + i)], fingerprint=FP) for i in range(10)]
+    futures.append(store.delete([key_of("k"), key_of("never")]))
+    futures.append(store.put([record(key_of("k"), 777)], fingerprint=FP))
+    assert [f.result() for f in futures[:10]] == [PutResult(1, ())] * 10
+    assert futures[10].result() == 1
+    assert np.array_equal(read(store, key_of("k"), 777), content(key_of("k"), 777))
+    store.check_invariants()
+
+
+# ---------------------------------------------------------------- API edges
+
+
+def test_longest_run_and_delete(open_store):
+    store = open_store()
+    keys = [key_of(("run", i)) for i in range(6)]
+    store.put([record(k, 500) for k in keys[:4]], fingerprint=FP).result()
+    assert store.longest_run(keys) == 4
+    assert store.longest_run([]) == 0
+    assert store.longest_run([keys[5]] + keys) == 0
+    assert store.delete([keys[1], keys[5]]).result() == 1
+    assert store.longest_run(keys) == 1
+    assert store.delete([]).result() == 0
+    assert store.stats().records == 3
+    store.check_invariants()
+
+
+def test_bad_arguments(open_store):
+    store = open_store()
+    key = key_of("args")
+    store.put([record(key, 256)], fingerprint=FP).result()
+    for buffer in (bytearray(255), bytearray(257), np.zeros(128, dtype=np.int32)[::2], b"x" * 256,
+                   torch.zeros(16, 16, dtype=torch.uint8).t(), torch.zeros(256, dtype=torch.uint8, device="meta")):
+        with pytest.raises(InvalidArgument):
+            store.get([key], [buffer], fingerprint=FP)
+    readonly = np.zeros(256, dtype=np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(InvalidArgument):
+        store.get([key], [readonly], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.get([key], [bytearray(256), bytearray(256)], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.get([b"short"], [bytearray(256)], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.get([key], [bytearray(256)], fingerprint=b"short")
+    with pytest.raises(InvalidArgument):
+        store.put([PageRecord(b"short", b"x", meta_for(key))], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.put([PageRecord(key, b"", meta_for(key))], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.put([PageRecord(key, b"x", PageMeta(NS, ROOT, b"abc"))], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.put([PageRecord(key, b"x", PageMeta(NS[:4], ROOT, b""))], fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.put([record(key, 10)], fingerprint=FP[:8])
+    with pytest.raises(InvalidArgument):
+        LmdbBackend(store.path + "-x", capacity_bytes=0)
+    assert store.put([], fingerprint=FP).result() == PutResult(0, ())
+    assert store.stats().records == 1
+
+
+def test_use_after_close_raises(open_store):
+    store = open_store()
+    _put(store, "a")
+    store.close()
+    store.close()  # idempotent
+    key = key_of("a")
+    calls = [
+        lambda: store.put([record(key, 10)], fingerprint=FP),
+        lambda: store.get([key], [bytearray(1000)], fingerprint=FP),
+        lambda: store.longest_run([key]),
+        lambda: store.delete([key]),
+        lambda: store.iter_metadata(),
+        lambda: store.flush(),
+        lambda: store.stats(),
+    ]
+    for call in calls:
+        with pytest.raises(HicacheError, match="closed"):
+            call()
+
+
+def test_close_commits_what_is_queued(open_store, tmp_path):
+    store = open_store()
+    futures = [store.put([record(key_of(("q", i)), 2000)], fingerprint=FP) for i in range(50)]
+    store.close()
+    assert all(f.result().written == 1 for f in futures)
+    store = open_store()
+    assert store.stats() == StorageStats(50, 100_000, 64 << 20, store.stats().map_size_bytes, 0, 0, 0)
+
+
+def test_flush_from_a_done_callback_is_refused(open_store):
+    store = open_store()
+    seen: list[BaseException] = []
+
+    def callback(_future):
+        try:
+            store.flush()
+        except HicacheError as exc:
+            seen.append(exc)
+
+    store.put([record(key_of("cb"), 10)], fingerprint=FP).add_done_callback(callback)
+    store.flush()
+    assert len(seen) == 1 and "writer thread" in str(seen[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_use_after_fork_raises(open_store):
+    store = open_store()
+    _put(store, "a")
+    pid = os.fork()
+    if pid == 0:  # the child: must refuse, never touch the parent's environment
+        try:
+            store.stats()
+        except HicacheError as exc:
+            os._exit(0 if "fork" in str(exc) else 2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.longest_run([key_of("a")]) == 1

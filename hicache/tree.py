@@ -36,7 +36,7 @@ them (duplicates from :meth:`insert`, victims from :meth:`evict`) for the caller
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, Union
@@ -216,8 +216,17 @@ class _Namespace:
 class HiRadixTree:
     """See the module docstring. Not thread-safe: one owner thread drives it."""
 
-    def __init__(self, *, eviction: str | EvictionPolicy = "lru") -> None:
+    def __init__(
+        self,
+        *,
+        eviction: str | EvictionPolicy = "lru",
+        on_split: Callable[[Node, Node], None] | None = None,
+    ) -> None:
+        """``on_split(upper, lower)`` is called after a node is cut in two (``lower`` is
+        the original node, ``upper`` the new one holding its first pages), so that an
+        owner tracking transfers per node can extend them to the new node."""
         self._policy = eviction_policy(eviction) if isinstance(eviction, str) else eviction
+        self._on_split = on_split
         self._namespaces: dict[NamespaceId, _Namespace] = {}
         self._nodes: dict[int, Node] = {}
         self._next_id = 0
@@ -255,12 +264,12 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ match / insert
 
-    def match(self, namespace: NamespaceId, tokens: Tokens, pool: PoolId) -> MatchResult:
+    def match(self, namespace: NamespaceId, tokens: Tokens, pool: PoolId, *, touch: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` as seen from ``pool``.
 
-        Splits the last node when the match ends inside it, and marks every matched node
-        accessed and hit. O(depth + log(pages of the last edge)) edge comparisons, each
-        one ``memcmp`` of the edge.
+        Splits the last node when the match ends inside it, and (unless ``touch`` is
+        false) marks every matched node accessed and hit. O(depth + log(pages of the
+        last edge)) edge comparisons, each one ``memcmp`` of the edge.
         """
         self._check_pool(pool)
         key = pack_tokens(tokens)
@@ -289,8 +298,9 @@ class HiRadixTree:
                 res = child.residency
                 pages = res.get(pool)
             pos += len(child.key)
-            child.last_access = tick
-            child.hit_count += 1
+            if touch:
+                child.last_access = tick
+                child.hit_count += 1
             if pages is not None:
                 device.append(pages)
                 last_device = last_host = child
@@ -507,6 +517,29 @@ class HiRadixTree:
             return None
         return np.frombuffer(b"".join(freed), dtype=PAGE_ID_DTYPE) if freed else _NO_PAGES
 
+    def split(self, node: Node, num_pages: int) -> Node:
+        """Cut ``node`` after its first ``num_pages`` pages; returns the new upper node
+        (``node`` keeps the rest, and its locks and handles)."""
+        self._check_live(node)
+        if node.parent is None or not 0 < num_pages < node.num_pages:
+            raise InvalidArgument(f"cannot split {node!r} after {num_pages} pages")
+        return self._split(node, num_pages)
+
+    def is_evictable(self, node: Node, tier: Tier, pool: PoolId | None = None) -> bool:
+        """Would eviction of ``tier`` consider ``node`` now (resident, unprotected leaf)?"""
+        index = self._slots.get(self._slot(tier, pool))
+        return index is not None and node in index.leaves
+
+    def discard_pool(self, pool: PoolId) -> PageIds:
+        """Forget every device page of ``pool`` (an engine went away); returns them."""
+        self._check_pool(pool)
+        freed = []
+        for entry in self._namespaces.values():
+            for child in list(entry.root.children.values()):
+                if pool in child.residency:
+                    freed.append(self.discard(child, Tier.DEVICE, pool))
+        return np.concatenate(freed) if freed else _NO_PAGES
+
     def iter_evictable(self, tier: Tier, pool: PoolId | None = None) -> Iterator[Node]:
         """Unprotected leaves of one tier in eviction order (the policy's smallest key
         first). A parent that becomes a leaf because the consumer dropped its last
@@ -707,6 +740,8 @@ class HiRadixTree:
         node.key = node.key[cut:]
         node.page_keys = node.page_keys[keys_cut:]
         node.num_pages -= num_pages
+        if self._on_split is not None:
+            self._on_split(upper, node)
         return upper
 
     def _slot_index(self, slot: int) -> _SlotIndex:

@@ -371,3 +371,27 @@ def test_page_size_one(alloc):
     assert b.device_pages.tolist() == a.device_pages[:2].tolist() + [mine[2]]
     assert len(t) == 3  # [1,2] split from [3] and [4]
     t.check_invariants()
+
+
+def test_split_hook_touchless_match_and_pool_discard(alloc):
+    splits = []
+    t = HiRadixTree(on_split=lambda upper, lower: splits.append((upper.num_pages, lower.num_pages)))
+    t.add_namespace(NS, PS)
+    tokens = seq(100, pages=4)
+    first_pages = alloc.alloc(4)
+    node = t.insert(NS, tokens, 0, first_pages).node
+    before = (node.hit_count, node.last_access)
+    hit = t.match(NS, tokens[:8], 0, touch=False)
+    assert splits == [(2, 2)] and hit.node.num_pages == 2
+    assert (node.hit_count, node.last_access) == before and hit.node.hit_count == before[0]
+    upper = t.split(node, 1)
+    assert splits[-1] == (1, 1) and upper.parent is hit.node and node.parent is upper
+    with pytest.raises(InvalidArgument):
+        t.split(node, 1)  # a one-page node cannot be cut
+    assert t.is_evictable(node, Tier.DEVICE, 0) and not t.is_evictable(upper, Tier.DEVICE, 0)
+    other = PageAllocator.for_device(8)
+    t.insert(NS, tokens, 1, other.alloc(4))
+    freed = t.discard_pool(0)
+    assert sorted(freed.tolist()) == sorted(first_pages.tolist())
+    assert t.match(NS, tokens, 0).num_pages == 0 and t.match(NS, tokens, 1).num_pages == 4
+    t.check_invariants()

@@ -166,9 +166,9 @@ class LayerWaiter:
         while not self.is_done(ticket, layer):
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(f"layer {layer} of load {ticket} not complete after {timeout_s} s")
-            # Spin briefly, then back off up to 100 us: layers land every few hundred us.
+            # Spin briefly, then back off up to 50 us: layers land every few hundred us.
             time.sleep(pause)
-            pause = min(pause * 2 or 1e-6, 1e-4)
+            pause = min(pause * 2 or 1e-6, 5e-5)
 
     def _check_not_failed(self, ticket: Ticket, layer: int) -> None:
         stamp = int(self._words[ticket.slot, 1 + layer])

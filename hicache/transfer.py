@@ -115,6 +115,10 @@ class PageMover:
         """Host -> device, every layer in one copy (no per-layer completion)."""
         self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, self._restore)
 
+    def has_layer(self, layer: int) -> bool:
+        """Does ``layer`` have per-token KV to move?"""
+        return layer in self._restore_layer
+
     def load_layer(self, host_pages: PageList, device_pages: PageList, layer: int) -> None:
         segments = self._restore_layer.get(layer)
         if segments is None:

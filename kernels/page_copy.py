@@ -212,11 +212,21 @@ class CpuCopyWorkers:
         if num_threads <= 0:
             raise InvalidArgument(f"num_threads must be positive, got {num_threads}")
         self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-copy")
+        # The calling thread takes a share too, so the pool needs one thread fewer.
+        self._pool = ThreadPoolExecutor(max(1, num_threads - 1), thread_name_prefix="hicache-copy")
 
     def run(self, fn, batches) -> None:
-        for future in [self._pool.submit(fn, batch) for batch in batches]:
-            future.result()
+        """``fn(batch)`` for every batch; the first on the calling thread (one hand-off
+        fewer), the others on the pool's threads."""
+        batches = list(batches)
+        if not batches:
+            return
+        futures = [self._pool.submit(fn, batch) for batch in batches[1:]]
+        try:
+            fn(batches[0])
+        finally:
+            for future in futures:
+                future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

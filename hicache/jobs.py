@@ -1,0 +1,85 @@
+"""Work off the owner thread, and the way its results come back.
+
+The tier manager's state (tree, allocators, in-flight registries) belongs to one owner
+thread. Copies and storage reads run on worker threads; when one finishes, its ``done``
+callback is *posted* to :class:`Completions`, and the owner runs it the next time it
+drains the queue — so every state change still happens on the owner thread::
+
+    owner:   submit(work, done) ──────────────────────────► drain(): done(result, None)
+    worker:            work() ── result ── post(done) ──┘
+
+``wakeup`` (optional) is called after every post, from the posting thread: the daemon
+uses it to poke its event loop (an inproc socket), tests simply drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Done = Callable[[Any, "BaseException | None"], None]
+
+logger = logging.getLogger(__name__)
+
+
+class Completions:
+    def __init__(self, wakeup: Callable[[], None] | None = None) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = wakeup
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` for the owner thread (any thread may call this)."""
+        self._queue.put(fn)
+        if self._wakeup is not None:
+            self._wakeup()
+
+    def drain(self, timeout_s: float = 0.0) -> int:
+        """Run every queued callback on this (the owner) thread; if none is queued, wait
+        up to ``timeout_s`` for one. Returns how many ran."""
+        ran = 0
+        try:
+            fn = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return 0
+        while True:
+            fn()
+            ran += 1
+            try:
+                fn = self._queue.get_nowait()
+            except queue.Empty:
+                return ran
+
+    def forward(self, future: Future, done: Done) -> None:
+        """Post ``done(result, error)`` when a future from elsewhere (a storage write)
+        completes."""
+
+        def on_future(f: Future) -> None:
+            error = f.exception()
+            result = None if error is not None else f.result()
+            self.post(lambda: done(result, error))
+
+        future.add_done_callback(on_future)
+
+
+class Workers:
+    """A FIFO copy thread (transfers complete in submission order) and a few I/O
+    threads (storage reads), both reporting through :class:`Completions`."""
+
+    def __init__(self, completions: Completions, *, io_threads: int = 2) -> None:
+        self.completions = completions
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="hicache-transfer")
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-io")
+
+    def copy(self, work: Callable[[], T], done: Done) -> None:
+        self.completions.forward(self._copy.submit(work), done)
+
+    def io(self, work: Callable[[], T], done: Done) -> None:
+        self.completions.forward(self._io.submit(work), done)
+
+    def close(self) -> None:
+        self._copy.shutdown(wait=True)
+        self._io.shutdown(wait=True)

@@ -1,0 +1,171 @@
+"""Test helpers for the tier manager: an engine that fills pages with bytes derived from
+their page key, and reads them back in host-page layout to compare."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.counters import LayerWaiter
+from hicache.engine.kv_pool import export_kv_pool
+from hicache.keys import page_keys
+from hicache.spec import KVSpec, MHALayer, MLALayer
+
+SPEC = KVSpec(
+    page_size=4,
+    layers=(MHALayer(num_kv_heads=2, head_dim=8), MLALayer(kv_lora_rank=12, qk_rope_head_dim=4, dtype="float16"),
+            MHALayer(num_kv_heads=1, head_dim=8, dtype="float8_e4m3fn")),
+    model="tiers-test",
+)
+
+
+def expected_page(key: bytes, spec: KVSpec = SPEC) -> bytes:
+    """The KV bytes of the page with this page key (a host page, rank 0)."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, spec.rank_page_bytes, dtype=np.uint8).tobytes()
+
+
+class Engine:
+    """One engine rank with a shared-memory KV pool."""
+
+    def __init__(self, num_pages: int, spec: KVSpec = SPEC) -> None:
+        self.spec = spec
+        self.exported = export_kv_pool(spec, num_pages)
+        self.pool = self.exported.pool
+        self.waiters: dict[str, LayerWaiter] = {}
+        self._regions = self.pool.layout.token_regions
+
+    def write(self, page: int, key: bytes) -> None:
+        data = np.frombuffer(expected_page(key, self.spec), dtype=np.uint8)
+        offset = 0
+        buf = self.pool.buffer.numpy()
+        for region in self._regions:
+            start = region.offset + page * region.unit_bytes
+            buf[start : start + region.unit_bytes] = data[offset : offset + region.unit_bytes]
+            offset += region.unit_bytes
+
+    def read(self, page: int) -> bytes:
+        buf = self.pool.buffer.numpy()
+        return b"".join(
+            buf[r.offset + page * r.unit_bytes : r.offset + (page + 1) * r.unit_bytes].tobytes() for r in self._regions
+        )
+
+    def compute(self, namespace: bytes, tokens: list[int], pages) -> None:
+        """'Prefill': write the KV of every whole page of ``tokens`` into ``pages``."""
+        for key, page in zip(page_keys(namespace, tokens, self.spec.page_size), pages):
+            self.write(int(page), key)
+
+    def check(self, namespace: bytes, tokens: list[int], pages) -> None:
+        keys = page_keys(namespace, tokens, self.spec.page_size)
+        assert len(pages) <= len(keys)
+        for i, page in enumerate(pages):
+            assert self.read(int(page)) == expected_page(keys[i], self.spec), f"page {i} (id {page}) holds other bytes"
+
+    def waiter(self, counters_handle) -> LayerWaiter:
+        name = counters_handle.shm_name
+        if name not in self.waiters:
+            self.waiters[name] = LayerWaiter(counters_handle)
+        return self.waiters[name]
+
+    def wait(self, counters_handle, tickets) -> None:
+        waiter = self.waiter(counters_handle)
+        for ticket in tickets:
+            for layer in range(self.spec.num_layers):
+                waiter.wait_layer(ticket, layer, timeout_s=30)
+
+    def close(self) -> None:
+        for waiter in self.waiters.values():
+            waiter.close()
+        self.exported.close()
+
+
+class Driver:
+    """An engine driving a tier manager the way the daemon's clients will: every page it
+    gets back is checked against the bytes derived from its key."""
+
+    def __init__(self, tm, engine: Engine, handle, pool: int = 0) -> None:
+        self.tm = tm
+        self.engine = engine
+        self.handle = handle
+        self.pool = pool
+        self.locks: list = []
+        self.private: list = []
+        self.seen: list[tuple[bytes, list[int]]] = []
+
+    def check_hit(self, ns, tokens, hit) -> None:
+        self.engine.wait(self.handle, hit.wait)
+        self.engine.check(ns, tokens, hit.match.device_pages)
+
+    def prefill(self, ns, tokens) -> None:
+        ps = self.engine.spec.page_size
+        hit = self.tm.match(ns, tokens, self.pool)
+        self.check_hit(ns, tokens, hit)
+        node = hit.match.node
+        # Lock what we reuse before allocating: an allocation may evict unlocked pages.
+        self.tm.lock(node, self.pool)
+        try:
+            new = self.tm.alloc(self.pool, len(tokens) // ps - hit.match.num_device_pages)
+            if new is None:
+                return
+            pages = np.concatenate((hit.match.device_pages, new))
+            self.engine.compute(ns, tokens, pages)
+            result = self.tm.insert(ns, tokens, self.pool, pages)
+        finally:
+            self.tm.unlock(node, self.pool)
+        if len(tokens) >= ps:
+            self.seen.append((ns, tokens))
+        assert len(result.device_pages) == len(tokens) // ps
+        # The canonical pages hold the request's KV (a duplicate's twin holds the same).
+        self.engine.wait(self.handle, self.tm.match(ns, tokens, self.pool).wait)
+        self.engine.check(ns, tokens, result.device_pages)
+
+    def match_and_load(self, ns, tokens, keep_lock: bool) -> None:
+        hit = self.tm.match(ns, tokens, self.pool)
+        self.check_hit(ns, tokens, hit)
+        node = hit.match.node
+        if node.is_root:
+            return
+        self.tm.lock(node, self.pool)
+        loaded = self.tm.wait(self.tm.load(node, self.pool))
+        assert loaded.device_pages[: hit.match.num_device_pages].tolist() == hit.match.device_pages.tolist()
+        self.engine.wait(self.handle, loaded.wait)
+        self.engine.check(ns, tokens, loaded.device_pages)
+        if keep_lock:
+            self.locks.append(node)
+        else:
+            self.tm.unlock(node, self.pool)
+
+    def unlock(self, index: int) -> None:
+        self.tm.unlock(self.locks.pop(index), self.pool)
+
+    def hold_private(self, num_pages: int) -> None:
+        pages = self.tm.alloc(self.pool, num_pages)
+        if pages is not None:
+            self.private.append(pages)
+
+    def release_private(self) -> None:
+        self.tm.release(self.pool, self.private.pop())
+
+    def release_everything(self) -> None:
+        while self.locks:
+            self.unlock(0)
+        while self.private:
+            self.release_private()
+
+    def check_every_tier(self) -> None:
+        """After a flush: every page in every tier holds its key's bytes."""
+        tm = self.tm
+        tm.flush()
+        tm.check_invariants()
+        buffer = np.empty(tm.spec.host_page_bytes, dtype=np.uint8)
+        for node in tm.tree.nodes():
+            device = node.device_pages(self.pool)
+            host = node.host_pages
+            for i, key in enumerate(node.page_key_list()):
+                want = expected_page(key, tm.spec)
+                if device is not None:
+                    assert self.engine.read(int(device[i])) == want
+                if host is not None:
+                    assert tm.host_pool.page(int(host[i])).numpy().tobytes() == want
+                if node.on_disk:
+                    assert tm.storage.get([key], [buffer], fingerprint=tm.spec.fingerprint) == [True]
+                    assert buffer.tobytes() == want

@@ -1,0 +1,401 @@
+"""The tier manager on the CPU data plane: write policies, eviction cascade, loads."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from hicache.errors import InvalidArgument
+from hicache.keys import namespace_id
+from hicache.tiers import TierConfig, TierManager
+from hicache.tree import Tier
+from tiers_util import SPEC, Engine
+
+NS = namespace_id(SPEC.fingerprint, "tiers")
+PS = SPEC.page_size
+
+
+def tokens(start, pages):
+    return list(range(start, start + pages * PS))
+
+
+@pytest.fixture
+def engine():
+    e = Engine(num_pages=16)
+    yield e
+    e.close()
+
+
+def make_tm(engine, *, host_pages=12, storage=None, **config):
+    tm = TierManager(SPEC, host_pages=host_pages, storage=storage, config=TierConfig(**config))
+    tm.add_namespace(NS)
+    counters = tm.register_pool(0, [engine.pool])
+    return tm, counters.handle
+
+
+def prefill(tm, engine, toks, pool=0):
+    """What an engine does for a new request: match, reuse the cached prefix, compute the
+    rest into private pages, insert."""
+    hit = tm.match(NS, toks, pool).match
+    new = tm.alloc(pool, len(toks) // PS - hit.num_device_pages)
+    assert new is not None
+    pages = np.concatenate((hit.device_pages, new))
+    engine.compute(NS, toks, pages)
+    return tm.insert(NS, toks, pool, pages)
+
+
+def settle(tm):
+    tm.flush()
+    tm.check_invariants()
+
+
+def test_write_through_backs_up_on_insert(engine):
+    tm, _ = make_tm(engine, write_policy="write_through")
+    toks = tokens(100, 3)
+    result = prefill(tm, engine, toks)
+    tm.check_invariants()
+    settle(tm)
+    assert result.node.host_pages is not None
+    # The host copy holds the inserted bytes.
+    for i, h in enumerate(result.node.host_pages):
+        assert tm.host_pool.page(int(h)).numpy().tobytes() == engine.read(int(result.device_pages[i]))
+    tm.close()
+
+
+def test_selective_write_through_waits_for_hits(engine):
+    tm, _ = make_tm(engine, write_policy="write_through_selective", write_threshold=2)
+    toks = tokens(100, 3)
+    node = prefill(tm, engine, toks).node  # the prefill's own match found nothing
+    settle(tm)
+    assert node.host_pages is None
+    tm.match(NS, toks, 0)
+    settle(tm)
+    assert node.host_pages is None  # one hit
+    tm.match(NS, toks, 0)
+    settle(tm)
+    assert node.host_pages is not None  # second hit
+    tm.close()
+
+
+def test_write_back_backs_up_only_on_eviction(engine):
+    tm, handle = make_tm(engine, write_policy="write_back")
+    first = tokens(100, 8)
+    node = prefill(tm, engine, first).node
+    settle(tm)
+    assert node.host_pages is None
+    # 16 device pages: a second 8-page request needs room; the first is written back.
+    assert tm.alloc(0, 9) is None  # nothing is free right now...
+    settle(tm)  # ...but the write-back has landed and freed the pages
+    assert node.host_pages is not None and node.device_pages(0) is None
+    pages = tm.alloc(0, 9)
+    assert pages is not None
+    tm.release(0, pages)
+    hit = tm.match(NS, first, 0).match
+    assert hit.num_device_pages == 0 and hit.num_host_pages == 8
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, first, loaded.device_pages)
+    tm.unlock(hit.node, 0)
+    settle(tm)
+    tm.close()
+
+
+def test_load_from_host_layer_by_layer_gives_the_inserted_bytes(engine):
+    tm, handle = make_tm(engine)
+    a, b = tokens(100, 5), tokens(500, 6)
+    prefill(tm, engine, a)
+    settle(tm)
+    prefill(tm, engine, b)  # 11 of 16 pages
+    settle(tm)
+    tm.evict(Tier.DEVICE, 16, 0)
+    settle(tm)
+    hit = tm.match(NS, a, 0).match
+    assert (hit.num_device_pages, hit.num_host_pages) == (0, 5)
+    tm.lock(hit.node, 0)
+    future = tm.load(hit.node, 0)
+    assert future.done(), "a host-only load answers at once"
+    loaded = future.result()
+    assert loaded.num_loaded_pages == 5 and len(loaded.wait) == 1
+    tm.check_invariants()
+    # A second request sharing the path while the copy may still run waits on the same ticket.
+    again = tm.match(NS, a, 0)
+    assert again.match.device_pages.tolist() == loaded.device_pages.tolist()
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, a, loaded.device_pages)
+    tm.unlock(hit.node, 0)
+    settle(tm)
+    assert tm.match(NS, a, 0).wait == ()
+    tm.close()
+
+
+def test_loads_reuse_the_device_prefix_and_bring_the_rest(engine):
+    tm, handle = make_tm(engine)
+    shared, tail = tokens(100, 2), tokens(700, 3)
+    prefill(tm, engine, shared)
+    prefill(tm, engine, shared + tail)
+    settle(tm)
+    # Evict only the tail (a leaf) from the device.
+    tm.evict(Tier.DEVICE, 1, 0)
+    settle(tm)
+    hit = tm.match(NS, shared + tail, 0).match
+    assert (hit.num_device_pages, hit.num_host_pages) == (2, 3)
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    assert loaded.num_loaded_pages == 3 and len(loaded.device_pages) == 5
+    assert loaded.device_pages[:2].tolist() == hit.device_pages.tolist()
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, shared + tail, loaded.device_pages)
+    tm.unlock(hit.node, 0)
+    settle(tm)
+    tm.close()
+
+
+def test_host_pressure_drops_host_copies_of_device_resident_nodes(engine):
+    tm, _ = make_tm(engine, host_pages=6)
+    prefill(tm, engine, tokens(100, 4))
+    settle(tm)
+    second = prefill(tm, engine, tokens(900, 4)).node
+    settle(tm)
+    # Host holds 6 pages: the first request's copy went to make room for the second.
+    assert second.host_pages is not None
+    first = tm.match(NS, tokens(100, 4), 0).match
+    assert first.num_device_pages == 4 and first.node.host_pages is None
+    tm.close()
+
+
+def test_private_pages_accounting_and_errors(engine):
+    tm, _ = make_tm(engine)
+    pages = tm.alloc(0, 4)
+    acct = tm.accounting()["device:0"]
+    assert acct.private == 4 and acct.free == 12 and acct.total == 16
+    with pytest.raises(InvalidArgument):
+        tm.release(0, [pages[0], pages[0]])
+    with pytest.raises(InvalidArgument):
+        tm.insert(NS, tokens(1, 2), 0, [pages[0], 16])  # page 16 is not private
+    with pytest.raises(InvalidArgument):
+        tm.release(0, [17])
+    with pytest.raises(InvalidArgument):
+        tm.alloc(3, 1)  # unknown pool
+    tm.release(0, pages)
+    assert tm.accounting()["device:0"].private == 0
+    tm.check_invariants()
+    with pytest.raises(InvalidArgument):
+        TierConfig(write_policy="sometimes")
+    tm.close()
+
+
+def test_duplicates_from_a_concurrent_prefill_are_freed(engine):
+    tm, _ = make_tm(engine, write_policy="write_back")
+    toks = tokens(100, 3)
+    a = tm.alloc(0, 3)
+    b = tm.alloc(0, 3)
+    engine.compute(NS, toks, a)
+    engine.compute(NS, toks, b)
+    tm.insert(NS, toks, 0, a)
+    second = tm.insert(NS, toks, 0, b)
+    assert second.duplicate_pages.tolist() == b.tolist()
+    acct = tm.accounting()["device:0"]
+    assert acct.private == 0 and acct.free == 13
+    tm.check_invariants()
+    tm.close()
+
+
+def test_layer_wise_load_releases_early_layers_first(engine):
+    """The engine sees layer 0 complete while the last layer is still to be copied."""
+    tm, handle = make_tm(engine, copy_threads=1)
+    toks = tokens(100, 4)
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.evict(Tier.DEVICE, 16, 0)
+    settle(tm)
+    counters = tm._pools[0].counters
+    stamp = counters.complete_layer
+    gate = threading.Event()
+
+    def gated(ticket, layer):
+        stamp(ticket, layer)
+        if layer == 0:
+            gate.wait(30)  # hold the copier after the first layer until the engine has looked
+
+    counters.complete_layer = gated
+    hit = tm.match(NS, toks, 0).match
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    (ticket,) = loaded.wait
+    waiter = engine.waiter(handle)
+    waiter.wait_layer(ticket, 0, timeout_s=30)
+    assert not waiter.is_done(ticket, SPEC.num_layers - 1), "the last layer landed before the first was released"
+    gate.set()
+    waiter.wait_layer(ticket, SPEC.num_layers - 1, timeout_s=30)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(hit.node, 0)
+    settle(tm)
+    tm.close()
+
+
+# ---------------------------------------------------------------------- with a disk tier
+
+@pytest.fixture
+def store(tmp_path):
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    backend = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    yield backend
+    backend.close()
+
+
+def disk_pages(tm):
+    return tm.tree.sizes(Tier.DISK).cached
+
+
+def test_disk_write_through_and_load_from_disk(engine, store):
+    tm, handle = make_tm(engine, host_pages=8, storage=store)
+    toks = tokens(100, 5)
+    prefill(tm, engine, toks)
+    settle(tm)
+    assert disk_pages(tm) == 5 and store.stats().records == 5
+    tm.evict(Tier.DEVICE, 16, 0)
+    tm.evict(Tier.HOST, 8)
+    settle(tm)
+    hit = tm.match(NS, toks, 0).match
+    assert (hit.num_device_pages, hit.num_host_pages, hit.num_disk_pages) == (0, 0, 5)
+    settle(tm)  # the match started a prefetch: the pages are on host now
+    again = tm.match(NS, toks, 0).match
+    assert again.num_host_pages == 5
+    tm.evict(Tier.HOST, 8)
+    settle(tm)
+    node = tm.match(NS, toks[:8], 0).match.node  # only the first two pages
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    assert loaded.num_loaded_pages == 2
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(node, 0)
+    settle(tm)
+    tm.close()
+
+
+def test_disk_write_back_writes_only_when_host_evicts(engine, store):
+    tm, _ = make_tm(engine, host_pages=4, storage=store, disk_policy="write_back")
+    prefill(tm, engine, tokens(100, 3))
+    settle(tm)
+    assert disk_pages(tm) == 0
+    tm.evict(Tier.DEVICE, 16, 0)  # host is now the only copy
+    settle(tm)
+    tm.evict(Tier.HOST, 4)  # written to disk first, dropped after
+    settle(tm)
+    hit = tm.match(NS, tokens(100, 3), 0).match
+    assert hit.num_disk_pages == 3 and store.stats().records == 3
+    tm.close()
+
+
+def test_concurrent_loads_of_the_same_node_share_one_transfer(engine, store):
+    tm, handle = make_tm(engine, host_pages=8, storage=store)
+    toks = tokens(100, 4)
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.evict(Tier.DEVICE, 16, 0)
+    tm.evict(Tier.HOST, 8)
+    settle(tm)
+    reads = []
+    original = store.get
+
+    def counting_get(keys, buffers, *, fingerprint):
+        reads.append(len(keys))
+        return original(keys, buffers, fingerprint=fingerprint)
+
+    store.get = counting_get
+    node = tm.match(NS, toks, 0).match.node  # starts a prefetch the loads will join
+    tm.lock(node, 0)
+    tm.lock(node, 0)
+    first, second = tm.load(node, 0), tm.load(node, 0)
+    a, b = tm.wait(first), tm.wait(second)
+    # One disk read for the prefetch and both loads; the second load found the pages
+    # on the device, still landing.
+    assert reads == [4]
+    assert a.device_pages.tolist() == b.device_pages.tolist()
+    assert b.num_loaded_pages == 0 and set(a.wait) == set(b.wait)
+    assert tm.accounting()["device:0"].total == 16
+    engine.wait(handle, a.wait)
+    engine.check(NS, toks, a.device_pages)
+    tm.unlock(node, 0)
+    tm.unlock(node, 0)
+    settle(tm)
+    tm.close()
+
+
+def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
+    tm, handle = make_tm(engine, host_pages=8, storage=store)
+    toks = tokens(100, 5)
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.evict(Tier.DEVICE, 16, 0)
+    tm.evict(Tier.HOST, 8)
+    settle(tm)
+    keys = tm.match(NS, toks, 0).match.node.page_key_list()
+    settle(tm)  # the prefetch of that match landed; drop it again
+    tm.evict(Tier.HOST, 8)
+    settle(tm)
+    original = store.get
+
+    def third_page_corrupt(ks, buffers, *, fingerprint):
+        found = original(ks, buffers, fingerprint=fingerprint)
+        return [ok and k != keys[2] for k, ok in zip(ks, found)]
+
+    store.get = third_page_corrupt
+    node = tm.match(NS, toks, 0).match.node
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    assert loaded.num_loaded_pages == 2 and len(loaded.device_pages) == 2
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(node, 0)
+    settle(tm)
+    store.get = original
+    hit = tm.match(NS, toks, 0).match
+    assert hit.num_pages == 2, "the pages from the corrupt one on are forgotten"
+    accounts = tm.accounting()
+    assert accounts["device:0"].free + accounts["device:0"].cached_evictable == 16
+    assert accounts["host"].staging == 0 and tm.host_alloc.num_free + accounts["host"].cached_evictable == 8
+    tm.close()
+
+
+def test_warm_restart_hits_what_was_persisted(engine, tmp_path):
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    other = namespace_id(SPEC.fingerprint, "other-tenant")
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    tm, _ = make_tm(engine, storage=store)
+    tm.add_namespace(other)
+    a, b = tokens(100, 3), tokens(100, 3) + tokens(900, 2)
+    prefill(tm, engine, a)
+    prefill(tm, engine, b)
+    settle(tm)
+    tm.close()
+    # A page another model (another spec) persisted in the same store.
+    from hicache.storage.base import PageMeta, PageRecord
+
+    foreign_ns = namespace_id(b"another-model-fingerprint")
+    store.put([PageRecord(b"k" * 16, b"\x01" * SPEC.host_page_bytes,
+                          PageMeta(foreign_ns, bytes(16), np.arange(PS, dtype="<i4").tobytes()))],
+              fingerprint=b"f" * 16).result()
+    store.close()
+
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    restarted = TierManager(SPEC, host_pages=12, storage=store)
+    _, handle = None, restarted.register_pool(0, [engine.pool]).handle
+    assert restarted.rebuild_from_storage() == 5
+    assert foreign_ns not in restarted.tree.namespaces()
+    restarted.check_invariants()
+    hit = restarted.match(NS, b, 0).match
+    assert (hit.num_device_pages, hit.num_disk_pages) == (0, 5)
+    assert restarted.match(other, b, 0).match.num_pages == 0
+    restarted.lock(hit.node, 0)
+    loaded = restarted.wait(restarted.load(hit.node, 0))
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, b, loaded.device_pages)
+    restarted.unlock(hit.node, 0)
+    settle(restarted)
+    restarted.close()
+    store.close()

@@ -28,6 +28,11 @@ class ErrorCode(IntEnum):
     STALE_TICKET = 11
     TIMEOUT = 12
     STORAGE_UNAVAILABLE = 13
+    UNKNOWN_SESSION = 14
+    VERSION_MISMATCH = 15
+    DRAINING = 16
+    RESOURCE_EXHAUSTED = 17
+    UNAVAILABLE = 18
 
 
 class HicacheError(Exception):
@@ -98,3 +103,27 @@ class StorageUnavailable(HicacheError, RuntimeError):
     """The store is closed, failed to open, or is used from a process that did not open it."""
 
     code = ErrorCode.STORAGE_UNAVAILABLE
+
+
+class UnknownSession(HicacheError, KeyError):
+    """No such session: it expired, ended, or the daemon restarted (reconnect)."""
+
+    code = ErrorCode.UNKNOWN_SESSION
+
+
+class VersionMismatch(HicacheError, ValueError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class Draining(HicacheError, RuntimeError):
+    code = ErrorCode.DRAINING
+
+
+class ResourceExhausted(HicacheError, RuntimeError):
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(HicacheError, ConnectionError):
+    """The daemon did not answer in time (client side)."""
+
+    code = ErrorCode.UNAVAILABLE

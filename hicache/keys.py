@@ -147,3 +147,11 @@ def page_keys(namespace: NamespaceId, tokens: Tokens, page_size: int) -> list[Pa
 def split_page_keys(blob: bytes) -> list[PageKey]:
     """Split a concatenation of page keys into a list of 16-byte keys."""
     return [PageKey(blob[i : i + PAGE_KEY_BYTES]) for i in range(0, len(blob), PAGE_KEY_BYTES)]
+
+
+def key_self_test(model_fingerprint: bytes, page_size: int) -> bytes:
+    """Page keys of a fixed token sequence (1, 2, ..., 2 * page_size) in the model's
+    default namespace. A client and a daemon that disagree on these bytes compute keys
+    differently and could never share a page, so registration compares them."""
+    tokens = list(range(1, 2 * page_size + 1))
+    return b"".join(page_keys(namespace_id(model_fingerprint), tokens, page_size))

@@ -116,6 +116,23 @@ class PageAllocator:
         self._is_free[pages - self.first_page_id] = False
         return pages
 
+    def take(self, pages: PageIdsLike) -> None:
+        """Allocate these specific free pages (a restarted daemon adopting pages an
+        engine still uses). Raises if any is out of range, repeated or not free. O(free)."""
+        ids = as_page_ids(pages)
+        if not ids.size:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < self.first_page_id or hi >= self._end:
+            raise PageOutOfRange(f"page ids must be in [{self.first_page_id}, {self._end}), got [{lo}, {hi}]")
+        if len(np.unique(ids)) != len(ids) or not self._is_free[ids - self.first_page_id].all():
+            raise InvalidArgument("pages to take must be distinct and free")
+        self._merge_released()
+        keep = np.ones(len(self._free), dtype=bool)
+        keep[np.isin(self._free, ids)] = False
+        self._free = self._free[keep]
+        self._is_free[ids - self.first_page_id] = False
+
     def free(self, pages: PageIdsLike) -> None:
         """Return pages to the allocator (deferred to the end of a :meth:`free_group`)."""
         ids = as_page_ids(pages)

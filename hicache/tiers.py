@@ -189,6 +189,7 @@ class _Pool:
     counters: LayerCounters
     num_private: int = 0
     staging: int = 0  # pages reserved by loads still waiting for disk reads
+    retired: bool = False
 
 
 @dataclass(eq=False)
@@ -274,9 +275,46 @@ class TierManager:
 
     def _pool(self, pool_id: int) -> _Pool:
         try:
-            return self._pools[pool_id]
+            pool = self._pools[pool_id]
         except (KeyError, TypeError):
             raise InvalidArgument(f"pool {pool_id!r} is not registered") from None
+        if pool.retired:
+            raise InvalidArgument(f"pool {pool_id} has been unregistered")
+        return pool
+
+    def num_pages(self, pool_id: int) -> int:
+        return self._pool(pool_id).allocator.capacity
+
+    def retire_pool(self, pool_id: int) -> None:
+        """The engine is gone: refuse new work for its pool, and once no transfer uses
+        the pool any more, forget its pages and unmap it (see :meth:`poll`). The caller
+        has released the session's locks and private pages."""
+        pool = self._pool(pool_id)
+        pool.retired = True
+        self._reap_pools()
+
+    def _reap_pools(self) -> None:
+        busy = {t.pool for ts in self._by_node.values() for t in ts}
+        for pool_id, pool in list(self._pools.items()):
+            if not pool.retired or pool_id in busy:
+                continue
+            pool.allocator.free(self.tree.discard_pool(pool_id))
+            if pool.num_private:
+                pool.allocator.free(np.flatnonzero(pool.private))
+            del self._pools[pool_id]
+            pool.counters.close()
+            for rank in pool.ranks:
+                rank.close()
+            logger.info("pool %s unregistered", pool_id)
+
+    def reserve(self, pool_id: int, pages: PageIdsLike) -> None:
+        """Make specific pages private (an engine re-registering with pages its running
+        requests still use)."""
+        pool = self._pool(pool_id)
+        ids = self._valid_ids(pool, pages)
+        pool.allocator.take(ids)
+        pool.private[ids] = True
+        pool.num_private += len(ids)
 
     # ------------------------------------------------------------------ private pages
 
@@ -935,6 +973,8 @@ class TierManager:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Run completed transfers' callbacks and due timers (owner thread)."""
         ran = self.completions.drain(timeout_s)
+        if ran and any(pool.retired for pool in self._pools.values()):
+            self._reap_pools()
         now = self._clock()
         while self._timers and self._timers[0][0] <= now:
             _, _, fn = heapq.heappop(self._timers)
@@ -953,6 +993,20 @@ class TierManager:
 
     def idle(self) -> bool:
         return not self._by_node and not self._disk_pending
+
+    def persist(self) -> int:
+        """Start writing every host page that has no disk record yet (a draining daemon
+        keeps what it can); returns the pages queued."""
+        if self.storage is None:
+            return 0
+        queued = 0
+        for node in list(self.tree.nodes()):
+            if (self.tree.is_live(node) and node.host_pages is not None and not node.on_disk
+                    and not any(c.host_pages is not None and not c.on_disk for c in node.children.values())):
+                before = self._disk_pending
+                self._write_disk(node)
+                queued += self._disk_pending - before
+        return queued
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until no transfer is in flight and storage has committed everything."""

@@ -158,3 +158,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 AllocatorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_allocator_state_machine = AllocatorMachine.TestCase
+
+
+def test_take_specific_pages():
+    alloc = PageAllocator.for_device(8)
+    alloc.take([3, 5])
+    assert alloc.num_free == 6 and 3 not in alloc.alloc(6).tolist()
+    with pytest.raises(InvalidArgument):
+        alloc.take([1])  # not free any more
+    fresh = PageAllocator.for_host(4)
+    with pytest.raises(PageOutOfRange):
+        fresh.take([4])
+    with pytest.raises(InvalidArgument):
+        fresh.take([2, 2])
+    fresh.check_invariants()
+    alloc.check_invariants()

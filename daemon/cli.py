@@ -1,25 +1,125 @@
-"""The ``hicache`` command line."""
+"""The ``hicache`` command line.
+
+    hicache serve [--config FILE] [--socket PATH] [--tcp ENDPOINT] [--no-disk]
+    hicache status [--endpoint E] [--json]
+    hicache check [--endpoint E]
+
+``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
+the state directory, socket in the runtime directory — see :mod:`hicache.config`);
+SIGTERM or SIGINT drains it and it exits 0. ``status`` prints the live figures of a
+running daemon, ``check`` runs its invariant checks (exit 1 if one fails). This is the
+only place that configures logging.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import signal
 import sys
 
 from hicache import __version__
 
 
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return args.endpoint
+    from hicache.config import DaemonConfig
+
+    config = DaemonConfig.load(args.config) if args.config else DaemonConfig()
+    return config.server.endpoints[0]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hicache.config import DaemonConfig
+    from hicache.daemon.server import Server
+
+    overrides = {}
+    if args.socket:
+        overrides["server.socket"] = args.socket
+    if args.tcp:
+        overrides["server.tcp"] = args.tcp
+    if args.no_disk:
+        overrides["disk.enabled"] = False
+    config = DaemonConfig.load(args.config, overrides)
+    server = Server(config)
+    endpoints = server.bind()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stop())
+    print(f"hicache {__version__} serving on {' '.join(endpoints)}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from hicache.client import CacheClient
+    from hicache.errors import Unavailable
+
+    client = CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False)
+    try:
+        stats = client.stats()
+    except Unavailable as exc:
+        print(f"hicache: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(stats, indent=2, default=str))
+        return 0
+    print(f"hicache {stats['version']}: up {stats['uptime_s']:.0f} s, {stats['sessions']} sessions"
+          f"{', draining' if stats['draining'] else ''}")
+    for fingerprint, spec in stats["specs"].items():
+        print(f"spec {fingerprint[:12]}: {spec['nodes']} nodes")
+        for tier, account in spec.items():
+            if isinstance(account, dict):
+                print(f"  {tier:10} " + "  ".join(f"{k} {v}" for k, v in account.items()))
+    storage = stats.get("storage")
+    if storage:
+        print(f"disk: {storage['records']} records, {storage['bytes'] / 2**20:.1f} MiB of "
+              f"{storage['capacity_bytes'] / 2**20:.0f} MiB, {storage['corrupt_records']} corrupt")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from hicache.client import CacheClient, RemoteError
+    from hicache.errors import Unavailable
+
+    client = CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False)
+    try:
+        client.check()
+    except (RemoteError, Unavailable) as exc:
+        print(f"hicache check: FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print("hicache check: ok")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV-cache tier daemon")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     commands = parser.add_subparsers(dest="command", required=True)
+
     serve = commands.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML configuration file")
+    serve.add_argument("--socket", help="ipc socket path (overrides [server].socket)")
+    serve.add_argument("--tcp", help="also listen on this tcp:// endpoint")
+    serve.add_argument("--no-disk", action="store_true", help="no disk tier")
+    serve.set_defaults(run=_serve)
+
+    for name, run, text in (("status", _status, "live figures of a running daemon"),
+                            ("check", _check, "run a running daemon's invariant checks")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--config", help="TOML configuration file (to find the socket)")
+        sub.add_argument("--endpoint", help="e.g. ipc:///run/hicache/hicache.sock")
+        sub.add_argument("--timeout", type=float, default=5.0)
+        if name == "status":
+            sub.add_argument("--json", action="store_true")
+        sub.set_defaults(run=run)
+
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        print(
-            "hicache: daemon not built yet — the tree, keys, spec and page allocators are "
-            "installed; the ZeroMQ daemon arrives with its own issue.",
-            file=sys.stderr,
-        )
-        return 0
-    return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)

@@ -1,9 +1,11 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from daemon_util import HICACHE, ClientEngine, DaemonProcess
 from hicache import __version__
 from hicache.daemon.cli import main
 
@@ -15,12 +17,34 @@ def test_console_script_is_installed():
     assert done.stdout.strip() == f"hicache {__version__}"
 
 
-def test_serve_says_the_daemon_is_not_built_yet(capsys):
-    assert main(["serve"]) == 0
-    assert "daemon not built yet" in capsys.readouterr().err
-
-
 def test_unknown_command_is_an_error():
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])
     assert exc.value.code == 2
+
+
+def test_status_and_check_against_a_running_daemon(tmp_path):
+    daemon = DaemonProcess(tmp_path).start()
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        engine.prefill(list(range(100, 100 + 3 * 4)))
+        run = [HICACHE, "--log-level", "WARNING"]
+        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--json"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        stats = json.loads(done.stdout)
+        assert stats["sessions"] == 1 and stats["version"] == __version__
+        (spec,) = stats["specs"].values()
+        assert spec["nodes"] == 1
+        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0 and "1 sessions" in done.stdout
+        done = subprocess.run([*run, "check", "--endpoint", daemon.endpoint], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0 and "ok" in done.stdout
+    finally:
+        engine.close()
+        assert daemon.stop() == 0
+    done = subprocess.run([HICACHE, "status", "--endpoint", daemon.endpoint, "--timeout", "0.3"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "no answer" in done.stderr

@@ -1,0 +1,223 @@
+"""RPC benchmark: hicache ``match`` round trips against a raw pyzmq echo.
+
+In one run, over ``ipc://`` on this machine:
+
+* the floor — a pyzmq REQ/REP echo server in its own process, echoing a payload the
+  size of a 2,000-token match request;
+* hicache — ``hicache serve`` in its own process; an engine registers a shared-memory
+  pool, inserts a 2,000-token sequence, then times ``match`` round trips of it (a
+  full device hit) through :class:`hicache.client.CacheClient`, alternating with echo
+  round trips from the same process so that both see the same machine (this VM's
+  round-trip times drift by 2x within minutes): p50 / p99 latency; then throughput from
+  one client and from four client processes at once (each its own engine and pool),
+  plus a batched ``match_many`` of 16 lookups per message.
+
+    python benchmarks/bench_rpc.py [--seconds 3] [--json]
+
+With ``--json`` the last line is one JSON object with ``echo_p50_us``,
+``match_p50_us``, ``match_p99_us``, ``p50_ratio``, ``single_client_ops``,
+``four_client_ops``, ``scaling`` and the batched figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+TOKENS = 2000
+PAGE_SIZE = 16
+
+
+def spec():
+    from hicache.spec import KVSpec
+
+    return KVSpec.mha(num_layers=4, num_kv_heads=2, head_dim=64, page_size=PAGE_SIZE, model="bench-rpc")
+
+
+def echo_server(endpoint: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(endpoint)
+    while True:
+        message = sock.recv()
+        if message == b"stop":
+            sock.send(b"")
+            break
+        sock.send(message)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def percentile_us(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q) * 1e6)
+
+
+def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, results,
+           echo_endpoint: str | None = None, payload_size: int = 0) -> None:
+    """An engine process: register, insert the sequence, then match as fast as it can
+    (or, with ``echo_endpoint``, alternate a match and an echo and time both)."""
+    from hicache.client import CacheClient
+    from hicache.engine.kv_pool import export_kv_pool
+
+    kv = spec()
+    exported = export_kv_pool(kv, 256)
+    client = CacheClient(endpoint, heartbeat=True)
+    client.register(kv, [exported.handle])
+    tokens = np.arange(TOKENS, dtype=np.int32) + os.getpid() % 1000 * 10_000
+    pages = client.alloc(TOKENS // PAGE_SIZE)
+    client.insert(tokens, pages)
+    packed = tokens.tobytes()
+    assert client.match(packed).num_device_pages == TOKENS // PAGE_SIZE
+    for _ in range(200):
+        client.match(packed)
+    if echo_endpoint is not None:
+        ctx = zmq.Context()
+        echo = ctx.socket(zmq.REQ)
+        echo.connect(echo_endpoint)
+        payload = os.urandom(payload_size)
+        for _ in range(200):
+            echo.send(payload)
+            echo.recv()
+        matches, echoes = [], []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            client.match(packed)
+            middle = time.perf_counter()
+            echo.send(payload)
+            echo.recv()
+            echoes.append(time.perf_counter() - middle)
+            matches.append(middle - start)
+        echo.send(b"stop")
+        echo.recv()
+        echo.close(linger=0)
+        ctx.term()
+        results.put((matches, echoes))
+        client.close()
+        exported.close()
+        return
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+    samples = []
+    deadline = time.perf_counter() + seconds
+    ops = 0
+    while True:
+        start = time.perf_counter()
+        if batch > 1:
+            client.match_many([packed] * batch)
+        else:
+            client.match(packed)
+        end = time.perf_counter()
+        samples.append(end - start)
+        ops += batch
+        if end >= deadline:
+            break
+    results.put((ops, sum(samples), samples if batch == 1 else []))
+    client.close()
+    exported.close()
+
+
+def run_latency(endpoint: str, echo_endpoint: str, payload_size: int, seconds: float):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoint, payload_size))
+    proc.start()
+    matches, echoes = results.get(timeout=120)
+    proc.join(30)
+    return matches, echoes
+
+
+def run_engines(endpoint: str, count: int, seconds: float, batch: int = 1):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start_at = time.time() + 4.0 if count > 1 else None
+    procs = [ctx.Process(target=engine, args=(endpoint, seconds, batch, start_at, results)) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    out = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    ops = sum(o[0] for o in out)
+    busy = max(o[1] for o in out)
+    samples = [s for o in out for s in o[2]]
+    return ops / busy, samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from hicache.daemon import protocol as p
+
+    directory = Path(tempfile.mkdtemp(prefix="hicache-bench-rpc-"))
+    payload_size = len(p.encode(p.Match(id=1, session=2**62, tokens=b"\0" * (4 * TOKENS))))
+
+    ctx = multiprocessing.get_context("spawn")
+    echo_endpoint = f"ipc://{directory / 'echo.sock'}"
+    echo = ctx.Process(target=echo_server, args=(echo_endpoint,))
+    echo.start()
+
+    config = directory / "hicache.toml"
+    config.write_text(f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
+                      f'[metrics]\nenabled = false\n[host]\nratio = 1.0\n')
+    hicache = str(Path(sys.executable).parent / "hicache")
+    daemon = subprocess.Popen([hicache, "--log-level", "WARNING", "serve", "--config", str(config)],
+                              stdout=subprocess.DEVNULL)
+    endpoint = f"ipc://{directory / 'hicache.sock'}"
+    try:
+        deadline = time.monotonic() + 30
+        while not (directory / "hicache.sock").exists():
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise SystemExit("the daemon did not start")
+            time.sleep(0.05)
+        samples, echo_samples = run_latency(endpoint, echo_endpoint, payload_size, args.seconds)
+        echo.join(10)
+        single_ops, _ = run_engines(endpoint, 1, args.seconds)
+        four_ops, _ = run_engines(endpoint, 4, args.seconds)
+        batched_ops, _ = run_engines(endpoint, 1, args.seconds, batch=16)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    figures = {
+        "tokens": TOKENS,
+        "payload_bytes": payload_size,
+        "echo_p50_us": percentile_us(echo_samples, 50),
+        "echo_p99_us": percentile_us(echo_samples, 99),
+        "match_p50_us": percentile_us(samples, 50),
+        "match_p99_us": percentile_us(samples, 99),
+        "single_client_ops": single_ops,
+        "four_client_ops": four_ops,
+        "batched_match_ops": batched_ops,
+    }
+    figures["p50_ratio"] = figures["match_p50_us"] / figures["echo_p50_us"]
+    figures["scaling"] = four_ops / single_ops
+    print(f"2,000-token match over ipc://, request {payload_size} bytes, {os.cpu_count()} cores")
+    print(f"{'':26} {'p50 us':>8} {'p99 us':>8}")
+    print(f"{'pyzmq REQ/REP echo':26} {figures['echo_p50_us']:8.1f} {figures['echo_p99_us']:8.1f}")
+    print(f"{'hicache match':26} {figures['match_p50_us']:8.1f} {figures['match_p99_us']:8.1f}"
+          f"   ({figures['p50_ratio']:.2f}x the echo)")
+    print(f"throughput: 1 client {single_ops:,.0f}/s, 4 clients {four_ops:,.0f}/s "
+          f"({figures['scaling']:.2f}x), batched x16 {batched_ops:,.0f} lookups/s")
+    if args.json:
+        print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The daemon's event loop: one ROUTER socket, one owner thread.
+
+::
+
+    engines (DEALER/REQ) ──ipc:// / tcp://──> ROUTER ─┐
+                                                       ├─ recv ─> decode -> Daemon.handle -> reply
+    transfer / storage threads ──inproc:// wake ───────┘          (or a future, answered when done)
+
+The loop blocks in one ``recv`` on the ROUTER (a poll on several descriptors costs ~15 us
+a round trip here): worker threads that post a completion wake it with an empty message
+from their own inproc DEALER, so it sleeps until a request or a completion arrives (or a
+lease or timer is due). Requests are decoded and validated, handled, and answered on the same thread;
+a request whose answer depends on a transfer (a load from disk, a match that waits for
+a prefetch, a flush) is answered when its future completes. Oversize and undecodable
+messages get an ``Error`` reply; nothing they carry reaches the daemon's state.
+
+SIGTERM (see :mod:`hicache.daemon.cli`) calls :meth:`Server.stop`: the loop tells
+systemd it is stopping, closes the socket (no new requests), drains (host pages to disk
+per policy, in-flight transfers finished), closes the store and returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+import zmq
+
+from hicache.config import DaemonConfig
+from hicache.daemon import protocol as p
+from hicache.daemon.sd_notify import Notifier
+from hicache.daemon.service import Daemon
+from hicache.errors import InvalidArgument
+from hicache.jobs import Completions
+
+logger = logging.getLogger(__name__)
+
+_MAX_BATCH = 256  # messages taken from the socket per loop turn
+_MAX_WAIT_S = 0.25
+_WAKE_ID = b"\0hicache-wake-"
+
+
+class Server:
+    def __init__(self, config: DaemonConfig, *, notifier: Notifier | None = None,
+                 context: zmq.Context | None = None, daemon: Daemon | None = None) -> None:
+        self.config = config
+        self._context = context or zmq.Context()
+        self._own_context = context is None
+        self._wake_endpoint = f"inproc://hicache-wake-{id(self)}"
+        self._wake_sockets = threading.local()
+        self._wakers: list[zmq.Socket] = []
+        self._wakers_lock = threading.Lock()
+        self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake))
+        self.notifier = notifier or Notifier.from_env()
+        self._router: zmq.Socket | None = None
+        self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
+        self._stop = False
+        self.endpoints: list[str] = []
+
+    def _wake(self) -> None:
+        """From any thread: make the loop's blocking recv return."""
+        sock = getattr(self._wake_sockets, "socket", None)
+        if sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, _WAKE_ID + str(threading.get_ident()).encode())
+            sock.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is enough
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_endpoint)
+            self._wake_sockets.socket = sock
+            with self._wakers_lock:
+                self._wakers.append(sock)
+        try:
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # a wake-up is already queued, or we are shutting down
+
+    def bind(self) -> list[str]:
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Messages a little over the limit still get an error reply; far over, the peer
+        # is disconnected by the transport before we buffer them.
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.server.max_message_bytes)
+        router.setsockopt(zmq.RCVHWM, 100_000)
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        socket_path = self.config.server.socket_path
+        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        if socket_path.exists():
+            socket_path.unlink()  # a stale socket from a daemon that died
+        router.bind(self._wake_endpoint)
+        for endpoint in self.config.server.endpoints:
+            router.bind(endpoint)
+            self.endpoints.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        os.chmod(socket_path, self.config.server.socket_mode)
+        self._router = router
+        return self.endpoints
+
+    def stop(self) -> None:
+        """Ask the loop to drain and return (safe from a signal handler)."""
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        if self._router is None:
+            self.bind()
+        router = self._router
+        watchdog_s = self.notifier.watchdog_interval_s
+        next_watchdog = time.monotonic()
+        timeout_ms = -2
+        self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
+        logger.info("serving on %s", ", ".join(self.endpoints))
+        while not self._stop:
+            wanted = self._timeout_ms()
+            if wanted != timeout_ms:
+                router.setsockopt(zmq.RCVTIMEO, wanted)
+                timeout_ms = wanted
+            try:
+                frames = router.recv_multipart()
+            except zmq.Again:
+                frames = None
+            except zmq.ZMQError as exc:  # EINTR from a signal: loop and look at _stop
+                if exc.errno != errno.EINTR:
+                    raise
+                frames = None
+            if frames is not None:
+                self._handle(router, frames)
+                self._receive(router)
+            self.daemon.poll()
+            self._send_ready(router)
+            if watchdog_s is not None and time.monotonic() >= next_watchdog:
+                self.notifier.watchdog()
+                next_watchdog = time.monotonic() + watchdog_s
+        self._shutdown()
+
+    def _timeout_ms(self) -> int:
+        """How long the next recv may block: until the next lease or timer is due, in
+        steps of 50 ms (a lease ends a little late, but the receive timeout does not
+        change — a system call — on every request)."""
+        if self._ready:
+            return 0
+        wait = _MAX_WAIT_S
+        deadline = self.daemon.next_deadline()
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - self.daemon.clock()))
+        return int(wait * 20) * 50
+
+    def _receive(self, router: zmq.Socket) -> None:
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(router, frames)
+
+    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # no identity: cannot answer
+        envelope, payload = frames[:-1], frames[-1]
+        if not payload and len(frames) == 2 and frames[0].startswith(_WAKE_ID):
+            return  # a worker's wake-up: the loop polls the daemon next
+        limit = self.config.server.max_message_bytes
+        if len(payload) > limit:
+            error = InvalidArgument(f"message of {len(payload)} bytes exceeds the limit of {limit}")
+            self._send(router, envelope, self.daemon.error_reply(0, error))
+            return
+        try:
+            request = p.decode_request(payload)
+        except p.ProtocolError as exc:
+            self._send(router, envelope, self.daemon.error_reply(p.request_id(payload), exc))
+            return
+        reply = self.daemon.handle(request)
+        if isinstance(reply, Future):
+            reply.add_done_callback(lambda f: self._ready.append((envelope, f.result())))
+        else:
+            self._send(router, envelope, reply)
+
+    def _send_ready(self, router: zmq.Socket) -> None:
+        while self._ready:
+            envelope, reply = self._ready.popleft()
+            self._send(router, envelope, reply)
+
+    def _send(self, router: zmq.Socket, envelope: list[bytes], reply: p.Reply) -> None:
+        try:
+            router.send_multipart([*envelope, p.encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropping a reply: the client's queue is full")
+
+    def _shutdown(self) -> None:
+        self.notifier.stopping()
+        # Ask systemd for the drain's time plus a margin, so TimeoutStopSec= need not track it.
+        self.notifier.extend_timeout(self.config.server.drain_timeout_s + 30.0)
+        logger.info("draining")
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        self.daemon.drain()
+        self.daemon.close()
+        try:
+            Path(self.config.server.socket_path).unlink()
+        except FileNotFoundError:
+            pass
+        with self._wakers_lock:
+            for sock in self._wakers:
+                sock.close(linger=0)
+            self._wakers.clear()
+        if self._own_context:
+            self._context.destroy(linger=0)
+        logger.info("stopped")

@@ -1,0 +1,541 @@
+"""The daemon's request handling: sessions, leases, validation, and the tier managers.
+
+:class:`Daemon` turns decoded requests into replies (or futures of replies) on the owner
+thread; :mod:`hicache.daemon.server` moves bytes. Keeping the two apart lets tests drive
+every request path without sockets.
+
+Sessions: ``hello`` opens one (its id is a random 63-bit token: a client cannot guess
+another's), ``register`` attaches the engine's device pool (one handle per TP rank, so a
+TP group registers once and gets one answer), and from then on the session owns private
+pages and node locks. Every request renews the session's lease; ``bye``, an expired
+lease (a killed engine) or a drain ends it: its locks are released, its private pages
+freed, and its pool retired — unmapped once no transfer uses it.
+
+Validation happens before anything changes: types at decode time (msgspec), then sizes,
+ranges and ownership here — page ids in range and the session's own, node handles live
+and locked by this session, token buffers whole int32s within the configured limits.
+Errors come back as ``Error`` replies with a stable code and a message.
+
+KV specs: the first session registering a spec creates its :class:`TierManager` (host
+pool sized from ``[host]``) over the daemon's one storage backend, and rebuilds that
+spec's disk tier from the storage metadata; later sessions of the same spec share its
+tree, host pool and disk pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from hicache import __version__
+from hicache.config import DaemonConfig
+from hicache.daemon import protocol as p
+from hicache.errors import (
+    Draining,
+    ErrorCode,
+    HicacheError,
+    InvalidArgument,
+    LockUnderflow,
+    ResourceExhausted,
+    SpecMismatch,
+    UnknownNode,
+    UnknownSession,
+    VersionMismatch,
+)
+from hicache.jobs import Completions
+from hicache.keys import TOKEN_BYTES, NamespaceId, key_self_test, namespace_id
+from hicache.pages import PAGE_ID_DTYPE, as_page_ids
+from hicache.pools import DevicePool, HostPool, PoolHandle
+from hicache.spec import KVSpec
+from hicache.tiers import Hit, TierManager
+from hicache.tree import Node
+
+logger = logging.getLogger(__name__)
+
+_LEASE_CHECK_S = 0.05  # leases are checked this often (they end at most this late)
+
+@dataclass(eq=False)
+class Session:
+    session_id: int
+    client: str
+    pid: int
+    lease_deadline: float
+    manager: TierManager | None = None
+    pool_id: int = -1
+    locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
+    private: set[int] = field(default_factory=set)  # its private device pages
+    namespaces: dict[str, NamespaceId] = field(default_factory=dict)
+
+
+class SharingPolicy(Protocol):
+    def match(self, manager: TierManager, namespace: NamespaceId, tokens: bytes, pool: int) -> Hit | Future: ...
+
+    def insert(self, daemon: "Daemon", session: Session, namespace: NamespaceId, tokens: bytes,
+               pages: np.ndarray) -> p.InsertReply: ...
+
+
+class RadixSharing:
+    """Prefix sharing through the tree (the normal case)."""
+
+    def match(self, manager, namespace, tokens, pool):
+        if manager.config.prefetch_policy == "best_effort":
+            return manager.match(namespace, tokens, pool)
+        return manager.match_async(namespace, tokens, pool)
+
+    def insert(self, daemon, session, namespace, tokens, pages):
+        manager = session.manager
+        manager.add_namespace(namespace)
+        result = manager.insert(namespace, tokens, session.pool_id, pages)
+        session.private.difference_update(pages.tolist())
+        return p.InsertReply(
+            id=0, node=result.node.node_id, device_pages=result.device_pages.tobytes(),
+            freed=result.duplicate_pages.tobytes(), prefix_pages=result.num_prefix_pages,
+        )
+
+
+class NoSharing:
+    """Sharing off (the seeds' ChunkCache): every match misses, an insert just gives the
+    pages back."""
+
+    def match(self, manager, namespace, tokens, pool):
+        return None
+
+    def insert(self, daemon, session, namespace, tokens, pages):
+        daemon.release_pages(session, pages)
+        return p.InsertReply(id=0, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
+
+
+class Daemon:
+    """See the module docstring. Owner thread only."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        storage=None,
+        completions: Completions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.started = clock()
+        self.completions = completions or Completions()
+        if storage is None and config.disk.enabled:
+            from hicache.storage.lmdb_backend import LmdbBackend
+
+            config.disk.store_path.mkdir(parents=True, exist_ok=True)
+            storage = LmdbBackend(config.disk.store_path, capacity_bytes=config.disk.capacity_bytes,
+                                  sync=config.disk.sync)
+        self.storage = storage
+        self.managers: dict[bytes, TierManager] = {}
+        self.sessions: dict[int, Session] = {}
+        self._pool_ids = itertools.count(1)
+        self.draining = False
+        self.counts: Counter = Counter()  # (op, status) -> requests, for stats
+        self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else NoSharing()
+        self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
+        self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
+        self._next_lease_check = 0.0
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            p.Hello: self._hello, p.Register: self._register, p.Match: self._match,
+            p.MatchMany: self._match_many, p.Lock: self._lock, p.Unlock: self._unlock,
+            p.Load: self._load, p.Alloc: self._alloc, p.Insert: self._insert,
+            p.Release: self._release, p.Heartbeat: self._heartbeat, p.Bye: self._bye,
+            p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
+        }
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, request: p.Request) -> p.Reply | Future:
+        """One decoded request -> its reply, or a future of it (on the owner thread)."""
+        op = type(request).__struct_config__.tag
+        try:
+            reply = self._handlers[type(request)](request)
+        except HicacheError as exc:
+            self.counts[(op, exc.code.name)] += 1
+            return p.Error(id=request.id, code=int(exc.code), message=exc.message)
+        except Exception as exc:  # a bug: answer it, log it, keep serving
+            logger.exception("internal error handling %s", op)
+            self.counts[(op, "INTERNAL")] += 1
+            return p.Error(id=request.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}")
+        if isinstance(reply, Future):
+            return self._chain(reply, request.id, op)
+        self.counts[(op, "OK")] += 1
+        reply.id = request.id
+        return reply
+
+    def error_reply(self, request_id: int, exc: HicacheError) -> p.Error:
+        self.counts[("decode", exc.code.name)] += 1
+        return p.Error(id=request_id, code=int(exc.code), message=exc.message)
+
+    def _chain(self, future: Future, request_id: int, op: str) -> Future:
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is None:
+                reply = f.result()
+                reply.id = request_id
+                self.counts[(op, "OK")] += 1
+            else:
+                code = error.code if isinstance(error, HicacheError) else ErrorCode.INTERNAL
+                self.counts[(op, code.name)] += 1
+                reply = p.Error(id=request_id, code=int(code), message=str(error))
+            out.set_result(reply)
+
+        future.add_done_callback(done)
+        return out
+
+    # ------------------------------------------------------------------ sessions
+
+    def _session(self, session_id: int, *, registered: bool = True) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"no session {session_id} (expired, or the daemon restarted)")
+        session.lease_deadline = self.clock() + self.config.server.lease_s
+        if registered and session.manager is None:
+            raise InvalidArgument("register the engine's pool first")
+        return session
+
+    def _hello(self, m: p.Hello) -> p.HelloReply:
+        if m.version != p.PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"client speaks protocol {m.version}, this daemon {p.PROTOCOL_VERSION} (hicache {__version__})")
+        if self.draining:
+            raise Draining("the daemon is shutting down")
+        if len(self.sessions) >= self.config.server.max_sessions:
+            raise ResourceExhausted(f"too many sessions ({self.config.server.max_sessions})")
+        session_id = secrets.randbits(63)
+        lease = self.config.server.lease_s
+        self.sessions[session_id] = Session(session_id, m.client[:200], m.pid, self.clock() + lease)
+        logger.info("session %x opened by %r (pid %d)", session_id, m.client, m.pid)
+        return p.HelloReply(id=m.id, session=session_id, version=p.PROTOCOL_VERSION,
+                            daemon=f"hicache {__version__}", lease_s=lease)
+
+    def _register(self, m: p.Register) -> p.RegisterReply:
+        session = self._session(m.session, registered=False)
+        if session.manager is not None:
+            raise InvalidArgument("this session has registered its pool already")
+        spec = KVSpec.from_dict(m.spec)
+        if spec.fingerprint != m.fingerprint:
+            raise SpecMismatch("the spec's fingerprint differs between client and daemon (versions differ?)")
+        if m.key_check != key_self_test(spec.fingerprint, spec.page_size):
+            raise SpecMismatch("page keys differ between client and daemon: they could never share a page")
+        if len(m.pools) != spec.tp_size:
+            raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
+                                  f"got {len(m.pools)}")
+        ranks: list[DevicePool] = []
+        try:
+            for handle in m.pools:
+                ranks.append(DevicePool.attach(PoolHandle.from_dict(handle), expected=spec))
+            manager = self._manager_for(spec, ranks[0].num_pages)
+            pool_id = next(self._pool_ids)
+            counters = manager.register_pool(pool_id, ranks)
+        except BaseException:
+            for rank in ranks:
+                rank.close()
+            raise
+        session.manager, session.pool_id = manager, pool_id
+        in_use = as_page_ids(m.in_use)
+        if in_use.size:
+            manager.reserve(pool_id, in_use)
+            session.private.update(in_use.tolist())
+        logger.info("session %x registered pool %d: %d pages, spec %s", session.session_id, pool_id,
+                    ranks[0].num_pages, spec.fingerprint_hex)
+        return p.RegisterReply(id=m.id, pool=pool_id, counters=counters.handle.to_dict(),
+                               page_size=spec.page_size, num_pages=ranks[0].num_pages)
+
+    def _manager_for(self, spec: KVSpec, device_pages: int) -> TierManager:
+        manager = self.managers.get(spec.fingerprint)
+        if manager is None:
+            host = self.config.host
+            if host.bytes:
+                host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
+            else:
+                host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
+            manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
+                                  completions=self.completions, clock=self.clock)
+            restored = manager.rebuild_from_storage()
+            self.managers[spec.fingerprint] = manager
+            logger.info("spec %s: host pool of %d pages, %d disk pages restored",
+                        spec.fingerprint_hex, host_pages, restored)
+        return manager
+
+    def end_session(self, session: Session, reason: str) -> None:
+        """Give back everything the session held."""
+        self.sessions.pop(session.session_id, None)
+        manager = session.manager
+        if manager is not None:
+            for node_id, count in session.locks.items():
+                node = manager.tree.node(node_id)
+                for _ in range(count):
+                    manager.unlock(node, session.pool_id)
+            if session.private:
+                manager.release(session.pool_id, np.fromiter(session.private, dtype=PAGE_ID_DTYPE))
+            manager.retire_pool(session.pool_id)
+        logger.info("session %x ended (%s): %d locks, %d private pages released", session.session_id, reason,
+                    sum(session.locks.values()), len(session.private))
+
+    def expire_leases(self) -> int:
+        now = self.clock()
+        if now < self._next_lease_check:
+            return 0
+        self._next_lease_check = now + _LEASE_CHECK_S
+        expired = [s for s in self.sessions.values() if s.lease_deadline < now]
+        for session in expired:
+            self.end_session(session, "lease expired")
+        return len(expired)
+
+    def next_deadline(self) -> float | None:
+        if not self.sessions:
+            return None
+        return max(self._next_lease_check, min(s.lease_deadline for s in self.sessions.values()))
+
+    # ------------------------------------------------------------------ cache ops
+
+    def _namespace(self, session: Session, extra_key: str) -> NamespaceId:
+        ns = session.namespaces.get(extra_key)
+        if ns is None:
+            if len(extra_key) > 1024:
+                raise InvalidArgument("extra_key is longer than 1024 characters")
+            ns = namespace_id(session.manager.spec.fingerprint, extra_key or None)
+            session.namespaces[extra_key] = ns
+        return ns
+
+    def _tokens(self, tokens: bytes) -> bytes:
+        if len(tokens) % TOKEN_BYTES:
+            raise InvalidArgument(f"tokens must be packed int32 ({TOKEN_BYTES} bytes each)")
+        if len(tokens) // TOKEN_BYTES > self.config.server.max_tokens:
+            raise InvalidArgument(f"more than {self.config.server.max_tokens} tokens in one request")
+        return tokens
+
+    def _sharing_for(self, extra_key: str) -> SharingPolicy:
+        return NoSharing() if extra_key in self._no_sharing_keys else self._sharing
+
+    def _match_reply(self, hit: Hit | None) -> p.MatchReply:
+        if hit is None or hit.match.node is None:
+            return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
+        m = hit.match
+        return p.MatchReply(id=0, node=m.node.node_id, device_pages=m.device_pages.tobytes(),
+                            host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
+                            wait=[tuple(t) for t in hit.wait])
+
+    def _match(self, m: p.Match):
+        session = self._session(m.session)
+        hit = self._sharing_for(m.extra_key).match(
+            session.manager, self._namespace(session, m.extra_key), self._tokens(m.tokens), session.pool_id)
+        if isinstance(hit, Future):
+            out: Future = Future()
+            hit.add_done_callback(lambda f: out.set_result(self._match_reply(f.result())))
+            return out
+        return self._match_reply(hit)
+
+    def _match_many(self, m: p.MatchMany) -> p.MatchManyReply:
+        session = self._session(m.session)
+        if len(m.tokens) > self.config.server.max_batch:
+            raise InvalidArgument(f"more than {self.config.server.max_batch} lookups in one batch")
+        ns = self._namespace(session, m.extra_key)
+        sharing = self._sharing_for(m.extra_key)
+        results = []
+        for tokens in m.tokens:
+            hit = sharing.match(session.manager, ns, self._tokens(tokens), session.pool_id)
+            if isinstance(hit, Future):  # batches answer with what is cached now
+                hit = session.manager.match(ns, tokens, session.pool_id)
+            r = self._match_reply(hit)
+            results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
+                                         disk_pages=r.disk_pages, wait=r.wait))
+        return p.MatchManyReply(id=m.id, results=results)
+
+    def _node(self, session: Session, node_id: int) -> Node:
+        try:
+            node = session.manager.tree.node(node_id)
+        except (UnknownNode, TypeError):
+            raise UnknownNode(f"no node {node_id} (evicted, or never returned to this session)") from None
+        if node.is_root:
+            raise UnknownNode("the root cannot be locked")
+        return node
+
+    def _lock(self, m: p.Lock) -> p.Ok:
+        session = self._session(m.session)
+        node = self._node(session, m.node)
+        session.manager.lock(node, session.pool_id)
+        session.locks[m.node] += 1
+        return p.Ok(id=m.id)
+
+    def _unlock(self, m: p.Unlock) -> p.Ok:
+        session = self._session(m.session)
+        if session.locks.get(m.node, 0) <= 0:
+            raise LockUnderflow(f"this session holds no lock on node {m.node}")
+        session.manager.unlock(self._node(session, m.node), session.pool_id)
+        session.locks[m.node] -= 1
+        if not session.locks[m.node]:
+            del session.locks[m.node]
+        return p.Ok(id=m.id)
+
+    def _load(self, m: p.Load) -> Future:
+        session = self._session(m.session)
+        if session.locks.get(m.node, 0) <= 0:
+            raise InvalidArgument(f"lock node {m.node} before loading it")
+        future = session.manager.load(self._node(session, m.node), session.pool_id)
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+                return
+            r = f.result()
+            out.set_result(p.LoadReply(id=0, node=r.node.node_id, device_pages=r.device_pages.tobytes(),
+                                       loaded_pages=r.num_loaded_pages, wait=[tuple(t) for t in r.wait]))
+
+        future.add_done_callback(done)
+        return out
+
+    def _alloc(self, m: p.Alloc) -> p.AllocReply:
+        session = self._session(m.session)
+        capacity = session.manager.num_pages(session.pool_id)
+        if not 0 <= m.num_pages <= capacity:
+            raise InvalidArgument(f"num_pages must be in [0, {capacity}]")
+        pages = session.manager.alloc(session.pool_id, m.num_pages)
+        if pages is None:
+            return p.AllocReply(id=m.id, pages=b"")
+        session.private.update(pages.tolist())
+        return p.AllocReply(id=m.id, pages=pages.tobytes())
+
+    def _page_ids(self, session: Session, data: bytes) -> np.ndarray:
+        if len(data) % PAGE_ID_DTYPE.itemsize:
+            raise InvalidArgument("page ids must be packed int32")
+        ids = as_page_ids(data)
+        if ids.size:
+            capacity = session.manager.num_pages(session.pool_id)
+            if int(ids.min()) < 1 or int(ids.max()) > capacity:
+                raise InvalidArgument(f"page ids must be in [1, {capacity}]")
+            if len(np.unique(ids)) != len(ids):
+                raise InvalidArgument("a page id appears twice")
+        return ids
+
+    def _insert(self, m: p.Insert) -> p.InsertReply:
+        session = self._session(m.session)
+        tokens = self._tokens(m.tokens)
+        pages = self._page_ids(session, m.pages)
+        if len(pages) != len(tokens) // TOKEN_BYTES // session.manager.spec.page_size:
+            raise InvalidArgument("one page id per whole page of tokens")
+        reply = self._sharing_for(m.extra_key).insert(self, session, self._namespace(session, m.extra_key),
+                                                      tokens, pages)
+        reply.id = m.id
+        return reply
+
+    def release_pages(self, session: Session, pages: np.ndarray) -> None:
+        foreign = [int(x) for x in pages.tolist() if int(x) not in session.private]
+        if foreign:
+            raise InvalidArgument(f"page {foreign[0]} is not a private page of this session")
+        session.manager.release(session.pool_id, pages)
+        session.private.difference_update(pages.tolist())
+
+    def _release(self, m: p.Release) -> p.Ok:
+        session = self._session(m.session)
+        self.release_pages(session, self._page_ids(session, m.pages))
+        return p.Ok(id=m.id)
+
+    def _heartbeat(self, m: p.Heartbeat) -> p.Ok:
+        self._session(m.session, registered=False)
+        return p.Ok(id=m.id)
+
+    def _bye(self, m: p.Bye) -> p.Ok:
+        self.end_session(self._session(m.session, registered=False), "bye")
+        return p.Ok(id=m.id)
+
+    # ------------------------------------------------------------------ admin
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": __version__,
+            "uptime_s": self.clock() - self.started,
+            "sessions": len(self.sessions),
+            "draining": self.draining,
+            "requests": {f"{op}/{status}": n for (op, status), n in sorted(self.counts.items())},
+            "specs": {},
+        }
+        for fingerprint, manager in self.managers.items():
+            out["specs"][fingerprint.hex()] = {
+                tier: account._asdict() for tier, account in manager.accounting().items()
+            } | {"nodes": len(manager.tree)}
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()._asdict()
+        return out
+
+    def _stats(self, m: p.Stats) -> p.StatsReply:
+        return p.StatsReply(id=m.id, stats=self.stats())
+
+    def _health(self, m: p.Health) -> p.HealthReply:
+        return p.HealthReply(id=m.id, state="draining" if self.draining else "serving",
+                             sessions=len(self.sessions), uptime_s=self.clock() - self.started, version=__version__)
+
+    def _flush(self, m: p.Flush) -> Future:
+        for manager in self.managers.values():
+            manager.persist()
+        return self.when_idle(lambda: p.Ok(id=m.id))
+
+    def _check(self, m: p.Check) -> p.Ok:
+        for manager in self.managers.values():
+            manager.check_invariants()
+        if self.storage is not None and hasattr(self.storage, "check_invariants"):
+            self.storage.check_invariants()
+        for session in self.sessions.values():
+            if session.manager is not None:
+                account = session.manager.accounting()[f"device:{session.pool_id}"]
+                assert account.private == len(session.private), (session.session_id, account, len(session.private))
+        return p.Ok(id=m.id)
+
+    # ------------------------------------------------------------------ driving
+
+    def when_idle(self, make_reply: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._idle_list.append((future, make_reply))
+        return future
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Run transfer completions and timers, expire leases, answer idle waiters."""
+        ran = self.completions.drain(timeout_s)
+        for manager in self.managers.values():
+            ran += manager.poll(0)
+        self.expire_leases()
+        if self._idle_list and all(m.idle() for m in self.managers.values()):
+            if self.storage is not None:
+                self.storage.flush()
+            waiters, self._idle_list = self._idle_list, []
+            for future, make_reply in waiters:
+                future.set_result(make_reply())
+        return ran
+
+    def drain(self) -> None:
+        """Stop taking sessions, write host pages to disk per policy, wait for transfers."""
+        self.draining = True
+        for manager in self.managers.values():
+            manager.persist()
+        deadline = self.clock() + self.config.server.drain_timeout_s
+        for manager in self.managers.values():
+            remaining = max(0.0, deadline - self.clock())
+            try:
+                manager.flush(timeout_s=remaining)
+            except TimeoutError:
+                logger.warning("drain timed out with transfers in flight")
+
+    def close(self) -> None:
+        for session in list(self.sessions.values()):
+            self.end_session(session, "shutdown")
+        for manager in self.managers.values():
+            manager.poll()
+            manager.close()
+        if self.storage is not None:
+            self.storage.close()
+

@@ -1,0 +1,199 @@
+"""Daemon configuration: one tree of frozen dataclasses, from TOML plus overrides.
+
+Every environment variable hicache reads is read here:
+
+* ``RUNTIME_DIRECTORY`` / ``STATE_DIRECTORY`` — set by systemd for ``RuntimeDirectory=``
+  and ``StateDirectory=``; the default socket goes in the first, the LMDB store in the
+  second;
+* ``HICACHE_HOME`` — where the embedded defaults put both when systemd does not
+  (default ``./state``, so ``make run`` works from a checkout).
+
+(systemd's ``NOTIFY_SOCKET`` / ``WATCHDOG_*`` belong to the notify protocol and are read
+by :meth:`hicache.daemon.sd_notify.Notifier.from_env`.)
+
+Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated file)::
+
+    [server]   socket, socket_mode, tcp, max_message_bytes, max_tokens, max_sessions,
+               max_batch, lease_s, drain_timeout_s
+    [host]     bytes, ratio
+    [disk]     enabled, path, capacity_bytes, sync
+    [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
+               prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
+               copy_threads, io_threads
+    [sharing]  enabled, disabled_extra_keys
+    [metrics]  enabled, address, port
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hicache.errors import InvalidArgument
+from hicache.tiers import TierConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def _env_dir(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    # systemd may pass several directories separated by ':'; the first is ours.
+    return Path(value.split(":")[0]) if value else default
+
+
+def _home() -> Path:
+    return Path(os.environ.get("HICACHE_HOME", "state"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    socket: str = ""  # path of the ipc:// socket; "" = <runtime dir>/hicache.sock
+    socket_mode: int = 0o660
+    tcp: str = ""  # e.g. "tcp://127.0.0.1:7400"; "" = no TCP endpoint
+    max_message_bytes: int = 64 << 20
+    max_tokens: int = 1 << 20  # per request
+    max_sessions: int = 256
+    max_batch: int = 256  # lookups in one batched match
+    lease_s: float = 10.0
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s")
+
+    @property
+    def socket_path(self) -> Path:
+        if self.socket:
+            return Path(self.socket)
+        return (_env_dir("RUNTIME_DIRECTORY", _home() / "run") / "hicache.sock").absolute()
+
+    @property
+    def endpoints(self) -> list[str]:
+        endpoints = [f"ipc://{self.socket_path}"]
+        if self.tcp:
+            endpoints.append(self.tcp)
+        return endpoints
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostConfig:
+    bytes: int = 0  # host pool per KV spec; 0 = use ratio
+    ratio: float = 2.0  # host pages = ratio x the first registered device pool's pages
+
+    def __post_init__(self) -> None:
+        if self.bytes < 0:
+            raise InvalidArgument("[host].bytes must be >= 0")
+        if not self.bytes:
+            _positive(self, "ratio")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskConfig:
+    enabled: bool = True
+    path: str = ""  # "" = <state dir>/lmdb
+    capacity_bytes: int = 64 << 30
+    sync: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "capacity_bytes")
+
+    @property
+    def store_path(self) -> Path:
+        if self.path:
+            return Path(self.path)
+        return (_env_dir("STATE_DIRECTORY", _home()) / "lmdb").absolute()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharingConfig:
+    enabled: bool = True
+    disabled_extra_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    enabled: bool = True
+    address: str = "127.0.0.1"
+    port: int = 9477
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "DaemonConfig":
+        """Embedded defaults, then the TOML file (if any), then ``overrides``
+        (``{"section.key": value}``)."""
+        data: dict[str, dict[str, Any]] = {}
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read config {path}: {exc}") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise InvalidArgument(f"bad TOML in {path}: {exc}") from None
+        for dotted, value in (overrides or {}).items():
+            section, _, key = dotted.partition(".")
+            data.setdefault(section, {})[key] = value
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DaemonConfig":
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(sections)
+        if unknown:
+            raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
+        built = {}
+        for name, value in data.items():
+            if not isinstance(value, Mapping):
+                raise InvalidArgument(f"config section [{name}] must be a table")
+            built[name] = _build(sections[name].default_factory, name, value)  # type: ignore[misc]
+        return cls(**built)
+
+
+def _positive(section: Any, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise InvalidArgument(f"{type(section).__name__}.{name} must be positive")
+
+
+def _build(section_cls: type, name: str, values: Mapping[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise InvalidArgument(f"unknown keys in [{name}]: {', '.join(sorted(unknown))}")
+    defaults = section_cls()
+    kwargs = {}
+    for key, value in values.items():
+        expected = type(getattr(defaults, key))
+        if key == "socket_mode" and isinstance(value, str):
+            try:
+                value = int(value, 8)
+            except ValueError:
+                raise InvalidArgument(f"[{name}].{key} must be an octal mode like \"0660\"") from None
+        if expected is tuple and isinstance(value, list):
+            value = tuple(value)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise InvalidArgument(
+                f"[{name}].{key} must be {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
+        kwargs[key] = value
+    try:
+        return section_cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad [{name}]: {exc}") from None

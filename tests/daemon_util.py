@@ -1,0 +1,126 @@
+"""Running a real daemon process for tests, and engines that talk to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hicache.client import CacheClient
+from hicache.errors import Unavailable
+from hicache.keys import namespace_id
+from tiers_util import SPEC, Engine
+
+HICACHE = str(Path(sys.executable).parent / "hicache")
+
+
+def write_config(directory: Path, **sections: dict) -> Path:
+    """A TOML config for a daemon living in ``directory``; ``sections`` override."""
+    base = {
+        "server": {"socket": str(directory / "hicache.sock"), "lease_s": 1.0, "drain_timeout_s": 20.0},
+        "host": {"ratio": 1.0},
+        "disk": {"path": str(directory / "lmdb"), "capacity_bytes": 256 * SPEC.host_page_bytes},
+        "metrics": {"enabled": False},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = f'"{value}"'
+            elif isinstance(value, (list, tuple)):
+                text = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+    path = directory / "hicache.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProcess:
+    """``hicache serve`` in a subprocess."""
+
+    def __init__(self, directory: Path, **sections: dict) -> None:
+        self.directory = directory
+        self.config = write_config(directory, **sections)
+        self.endpoint = f"ipc://{directory / 'hicache.sock'}"
+        self.proc: subprocess.Popen | None = None
+        self.log = directory / "daemon.log"
+
+    def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
+        env = {**os.environ, "HICACHE_HOME": str(self.directory)}
+        env.pop("NOTIFY_SOCKET", None)
+        self.proc = subprocess.Popen([HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)],
+                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        probe = CacheClient(self.endpoint, timeout_s=0.5, heartbeat=False)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
+                try:
+                    probe.health()
+                    return self
+                except Unavailable:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"daemon did not come up:\n{self.log.read_text()}") from None
+        finally:
+            probe.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout_s)
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+class ClientEngine:
+    """An engine with a shared-memory pool, driving the daemon through the client."""
+
+    def __init__(self, endpoint: str, num_pages: int = 24, **client_args) -> None:
+        self.engine = Engine(num_pages)
+        self.client = CacheClient(endpoint, **client_args)
+        self.client.register(SPEC, [self.engine.exported.handle])
+
+    def ns(self, extra_key: str = "") -> bytes:
+        return namespace_id(SPEC.fingerprint, extra_key or None)
+
+    def prefill(self, tokens: list[int], extra_key: str = "") -> tuple:
+        """match, lock, load, alloc, compute, insert, unlock: one request. Returns the
+        match and the insert's canonical pages, after checking every page's bytes."""
+        ps = SPEC.page_size
+        m = self.client.match(tokens, extra_key)
+        self.client.lock(m.handle)
+        try:
+            loaded = self.client.load(m.handle)
+            for layer in range(SPEC.num_layers):
+                self.client.wait_layer(loaded.wait, layer, timeout_s=30)
+            self.engine.check(self.ns(extra_key), tokens, loaded.device_pages)
+            new = self.client.alloc(len(tokens) // ps - len(loaded.device_pages))
+            assert new is not None, "the daemon had no pages"
+            pages = np.concatenate((loaded.device_pages, new))
+            self.engine.compute(self.ns(extra_key), tokens, pages)
+            inserted = self.client.insert(tokens, pages, extra_key)
+            self.engine.check(self.ns(extra_key), tokens, inserted.device_pages)
+        finally:
+            self.client.unlock(m.handle)
+        return m, loaded, inserted
+
+    def close(self) -> None:
+        self.client.close()
+        self.engine.close()

@@ -1,0 +1,182 @@
+"""The daemon as a real process over ipc://, with engines in other processes."""
+
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+
+import pytest
+
+from daemon_util import ClientEngine, DaemonProcess
+from hicache.client import CacheClient
+from tiers_util import SPEC
+
+PS = SPEC.page_size
+
+
+def tokens(start, pages, tail=0):
+    return list(range(start, start + pages * PS + tail))
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    proc = DaemonProcess(tmp_path).start()
+    yield proc
+    if proc.proc is not None:
+        assert proc.stop() == 0, proc.log.read_text()
+
+
+def check(endpoint):
+    client = CacheClient(endpoint, heartbeat=False)
+    try:
+        client.check()
+        return client.stats()
+    finally:
+        client.close()
+
+
+def test_engine_lifecycle(daemon):
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        seq = tokens(100, 5, tail=3)
+        first, _, inserted = engine.prefill(seq)
+        assert first.handle is None and inserted.num_prefix_pages == 0
+        again, loaded, second = engine.prefill(seq + tokens(900, 2))
+        assert again.num_device_pages == 5 and loaded.num_loaded_pages == 0
+        assert second.num_prefix_pages == 5
+        stats = check(daemon.endpoint)
+        assert stats["sessions"] == 1  # the engine (admin calls need no session)
+    finally:
+        engine.close()
+
+
+def _other_engine(conn, endpoint, seq, extra_key):
+    try:
+        engine = ClientEngine(endpoint)
+        m = engine.client.match(seq, extra_key)
+        if m.handle is not None:
+            engine.client.lock(m.handle)
+            loaded = engine.client.load(m.handle)
+            for layer in range(SPEC.num_layers):
+                engine.client.wait_layer(loaded.wait, layer, timeout_s=30)
+            engine.engine.check(engine.ns(extra_key), seq, loaded.device_pages)
+            engine.client.unlock(m.handle)
+            conn.send(("hit", m.num_device_pages, m.num_host_pages + m.num_disk_pages, loaded.num_loaded_pages))
+        else:
+            conn.send(("miss", 0, 0, 0))
+        engine.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc(), 0, 0))
+
+
+def run_other_engine(endpoint, seq, extra_key=""):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_other_engine, args=(child, endpoint, seq, extra_key))
+    proc.start()
+    assert parent.poll(60), "the other engine said nothing"
+    result = parent.recv()
+    proc.join(30)
+    assert result[0] != "error", result[1]
+    return result
+
+
+def test_engines_share_prefixes_in_a_namespace_and_only_there(daemon):
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        seq = tokens(100, 6)
+        engine.prefill(seq, extra_key="tenant-a")
+        engine.client.flush()  # the write-through backup has landed on host (and disk)
+        kind, device, elsewhere, loaded = run_other_engine(daemon.endpoint, seq, "tenant-a")
+        assert (kind, device, elsewhere, loaded) == ("hit", 0, 6, 6), "engine B loads what engine A computed"
+        assert run_other_engine(daemon.endpoint, seq, "tenant-b")[0] == "miss"
+        assert run_other_engine(daemon.endpoint, seq, "")[0] == "miss"
+        check(daemon.endpoint)
+    finally:
+        engine.close()
+
+
+def _doomed_engine(conn, endpoint):
+    engine = ClientEngine(endpoint)
+    seq = tokens(100, 4)
+    engine.prefill(seq)
+    m = engine.client.match(seq)
+    engine.client.lock(m.handle)
+    pages = engine.client.alloc(6)
+    conn.send(("holding", len(pages)))
+    time.sleep(3600)  # killed here, mid-request
+
+
+def test_killed_engine_gives_everything_back_within_the_lease(daemon):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_doomed_engine, args=(child, daemon.endpoint))
+    proc.start()
+    assert parent.poll(60)
+    assert parent.recv() == ("holding", 6)
+    stats = check(daemon.endpoint)
+    (spec,) = stats["specs"].values()
+    (device,) = [v for k, v in spec.items() if k.startswith("device:")]
+    assert device["private"] == 6 and device["cached_protected"] == 4
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = check(daemon.endpoint)
+        (spec,) = stats["specs"].values()
+        if not any(k.startswith("device:") for k in spec) and stats["sessions"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the dead engine's session lingers: {stats}"
+        time.sleep(0.1)
+    assert spec["host"]["cached_protected"] == 0 and spec["host"]["staging"] == 0
+
+
+def test_daemon_restart_reconnects_and_hits_disk(tmp_path):
+    daemon = DaemonProcess(tmp_path).start()
+    engine = ClientEngine(daemon.endpoint, timeout_s=1.0, reconnect_interval_s=0.1)
+    try:
+        seq = tokens(100, 5)
+        engine.prefill(seq)
+        engine.client.flush()
+        daemon.kill()  # kill -9: the engine's device pages are forgotten, the disk stays
+        miss = engine.client.match(seq)
+        assert miss.handle is None and engine.client.degraded
+        assert engine.client.alloc(2) is None
+        daemon.start()
+        deadline = time.monotonic() + 20
+        while True:
+            m = engine.client.match(seq)
+            if m.handle is not None:
+                break
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            time.sleep(0.1)
+        assert not engine.client.degraded
+        assert m.num_device_pages == 0 and m.num_host_pages + m.num_disk_pages == 5
+        _, loaded, inserted = engine.prefill(seq + tokens(700, 1))
+        assert loaded.num_loaded_pages == 5 and inserted.num_prefix_pages == 5
+        check(daemon.endpoint)
+    finally:
+        engine.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    daemon = DaemonProcess(tmp_path, disk={"enabled": True}, tiers={"disk_policy": "write_back"}).start()
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        seq = tokens(100, 3)
+        engine.prefill(seq)
+    finally:
+        engine.close()
+    assert daemon.stop(signal.SIGTERM) == 0
+    # Write-back keeps pages off disk until the host evicts them; the drain wrote them.
+    daemon.start()
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        m = engine.client.match(seq)
+        assert m.num_disk_pages + m.num_host_pages == 3
+    finally:
+        engine.close()
+        assert daemon.stop() == 0

@@ -1,0 +1,192 @@
+"""The daemon's request handling, without sockets: sessions, validation, sharing off, TP
+groups, leases (with an injected clock)."""
+
+import numpy as np
+import pytest
+
+from hicache.config import DaemonConfig
+from hicache.daemon import protocol as p
+from hicache.daemon.service import Daemon
+from hicache.engine.kv_pool import export_kv_pool
+from hicache.errors import ErrorCode
+from hicache.keys import key_self_test, namespace_id
+from hicache.spec import KVSpec
+from tiers_util import SPEC, Engine
+
+PS = SPEC.page_size
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_daemon(tmp_path, clock=None, **overrides):
+    values = {"disk.enabled": False, "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0,
+              "server.lease_s": 5.0}
+    values.update(overrides)
+    return Daemon(DaemonConfig.load(overrides=values), clock=clock or Clock())
+
+
+def ok(reply):
+    assert not isinstance(reply, p.Error), reply
+    return reply
+
+
+def error(reply, code):
+    assert isinstance(reply, p.Error) and reply.code == code, reply
+    return reply
+
+
+def session(daemon, engine=None, spec=SPEC, pools=None):
+    hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test")))
+    handles = pools if pools is not None else [engine.exported.handle.to_dict()]
+    ok(daemon.handle(p.Register(id=2, session=hello.session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
+                                key_check=key_self_test(spec.fingerprint, spec.page_size), pools=handles)))
+    return hello.session
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(num_pages=16):
+        made.append(Engine(num_pages))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_hello_and_register_are_checked(tmp_path, engines):
+    daemon = make_daemon(tmp_path, **{"server.max_sessions": 2})
+    engine = engines()
+    error(daemon.handle(p.Hello(id=1, version=99)), ErrorCode.VERSION_MISMATCH)
+    hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
+    good = dict(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.exported.handle.to_dict()])
+    error(daemon.handle(p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
+    error(daemon.handle(p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
+    error(daemon.handle(p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
+    error(daemon.handle(p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
+    other = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=8, page_size=PS, model="other")
+    error(daemon.handle(p.Register(**{**good, "spec": other.to_dict(), "fingerprint": other.fingerprint,
+                                      "key_check": key_self_test(other.fingerprint, PS)})),
+          ErrorCode.SPEC_MISMATCH)  # the pool was made for SPEC
+    error(daemon.handle(p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
+    error(daemon.handle(p.Alloc(id=3, session=hello.session, num_pages=1)), ErrorCode.INVALID_ARGUMENT)
+    ok(daemon.handle(p.Register(**good)))
+    error(daemon.handle(p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
+    ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION)))
+    error(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION)), ErrorCode.RESOURCE_EXHAUSTED)
+    daemon.close()
+
+
+def test_sessions_cannot_touch_each_others_locks_and_pages(tmp_path, engines):
+    daemon = make_daemon(tmp_path)
+    a, b = engines(), engines()
+    sa, sb = session(daemon, a), session(daemon, b)
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sa, num_pages=3))).pages
+    tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+    inserted = ok(daemon.handle(p.Insert(id=2, session=sa, tokens=tokens, pages=pages)))
+    ok(daemon.handle(p.Lock(id=3, session=sa, node=inserted.node)))
+    error(daemon.handle(p.Unlock(id=4, session=sb, node=inserted.node)), ErrorCode.LOCK_UNDERFLOW)
+    error(daemon.handle(p.Load(id=5, session=sb, node=inserted.node)), ErrorCode.INVALID_ARGUMENT)
+    mine = ok(daemon.handle(p.Alloc(id=6, session=sa, num_pages=2))).pages
+    error(daemon.handle(p.Release(id=7, session=sb, pages=mine)), ErrorCode.INVALID_ARGUMENT)
+    error(daemon.handle(p.Insert(id=8, session=sb, tokens=tokens[: 2 * PS * 4], pages=mine)),
+          ErrorCode.INVALID_ARGUMENT)
+    error(daemon.handle(p.Lock(id=9, session=sa, node=10**9)), ErrorCode.UNKNOWN_NODE)
+    ok(daemon.handle(p.Unlock(id=10, session=sa, node=inserted.node)))
+    error(daemon.handle(p.Unlock(id=11, session=sa, node=inserted.node)), ErrorCode.LOCK_UNDERFLOW)
+    ok(daemon.handle(p.Release(id=12, session=sa, pages=mine)))
+    ok(daemon.handle(p.Check(id=13)))
+    daemon.close()
+
+
+def test_expired_lease_gives_everything_back(tmp_path, engines):
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock)
+    engine = engines()
+    sid = session(daemon, engine)
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=4))).pages
+    tokens = np.arange(2 * PS, dtype="<i4").tobytes()
+    node = ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages[:8]))).node
+    ok(daemon.handle(p.Lock(id=3, session=sid, node=node)))
+    (manager,) = daemon.managers.values()
+    manager.flush()
+    assert manager.accounting()["host"].cached_protected == 2  # the lock keeps the host copy
+    clock.now += 4.9
+    daemon.poll()
+    assert sid in daemon.sessions
+    clock.now += 1.0
+    daemon.poll()
+    assert sid not in daemon.sessions
+    manager.flush()
+    manager.poll()
+    assert not any(name.startswith("device:") for name in manager.accounting())  # the pool is gone
+    assert manager.accounting()["host"].cached_protected == 0
+    error(daemon.handle(p.Match(id=4, session=sid, tokens=tokens)), ErrorCode.UNKNOWN_SESSION)
+    ok(daemon.handle(p.Check(id=5)))
+    daemon.close()
+
+
+def test_sharing_off_for_the_daemon_or_one_extra_key(tmp_path, engines):
+    for overrides, key in (({"sharing.enabled": False}, ""), ({"sharing.disabled_extra_keys": ["secret"]}, "secret")):
+        daemon = make_daemon(tmp_path, **overrides)
+        engine = engines()
+        sid = session(daemon, engine)
+        tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+        pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages
+        reply = ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages, extra_key=key)))
+        assert reply.node == -1 and reply.freed == pages
+        miss = ok(daemon.handle(p.Match(id=3, session=sid, tokens=tokens, extra_key=key)))
+        assert miss.node == -1 and miss.device_pages == b""
+        (manager,) = daemon.managers.values()
+        assert manager.accounting()[f"device:{daemon.sessions[sid].pool_id}"].free == 16
+        if key:  # other keys still share
+            pages = ok(daemon.handle(p.Alloc(id=4, session=sid, num_pages=3))).pages
+            ok(daemon.handle(p.Insert(id=5, session=sid, tokens=tokens, pages=pages)))
+            assert ok(daemon.handle(p.Match(id=6, session=sid, tokens=tokens))).device_pages == pages
+        ok(daemon.handle(p.Check(id=7)))
+        daemon.close()
+
+
+def test_a_tp_group_registers_once_and_host_pages_hold_every_rank(tmp_path):
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=PS, model="tp2", tp_size=2)
+    ranks = [export_kv_pool(spec, 8, rank=r) for r in range(2)]
+    daemon = make_daemon(tmp_path)
+    try:
+        sid = session(daemon, spec=spec, pools=[r.handle.to_dict() for r in ranks])
+        pages = np.frombuffer(ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=2))).pages, "<i4")
+        for rank, exported in enumerate(ranks):  # each rank computes its own heads
+            for region in exported.pool.layout.token_regions:
+                for page in pages.tolist():
+                    start = region.offset + page * region.unit_bytes
+                    exported.pool.buffer[start : start + region.unit_bytes] = rank + 1
+        tokens = np.arange(2 * PS, dtype="<i4").tobytes()
+        ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages.tobytes())))
+        (manager,) = daemon.managers.values()
+        manager.flush()
+        node = manager.tree.match(namespace_id(spec.fingerprint), tokens, daemon.sessions[sid].pool_id).node
+        for host_page in node.host_pages.tolist():
+            data = manager.host_pool.page(host_page).numpy()
+            half = spec.rank_page_bytes
+            assert (data[:half] == 1).all() and (data[half:] == 2).all()
+        ok(daemon.handle(p.Check(id=3)))
+    finally:
+        daemon.close()
+        for exported in ranks:
+            exported.close()
+
+
+def test_draining_refuses_new_sessions(tmp_path):
+    daemon = make_daemon(tmp_path)
+    daemon.drain()
+    error(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)), ErrorCode.DRAINING)
+    assert ok(daemon.handle(p.Health(id=2))).state == "draining"
+    daemon.close()

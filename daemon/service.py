@@ -296,9 +296,8 @@ class Daemon:
         return len(expired)
 
     def next_deadline(self) -> float | None:
-        if not self.sessions:
-            return None
-        return max(self._next_lease_check, min(s.lease_deadline for s in self.sessions.values()))
+        """When :meth:`poll` next has work of its own (a lease check), if ever."""
+        return self._next_lease_check if self.sessions else None
 
     # ------------------------------------------------------------------ cache ops
 

@@ -1,7 +1,7 @@
 """The ``hicache`` command line.
 
     hicache serve [--config FILE] [--socket PATH] [--tcp ENDPOINT] [--no-disk]
-    hicache status [--endpoint E] [--json]
+    hicache status [--endpoint E] [--json] [--watch [SECONDS]]
     hicache check [--endpoint E]
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
@@ -18,6 +18,7 @@ import json
 import logging
 import signal
 import sys
+import time
 
 from hicache import __version__
 
@@ -47,7 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
     endpoints = server.bind()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
-    print(f"hicache {__version__} serving on {' '.join(endpoints)}", flush=True)
+    metrics = f", metrics on {server.metrics_url}" if server.metrics_url else ""
+    print(f"hicache {__version__} serving on {' '.join(endpoints)}{metrics}", flush=True)
     server.serve_forever()
     return 0
 
@@ -58,17 +60,36 @@ def _status(args: argparse.Namespace) -> int:
 
     client = CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False)
     try:
-        stats = client.stats()
-    except Unavailable as exc:
-        print(f"hicache: {exc}", file=sys.stderr)
-        return 1
+        shown = 0
+        while True:
+            try:
+                stats = client.stats()
+            except Unavailable as exc:
+                print(f"hicache: {exc}", file=sys.stderr)
+                return 1
+            if args.watch:
+                print("\033[H\033[2J", end="")  # clear the terminal
+            _print_status(stats, args.json)
+            shown += 1
+            if not args.watch or (args.count and shown >= args.count):
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
     finally:
         client.close()
-    if args.json:
-        print(json.dumps(stats, indent=2, default=str))
-        return 0
+
+
+def _print_status(stats: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(stats, indent=2, default=str), flush=True)
+        return
+    requests = stats["requests"]
+    matches = sum(n for key, n in requests.items() if key.startswith("match"))
+    errors = sum(n for key, n in requests.items() if not key.endswith("/OK"))
     print(f"hicache {stats['version']}: up {stats['uptime_s']:.0f} s, {stats['sessions']} sessions"
-          f"{', draining' if stats['draining'] else ''}")
+          f"{', draining' if stats['draining'] else ''}; {sum(requests.values())} requests "
+          f"({matches} matches, {errors} errors)")
     for fingerprint, spec in stats["specs"].items():
         print(f"spec {fingerprint[:12]}: {spec['nodes']} nodes")
         for tier, account in spec.items():
@@ -78,7 +99,7 @@ def _status(args: argparse.Namespace) -> int:
     if storage:
         print(f"disk: {storage['records']} records, {storage['bytes'] / 2**20:.1f} MiB of "
               f"{storage['capacity_bytes'] / 2**20:.0f} MiB, {storage['corrupt_records']} corrupt")
-    return 0
+    sys.stdout.flush()
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -118,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--timeout", type=float, default=5.0)
         if name == "status":
             sub.add_argument("--json", action="store_true")
+            sub.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+                             help="refresh every SECONDS (default 2) until Ctrl-C")
+            sub.add_argument("--count", type=int, default=0, help="with --watch: stop after this many")
         sub.set_defaults(run=run)
 
     args = parser.parse_args(argv)

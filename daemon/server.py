@@ -62,6 +62,8 @@ class Server:
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
         self._stop = False
         self.endpoints: list[str] = []
+        self._http = None
+        self.metrics_url = ""
 
     def _wake(self) -> None:
         """From any thread: make the loop's blocking recv return."""
@@ -98,6 +100,10 @@ class Server:
             self.endpoints.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
         os.chmod(socket_path, self.config.server.socket_mode)
         self._router = router
+        metrics = self.config.metrics
+        if metrics.enabled and self.daemon.metrics.registry is not None:
+            self._http = self.daemon.metrics.serve(metrics.address, metrics.port)
+            self.metrics_url = f"http://{metrics.address}:{self._http.server_port}/metrics"
         return self.endpoints
 
     def stop(self) -> None:
@@ -199,6 +205,8 @@ class Server:
             self._router = None
         self.daemon.drain()
         self.daemon.close()
+        if self._http is not None:
+            self._http.shutdown()
         try:
             Path(self.config.server.socket_path).unlink()
         except FileNotFoundError:

@@ -52,16 +52,26 @@ from hicache.errors import (
     VersionMismatch,
 )
 from hicache.jobs import Completions
-from hicache.keys import TOKEN_BYTES, NamespaceId, key_self_test, namespace_id
+from hicache.metrics import Metrics, NullMetrics
+from hicache.keys import (
+    PAGE_KEY_BYTES,
+    ROOT_PARENT_KEY,
+    TOKEN_BYTES,
+    NamespaceId,
+    chain_page_keys,
+    key_self_test,
+    namespace_id,
+)
 from hicache.pages import PAGE_ID_DTYPE, as_page_ids
 from hicache.pools import DevicePool, HostPool, PoolHandle
 from hicache.spec import KVSpec
-from hicache.tiers import Hit, TierManager
+from hicache.tiers import Hit, TierAccount, TierManager
 from hicache.tree import Node
 
 logger = logging.getLogger(__name__)
 
 _LEASE_CHECK_S = 0.05  # leases are checked this often (they end at most this late)
+_SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
 
 @dataclass(eq=False)
 class Session:
@@ -124,8 +134,14 @@ class Daemon:
         storage=None,
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | NullMetrics | None = None,
     ) -> None:
         self.config = config
+        if metrics is None:
+            metrics = Metrics() if config.metrics.enabled else NullMetrics()
+        self.metrics = metrics
+        self._snapshot: dict[str, Any] = {}
+        self._next_snapshot = 0.0
         self.clock = clock
         self.started = clock()
         self.completions = completions or Completions()
@@ -152,32 +168,39 @@ class Daemon:
             p.Release: self._release, p.Heartbeat: self._heartbeat, p.Bye: self._bye,
             p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
         }
+        self.refresh_snapshot()
+        self.metrics.add_state_collector(lambda: self._snapshot)
 
     # ------------------------------------------------------------------ dispatch
 
     def handle(self, request: p.Request) -> p.Reply | Future:
         """One decoded request -> its reply, or a future of it (on the owner thread)."""
         op = type(request).__struct_config__.tag
+        start = time.perf_counter()
         try:
             reply = self._handlers[type(request)](request)
         except HicacheError as exc:
-            self.counts[(op, exc.code.name)] += 1
+            self._count(op, exc.code.name, start)
             return p.Error(id=request.id, code=int(exc.code), message=exc.message)
         except Exception as exc:  # a bug: answer it, log it, keep serving
             logger.exception("internal error handling %s", op)
-            self.counts[(op, "INTERNAL")] += 1
+            self._count(op, "INTERNAL", start)
             return p.Error(id=request.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}")
         if isinstance(reply, Future):
-            return self._chain(reply, request.id, op)
-        self.counts[(op, "OK")] += 1
+            return self._chain(reply, request.id, op, start)
+        self._count(op, "OK", start)
         reply.id = request.id
         return reply
 
+    def _count(self, op: str, status: str, start: float) -> None:
+        self.counts[(op, status)] += 1
+        self.metrics.request(op, status, time.perf_counter() - start)
+
     def error_reply(self, request_id: int, exc: HicacheError) -> p.Error:
-        self.counts[("decode", exc.code.name)] += 1
+        self._count("decode", exc.code.name, time.perf_counter())
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)
 
-    def _chain(self, future: Future, request_id: int, op: str) -> Future:
+    def _chain(self, future: Future, request_id: int, op: str, start: float) -> Future:
         out: Future = Future()
 
         def done(f: Future) -> None:
@@ -185,10 +208,10 @@ class Daemon:
             if error is None:
                 reply = f.result()
                 reply.id = request_id
-                self.counts[(op, "OK")] += 1
+                self._count(op, "OK", start)
             else:
                 code = error.code if isinstance(error, HicacheError) else ErrorCode.INTERNAL
-                self.counts[(op, code.name)] += 1
+                self._count(op, code.name, start)
                 reply = p.Error(id=request_id, code=int(code), message=str(error))
             out.set_result(reply)
 
@@ -263,7 +286,7 @@ class Daemon:
             else:
                 host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
             manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
-                                  completions=self.completions, clock=self.clock)
+                                  completions=self.completions, clock=self.clock, metrics=self.metrics)
             restored = manager.rebuild_from_storage()
             self.managers[spec.fingerprint] = manager
             logger.info("spec %s: host pool of %d pages, %d disk pages restored",
@@ -271,8 +294,9 @@ class Daemon:
         return manager
 
     def end_session(self, session: Session, reason: str) -> None:
-        """Give back everything the session held."""
+        """Give back everything the session held. ``reason``: bye, lease_expired, shutdown."""
         self.sessions.pop(session.session_id, None)
+        self.metrics.session_ended(reason)
         manager = session.manager
         if manager is not None:
             for node_id, count in session.locks.items():
@@ -292,7 +316,7 @@ class Daemon:
         self._next_lease_check = now + _LEASE_CHECK_S
         expired = [s for s in self.sessions.values() if s.lease_deadline < now]
         for session in expired:
-            self.end_session(session, "lease expired")
+            self.end_session(session, "lease_expired")
         return len(expired)
 
     def next_deadline(self) -> float | None:
@@ -320,6 +344,29 @@ class Daemon:
     def _sharing_for(self, extra_key: str) -> SharingPolicy:
         return NoSharing() if extra_key in self._no_sharing_keys else self._sharing
 
+    def _account_match(self, session: Session, namespace: NamespaceId, tokens: bytes, hit: Hit | None,
+                       sharing_off: bool) -> None:
+        """Matched tokens by tier; the rest of the request as missed, with the reason
+        for its first missing page."""
+        num_tokens = len(tokens) // TOKEN_BYTES
+        if hit is None or hit.match.node is None:
+            self.metrics.missed("never_stored" if sharing_off else "namespace_unknown", num_tokens)
+            return
+        m = hit.match
+        ps = m.page_size
+        self.metrics.matched(m.num_device_pages * ps, m.num_host_pages * ps, m.num_disk_pages * ps)
+        missing = num_tokens - m.num_tokens
+        if not missing:
+            return
+        reason = "never_stored"
+        if missing >= ps:
+            node = m.node
+            parent = node.page_keys[-PAGE_KEY_BYTES:] if node.num_pages else ROOT_PARENT_KEY
+            start = m.num_tokens * TOKEN_BYTES
+            first = chain_page_keys(namespace, parent, tokens[start : start + ps * TOKEN_BYTES], ps)
+            reason = session.manager.miss_reason(first)
+        self.metrics.missed(reason, missing)
+
     def _match_reply(self, hit: Hit | None) -> p.MatchReply:
         if hit is None or hit.match.node is None:
             return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
@@ -330,12 +377,21 @@ class Daemon:
 
     def _match(self, m: p.Match):
         session = self._session(m.session)
-        hit = self._sharing_for(m.extra_key).match(
-            session.manager, self._namespace(session, m.extra_key), self._tokens(m.tokens), session.pool_id)
+        sharing = self._sharing_for(m.extra_key)
+        namespace = self._namespace(session, m.extra_key)
+        tokens = self._tokens(m.tokens)
+        hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
+        sharing_off = isinstance(sharing, NoSharing)
         if isinstance(hit, Future):
             out: Future = Future()
-            hit.add_done_callback(lambda f: out.set_result(self._match_reply(f.result())))
+
+            def answer(f: Future) -> None:
+                self._account_match(session, namespace, tokens, f.result(), sharing_off)
+                out.set_result(self._match_reply(f.result()))
+
+            hit.add_done_callback(answer)
             return out
+        self._account_match(session, namespace, tokens, hit, sharing_off)
         return self._match_reply(hit)
 
     def _match_many(self, m: p.MatchMany) -> p.MatchManyReply:
@@ -349,6 +405,7 @@ class Daemon:
             hit = sharing.match(session.manager, ns, self._tokens(tokens), session.pool_id)
             if isinstance(hit, Future):  # batches answer with what is cached now
                 hit = session.manager.match(ns, tokens, session.pool_id)
+            self._account_match(session, ns, tokens, hit, isinstance(sharing, NoSharing))
             r = self._match_reply(hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
                                          disk_pages=r.disk_pages, wait=r.wait))
@@ -502,12 +559,34 @@ class Daemon:
         self._idle_list.append((future, make_reply))
         return future
 
+    def refresh_snapshot(self) -> None:
+        """The figures the metrics collector serves, copied on the owner thread (the
+        scrape runs on the HTTP thread and must not walk live structures)."""
+        pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
+                                            for tier in ("device", "host", "disk")}
+        for manager in self.managers.values():
+            for name, account in manager.accounting().items():
+                tier = pages["device" if name.startswith("device:") else name]
+                for state, value in account._asdict().items():
+                    tier[state] += value
+        storage = self.storage.stats()._asdict() if self.storage is not None else None
+        mode = "gpu" if any(pool.device.type == "cuda" for m in self.managers.values() for pool in m.device_pools())\
+            else "cpu"
+        self._snapshot = {
+            "pages": pages, "sessions": len(self.sessions), "storage": storage,
+            "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": mode},
+        }
+
     def poll(self, timeout_s: float = 0.0) -> int:
         """Run transfer completions and timers, expire leases, answer idle waiters."""
         ran = self.completions.drain(timeout_s)
         for manager in self.managers.values():
             ran += manager.poll(0)
         self.expire_leases()
+        now = self.clock()
+        if now >= self._next_snapshot:
+            self._next_snapshot = now + _SNAPSHOT_S
+            self.refresh_snapshot()
         if self._idle_list and all(m.idle() for m in self.managers.values()):
             if self.storage is not None:
                 self.storage.flush()

@@ -39,7 +39,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from hicache.errors import InvalidArgument, SpecMismatch, UnknownNode
 from hicache.jobs import Completions, Workers
 from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, NamespaceId, Tokens, pack_tokens
 from hicache.kernels.page_copy import CpuCopyWorkers
+from hicache.metrics import NullMetrics
 from hicache.pages import PAGE_ID_DTYPE, PageAllocator, PageIds, PageIdsLike, as_page_ids
 from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
@@ -61,6 +62,8 @@ from hicache.transfer import PageMover
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Tier
 
 logger = logging.getLogger(__name__)
+
+_EVICTED_MEMORY = 1 << 18  # page keys remembered for miss reasons (~30 MiB at most)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DISK_POLICIES = ("write_through", "write_back", "none")
@@ -219,8 +222,12 @@ class TierManager:
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
         pinned_host: bool | None = None,
+        metrics=None,
     ) -> None:
         self.spec = spec
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        # page key -> the tier it was last evicted from (bounded), to tell a miss's reason
+        self.recently_evicted: OrderedDict[bytes, str] = OrderedDict()
         self.config = config or TierConfig()
         if self.config.disk_policy != "none" and storage is None:
             self.config = dataclasses.replace(self.config, disk_policy="none")
@@ -281,6 +288,10 @@ class TierManager:
         if pool.retired:
             raise InvalidArgument(f"pool {pool_id} has been unregistered")
         return pool
+
+    def device_pools(self) -> list[DevicePool]:
+        """Every registered rank pool (for reporting)."""
+        return [rank for pool in self._pools.values() for rank in pool.ranks]
 
     def num_pages(self, pool_id: int) -> int:
         return self._pool(pool_id).allocator.capacity
@@ -536,7 +547,8 @@ class TierManager:
         movers = pool.movers
         cuda = pool.ranks[0].device.type == "cuda"
 
-        timing = transfer.timing = {"start": time.perf_counter()}
+        timing = transfer.timing
+        timing["start"] = time.perf_counter()
         last_layer = self.spec.num_layers - 1
 
         def on_layer(layer: int) -> None:
@@ -572,8 +584,11 @@ class TierManager:
         if error is None and pool.ranks[0].device.type == "cuda":
             for layer in range(self.spec.num_layers):  # the events were the engine's signal
                 pool.counters.complete_layer(transfer.ticket, layer)
-        if error is not None:
+        if error is None:
+            self._report(transfer, "h2d")
+        else:
             logger.error("load into pool %s failed: %s", transfer.pool, error)
+            self.metrics.missed("load_failed", transfer.num_pages * self.spec.page_size)
             first = transfer.entries[0].node
             if self.tree.is_live(first) and first.device_pages(transfer.pool) is not None:
                 pool.allocator.free(self.tree.discard(first, Tier.DEVICE, transfer.pool))
@@ -584,6 +599,7 @@ class TierManager:
             self.load_timings.append(LoadTiming(
                 transfer.num_pages, transfer.num_pages * self.spec.host_page_bytes,
                 timing["start"], timing["first"], timing["last"]))
+            self.metrics.first_layer(timing["first"] - timing["start"])
 
     def _load_result(self, pool: _Pool, nodes: list[Node], loaded: int, last: Node) -> LoadResult:
         parts = [n.device_pages(pool.pool_id) for n in nodes]
@@ -666,6 +682,8 @@ class TierManager:
     def _backup_done(self, transfer: _Transfer, error: BaseException | None) -> None:
         self._unregister(transfer)
         self._host_staging -= transfer.num_pages
+        if error is None:
+            self._report(transfer, "d2h")
         pool = self._pools[transfer.pool]
         self.tree.unlock(transfer.hold, transfer.pool)
         if error is not None:
@@ -733,6 +751,8 @@ class TierManager:
 
     def _write_disk_done(self, transfer: _Transfer, result, error: BaseException | None) -> None:
         self._unregister(transfer)
+        if error is None:
+            self._report(transfer, "host_to_disk")
         self._disk_pending -= transfer.num_pages
         self.tree.unpin(transfer.hold)
         if error is not None:
@@ -757,10 +777,7 @@ class TierManager:
         used = self.tree.sizes(Tier.DISK).cached + self._disk_pending
         excess = used + num_pages - self.disk_capacity_pages
         if excess > 0:
-            evicted = self.tree.evict(Tier.DISK, excess)
-            if evicted.num_pages:
-                self.storage.delete(evicted.page_keys())
-            used -= evicted.num_pages
+            used -= self._evict_disk(excess)
         return used + num_pages <= self.disk_capacity_pages
 
     def _forget_disk_keys(self, keys: Iterable[bytes]) -> None:
@@ -836,6 +853,8 @@ class TierManager:
     def _read_done(self, transfer: _Transfer, found: list[bool] | None, error: BaseException | None) -> None:
         self._unregister(transfer)
         self._host_staging -= transfer.num_pages
+        if found is not None:
+            self._report(transfer, "disk_to_host", sum(found))
         self.tree.unpin(transfer.hold)
         if error is not None:
             logger.error("disk read failed: %s", error)
@@ -872,6 +891,7 @@ class TierManager:
         """A missing or corrupt record: forget ``node`` (and below) on disk, delete."""
         keys = self._subtree_disk_keys(node)
         self.tree.discard(node, Tier.DISK)
+        self.metrics.missed("corrupt_record", len(keys) * self.spec.page_size)
         if keys:
             self.storage.delete(keys)
 
@@ -902,6 +922,7 @@ class TierManager:
             if write_back and node.host_pages is None and not node.on_disk:
                 self._backup(pool, node, then_drop=True)
                 continue
+            self._record_evicted(node, "device")
             pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
             pool.allocator.free(pages)
             freed += len(pages)
@@ -916,9 +937,22 @@ class TierManager:
             if write_back and not node.on_disk and not node.device_pools:
                 self._write_disk(node, then_drop_host=True)
                 continue
+            self._record_evicted(node, "host")
             pages = self.tree.drop(node, Tier.HOST)
             self.host_alloc.free(pages)
             freed += len(pages)
+        return freed
+
+    def _evict_disk(self, num_pages: int) -> int:
+        freed = 0
+        for node in self.tree.iter_evictable(Tier.DISK):
+            if freed >= num_pages:
+                break
+            self._record_evicted(node, "disk")
+            keys = node.page_key_list()
+            self.tree.drop(node, Tier.DISK)
+            self.storage.delete(keys)
+            freed += len(keys)
         return freed
 
     def evict(self, tier: Tier, num_pages: int, pool_id: int | None = None) -> int:
@@ -927,10 +961,7 @@ class TierManager:
             return self._evict_device(self._pool(pool_id), num_pages)
         if tier == Tier.HOST:
             return self._evict_host(num_pages)
-        evicted = self.tree.evict(Tier.DISK, num_pages)
-        if evicted.num_pages and self.storage is not None:
-            self.storage.delete(evicted.page_keys())
-        return evicted.num_pages
+        return self._evict_disk(num_pages) if self.storage is not None else 0
 
     # ------------------------------------------------------------------ warm restart
 
@@ -1036,8 +1067,31 @@ class TierManager:
         return any(t.kind == kind for t in self._by_node.get(node.node_id, ()))
 
     def _register(self, transfer: _Transfer) -> None:
+        transfer.timing.setdefault("submitted", time.perf_counter())
         for entry in transfer.entries:
             self._by_node.setdefault(entry.node.node_id, []).append(transfer)
+
+    def _report(self, transfer: _Transfer, direction: str, num_pages: int | None = None) -> None:
+        pages = transfer.num_pages if num_pages is None else num_pages
+        seconds = time.perf_counter() - transfer.timing["submitted"]
+        self.metrics.transfer(direction, pages * self.spec.host_page_bytes, seconds)
+
+    def _record_evicted(self, node: Node, tier: str) -> None:
+        keys = node.page_keys
+        evicted = self.recently_evicted
+        for i in range(0, len(keys), PAGE_KEY_BYTES):
+            key = keys[i : i + PAGE_KEY_BYTES]
+            evicted[key] = tier
+            evicted.move_to_end(key)
+        while len(evicted) > _EVICTED_MEMORY:
+            evicted.popitem(last=False)
+        self.metrics.evicted(tier, node.num_pages)
+
+    def miss_reason(self, page_key: bytes) -> str:
+        """Why the page with this key is not cached: ``evicted_<tier>`` if it was
+        evicted recently (from the tier it left last), else ``never_stored``."""
+        tier = self.recently_evicted.get(page_key)
+        return f"evicted_{tier}" if tier else "never_stored"
 
     def _unregister(self, transfer: _Transfer) -> None:
         for entry in transfer.entries:

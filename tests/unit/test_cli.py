@@ -39,6 +39,9 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
         done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint], capture_output=True, text=True,
                               timeout=30)
         assert done.returncode == 0 and "1 sessions" in done.stdout
+        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--watch", "0.05", "--count", "3"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and done.stdout.count("1 sessions") == 3
         done = subprocess.run([*run, "check", "--endpoint", daemon.endpoint], capture_output=True, text=True,
                               timeout=30)
         assert done.returncode == 0 and "ok" in done.stdout

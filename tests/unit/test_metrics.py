@@ -1,0 +1,170 @@
+"""Every metric, read from a fresh registry after driving the tier manager and the daemon."""
+
+import numpy as np
+import pytest
+
+from hicache.config import DaemonConfig
+from hicache.counters import LayerWaiter
+from hicache.daemon import protocol as p
+from hicache.daemon.service import Daemon
+from hicache.errors import LoadFailed
+from hicache.keys import key_self_test, namespace_id
+from hicache.metrics import DIRECTIONS, MISS_REASONS, OPS, TIERS, Metrics
+from hicache.storage.lmdb_backend import LmdbBackend
+from hicache.tiers import TierConfig, TierManager
+from hicache.transfer import PageMover
+from hicache.tree import Tier
+from tiers_util import SPEC, Engine
+
+PS = SPEC.page_size
+NS = namespace_id(SPEC.fingerprint)
+
+
+def value(metrics, name, **labels):
+    got = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+def test_every_counter_exists_at_zero_from_the_start():
+    metrics = Metrics()
+    for op in OPS:
+        assert metrics.registry.get_sample_value("hicache_requests_total", {"op": op, "status": "OK"}) == 0
+    for tier in TIERS:
+        assert metrics.registry.get_sample_value("hicache_matched_tokens_total", {"tier": tier}) == 0
+        assert metrics.registry.get_sample_value("hicache_evicted_pages_total", {"tier": tier}) == 0
+    for reason in MISS_REASONS:
+        assert metrics.registry.get_sample_value("hicache_missed_tokens_total", {"reason": reason}) == 0
+    for direction in DIRECTIONS:
+        assert metrics.registry.get_sample_value("hicache_transfer_bytes_total", {"direction": direction}) == 0
+
+
+@pytest.fixture
+def engine():
+    e = Engine(12)
+    yield e
+    e.close()
+
+
+def test_tier_manager_transfers_and_evictions(engine, tmp_path):
+    metrics = Metrics()
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    tm = TierManager(SPEC, host_pages=8, storage=store, metrics=metrics)
+    tm.add_namespace(NS)
+    handle = tm.register_pool(0, [engine.pool]).handle
+    tokens = list(range(100, 100 + 3 * PS))
+    pages = tm.alloc(0, 3)
+    engine.compute(NS, tokens, pages)
+    tm.insert(NS, tokens, 0, pages)
+    tm.flush()
+    page = SPEC.host_page_bytes
+    assert value(metrics, "hicache_transfer_bytes_total", direction="d2h") == 3 * page
+    assert value(metrics, "hicache_transfer_bytes_total", direction="host_to_disk") == 3 * page
+    assert value(metrics, "hicache_transfer_duration_seconds_count", direction="d2h") == 1
+    tm.evict(Tier.DEVICE, 3, 0)
+    tm.evict(Tier.HOST, 3)
+    tm.flush()
+    assert value(metrics, "hicache_evicted_pages_total", tier="device") == 3
+    assert value(metrics, "hicache_evicted_pages_total", tier="host") == 3
+    node = tm.match(NS, tokens, 0).match.node
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    engine.wait(handle, loaded.wait)
+    tm.unlock(node, 0)
+    tm.flush()
+    assert value(metrics, "hicache_transfer_bytes_total", direction="disk_to_host") == 3 * page
+    assert value(metrics, "hicache_transfer_bytes_total", direction="h2d") == 3 * page
+    assert value(metrics, "hicache_load_first_layer_seconds_count") == 1
+    tm.evict(Tier.DEVICE, 3, 0)
+    tm.evict(Tier.HOST, 3)
+    tm.evict(Tier.DISK, 3)
+    assert value(metrics, "hicache_evicted_pages_total", tier="disk") == 3
+    assert tm.miss_reason(node.page_key_list()[0]) == "evicted_disk"
+    tm.close()
+    store.close()
+
+
+def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=8, metrics=metrics, config=TierConfig(copy_threads=1))
+    tm.add_namespace(NS)
+    handle = tm.register_pool(0, [engine.pool]).handle
+    tokens = list(range(100, 100 + 2 * PS))
+    pages = tm.alloc(0, 2)
+    tm.insert(NS, tokens, 0, pages)
+    tm.flush()
+    tm.evict(Tier.DEVICE, 2, 0)
+
+    def broken(self, *args, **kwargs):
+        raise OSError("the copy engine failed")
+
+    monkeypatch.setattr(PageMover, "load", broken)
+    node = tm.match(NS, tokens, 0).match.node
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    waiter = LayerWaiter(handle)
+    with pytest.raises(LoadFailed):
+        waiter.wait_layer(loaded.wait[0], 0, timeout_s=30)
+    tm.flush()
+    assert node.device_pages(0) is None, "a failed load's pages are not handed out again as cached"
+    assert value(metrics, "hicache_missed_tokens_total", reason="load_failed") == 2 * PS
+    tm.unlock(node, 0)
+    assert tm.accounting()["device:0"].free == 12
+    tm.check_invariants()
+    waiter.close()
+    tm.close()
+
+
+def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
+    config = DaemonConfig.load(overrides={"disk.enabled": False, "server.socket": str(tmp_path / "s"),
+                                          "host.ratio": 1.0})
+    daemon = Daemon(config)
+    metrics = daemon.metrics
+    hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))
+    sid = hello.session
+    daemon.handle(p.Register(id=2, session=sid, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                             key_check=key_self_test(SPEC.fingerprint, PS),
+                             pools=[engine.exported.handle.to_dict()]))
+    tokens = np.arange(100, 100 + 3 * PS, dtype="<i4").tobytes()
+    # Nothing of this namespace was ever inserted.
+    daemon.handle(p.Match(id=3, session=sid, tokens=tokens, extra_key="nobody"))
+    assert value(metrics, "hicache_missed_tokens_total", reason="namespace_unknown") == 3 * PS
+    pages = daemon.handle(p.Alloc(id=4, session=sid, num_pages=3)).pages
+    daemon.handle(p.Insert(id=5, session=sid, tokens=tokens, pages=pages))
+    longer = tokens + np.arange(500, 500 + 2 * PS + 1, dtype="<i4").tobytes()
+    daemon.handle(p.Match(id=6, session=sid, tokens=longer))
+    assert value(metrics, "hicache_matched_tokens_total", tier="device") == 3 * PS
+    assert value(metrics, "hicache_missed_tokens_total", reason="never_stored") == 2 * PS + 1
+    (manager,) = daemon.managers.values()
+    manager.flush()
+    manager.evict(Tier.DEVICE, 3, daemon.sessions[sid].pool_id)
+    daemon.handle(p.Match(id=7, session=sid, tokens=tokens))
+    assert value(metrics, "hicache_matched_tokens_total", tier="host") == 3 * PS
+    manager.evict(Tier.HOST, 3)
+    daemon.handle(p.Match(id=8, session=sid, tokens=tokens))
+    assert value(metrics, "hicache_missed_tokens_total", reason="evicted_host") == 3 * PS
+    daemon.handle(p.Lock(id=9, session=sid, node=10**9))  # an error
+    assert value(metrics, "hicache_requests_total", op="match", status="OK") == 4
+    assert value(metrics, "hicache_requests_total", op="lock", status="UNKNOWN_NODE") == 1
+    assert value(metrics, "hicache_request_duration_seconds_count", op="match") == 4
+    daemon.refresh_snapshot()
+    assert value(metrics, "hicache_sessions") == 1
+    assert value(metrics, "hicache_pages", tier="device", state="free") == 12
+    assert value(metrics, "hicache_pages", tier="host", state="free") == 12
+    assert value(metrics, "hicache_build_info", version=hello.daemon.split()[1], protocol_version="1",
+                 mode="cpu") == 1
+    daemon.handle(p.Bye(id=10, session=sid))
+    assert value(metrics, "hicache_sessions_ended_total", reason="bye") == 1
+    daemon.close()
+
+
+def test_disk_figures(tmp_path):
+    config = DaemonConfig.load(overrides={"disk.path": str(tmp_path / "db"), "server.socket": str(tmp_path / "s"),
+                                          "disk.capacity_bytes": 1 << 20})
+    daemon = Daemon(config)
+    daemon.refresh_snapshot()
+    metrics = daemon.metrics
+    assert value(metrics, "hicache_disk_capacity_bytes") == 1 << 20
+    assert value(metrics, "hicache_disk_records") == 0
+    assert metrics.registry.get_sample_value("hicache_lmdb_map_size_bytes") > 0
+    assert metrics.registry.get_sample_value("hicache_disk_corrupt_records_total") == 0
+    daemon.close()

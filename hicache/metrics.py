@@ -92,24 +92,31 @@ class Metrics:
             self.transfer_seconds.labels(direction)
         for reason in SESSION_END_REASONS:
             self.sessions_ended.labels(reason)
+        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._matched = {tier: self.matched_tokens.labels(tier) for tier in TIERS}
+        self._missed = {reason: self.missed_tokens.labels(reason) for reason in MISS_REASONS}
 
     # -- the observer interface the daemon and the tier manager call
 
     def request(self, op: str, status: str, seconds: float) -> None:
-        self.requests.labels(op, status).inc()
-        self.request_seconds.labels(op).observe(seconds)
+        children = self._request_children.get((op, status))
+        if children is None:  # labels() costs microseconds: once per (op, status)
+            children = self._request_children[(op, status)] = (
+                self.requests.labels(op, status), self.request_seconds.labels(op))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def matched(self, device: int, host: int, disk: int) -> None:
         if device:
-            self.matched_tokens.labels("device").inc(device)
+            self._matched["device"].inc(device)
         if host:
-            self.matched_tokens.labels("host").inc(host)
+            self._matched["host"].inc(host)
         if disk:
-            self.matched_tokens.labels("disk").inc(disk)
+            self._matched["disk"].inc(disk)
 
     def missed(self, reason: str, tokens: int) -> None:
         if tokens:
-            self.missed_tokens.labels(reason).inc(tokens)
+            self._missed[reason].inc(tokens)
 
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(num_bytes)

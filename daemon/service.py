@@ -107,7 +107,8 @@ class RadixSharing:
         result = manager.insert(namespace, tokens, session.pool_id, pages)
         session.private.difference_update(pages.tolist())
         return p.InsertReply(
-            id=0, node=result.node.node_id, device_pages=result.device_pages.tobytes(),
+            id=0, node=-1 if result.node.is_root else result.node.node_id,
+            device_pages=result.device_pages.tobytes(),
             freed=result.duplicate_pages.tobytes(), prefix_pages=result.num_prefix_pages,
         )
 
@@ -368,7 +369,7 @@ class Daemon:
         self.metrics.missed(reason, missing)
 
     def _match_reply(self, hit: Hit | None) -> p.MatchReply:
-        if hit is None or hit.match.node is None:
+        if hit is None or hit.match.node is None or hit.match.node.is_root:
             return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
         m = hit.match
         return p.MatchReply(id=0, node=m.node.node_id, device_pages=m.device_pages.tobytes(),
@@ -450,7 +451,8 @@ class Daemon:
                 out.set_exception(error)
                 return
             r = f.result()
-            out.set_result(p.LoadReply(id=0, node=r.node.node_id, device_pages=r.device_pages.tobytes(),
+            node = -1 if r.node.is_root else r.node.node_id
+            out.set_result(p.LoadReply(id=0, node=node, device_pages=r.device_pages.tobytes(),
                                        loaded_pages=r.num_loaded_pages, wait=[tuple(t) for t in r.wait]))
 
         future.add_done_callback(done)

@@ -34,6 +34,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed
+	$(PIP) install -e '.[bench]'
 	$(PY) benchmarks/bench_tree.py --page-size 16
 
 clean:

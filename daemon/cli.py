@@ -3,6 +3,7 @@
     hicache serve [--config FILE] [--socket PATH] [--tcp ENDPOINT] [--no-disk]
     hicache status [--endpoint E] [--json] [--watch [SECONDS]]
     hicache check [--endpoint E]
+    hicache demo [--endpoint E] [--conversations N] [--turns N]
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
 the state directory, socket in the runtime directory — see :mod:`hicache.config`);
@@ -118,6 +119,12 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from hicache.demo import run
+
+    return run(args.endpoint, args.conversations, args.turns, args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV-cache tier daemon")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
@@ -143,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                              help="refresh every SECONDS (default 2) until Ctrl-C")
             sub.add_argument("--count", type=int, default=0, help="with --watch: stop after this many")
         sub.set_defaults(run=run)
+
+    demo = commands.add_parser("demo", help="the reference engine on a multi-turn chat, through a daemon")
+    demo.add_argument("--endpoint", help="use this running daemon instead of starting one")
+    demo.add_argument("--conversations", type=int, default=4)
+    demo.add_argument("--turns", type=int, default=5)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -470,16 +470,7 @@ class Daemon:
         return p.AllocReply(id=m.id, pages=pages.tobytes())
 
     def _page_ids(self, session: Session, data: bytes) -> np.ndarray:
-        if len(data) % PAGE_ID_DTYPE.itemsize:
-            raise InvalidArgument("page ids must be packed int32")
-        ids = as_page_ids(data)
-        if ids.size:
-            capacity = session.manager.num_pages(session.pool_id)
-            if int(ids.min()) < 1 or int(ids.max()) > capacity:
-                raise InvalidArgument(f"page ids must be in [1, {capacity}]")
-            if len(np.unique(ids)) != len(ids):
-                raise InvalidArgument("a page id appears twice")
-        return ids
+        return session.manager.page_ids(session.pool_id, data)
 
     def _insert(self, m: p.Insert) -> p.InsertReply:
         session = self._session(m.session)

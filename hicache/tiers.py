@@ -322,7 +322,7 @@ class TierManager:
         """Make specific pages private (an engine re-registering with pages its running
         requests still use)."""
         pool = self._pool(pool_id)
-        ids = self._valid_ids(pool, pages)
+        ids = self._checked_ids(pool, pages)
         pool.allocator.take(ids)
         pool.private[ids] = True
         pool.num_private += len(ids)
@@ -345,14 +345,18 @@ class TierManager:
     def release(self, pool_id: int, pages: PageIdsLike) -> None:
         """Give back private pages that were never inserted."""
         pool = self._pool(pool_id)
-        ids = self._valid_ids(pool, pages)
+        ids = self._checked_ids(pool, pages)
         if not pool.private[ids].all():
             raise InvalidArgument("only private pages can be released")
         pool.private[ids] = False
         pool.num_private -= len(ids)
         pool.allocator.free(ids)
 
-    def _valid_ids(self, pool: _Pool, pages: PageIdsLike) -> PageIds:
+    def page_ids(self, pool_id: int, pages: PageIdsLike) -> PageIds:
+        """``pages`` as ids, checked: in the pool's range, none repeated."""
+        return self._checked_ids(self._pool(pool_id), pages)
+
+    def _checked_ids(self, pool: _Pool, pages: PageIdsLike) -> PageIds:
         ids = as_page_ids(pages)
         if ids.size:
             if int(ids.min()) < 1 or int(ids.max()) > pool.allocator.capacity:
@@ -430,7 +434,7 @@ class TierManager:
         session's private pages or the pool's cached page for that position (from a
         match); private pages that duplicate cached ones are freed."""
         pool = self._pool(pool_id)
-        ids = self._valid_ids(pool, pages)
+        ids = self._checked_ids(pool, pages)
         packed = pack_tokens(tokens)
         private = pool.private[ids]
         if not private.all():
@@ -475,8 +479,7 @@ class TierManager:
                 break
             segment.pop()
         if not segment:
-            last = path[device_len - 1] if device_len else self.tree.root(node.namespace)
-            future.set_result(self._load_result(pool, path[:device_len], 0, last))
+            future.set_result(self._device_only(pool, path[:device_len], node))
             return future
         self.tree.lock(segment[-1], pool_id)
         pool.staging += len(pages)
@@ -527,9 +530,7 @@ class TierManager:
             if to_load:
                 pool.allocator.free(pending.pages[:used])
             self.tree.unlock(hold, pool.pool_id)
-            device = path[:first]
-            last = device[-1] if device else self.tree.root(hold.namespace)
-            pending.future.set_result(self._load_result(pool, device, 0, last))
+            pending.future.set_result(self._device_only(pool, path[:first], hold))
             return
         entries = []
         offset = 0
@@ -601,6 +602,11 @@ class TierManager:
                 timing["start"], timing["first"], timing["last"]))
             self.metrics.first_layer(timing["first"] - timing["start"])
 
+    def _device_only(self, pool: _Pool, device: list[Node], node: Node) -> LoadResult:
+        """A load that brought nothing: the device part of ``node``'s path."""
+        last = device[-1] if device else self.tree.root(node.namespace)
+        return self._load_result(pool, device, 0, last)
+
     def _load_result(self, pool: _Pool, nodes: list[Node], loaded: int, last: Node) -> LoadResult:
         parts = [n.device_pages(pool.pool_id) for n in nodes]
         pages = np.concatenate(parts) if parts else np.empty(0, dtype=PAGE_ID_DTYPE)
@@ -647,7 +653,7 @@ class TierManager:
     def _backup(self, pool: _Pool, node: Node, *, then_drop: bool = False) -> bool:
         """Copy ``node`` and its ancestors that lack one to host; False if not now."""
         path = [n for n in self.tree.path(node) if n.host_pages is None and not self._busy(n, "backup")]
-        if not path or path[-1] is not node and then_drop:
+        if not path or (then_drop and path[-1] is not node):
             return False
         total = sum(n.num_pages for n in path)
         host_pages = self._host_alloc(total)

@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol, Union
 import numpy as np
 import torch
 
-PAGE_KEY_BYTES = 16
+from hicache.keys import PAGE_KEY_BYTES  # noqa: F401 - re-exported for backends
 
 # A destination the payload is copied into: a writable, contiguous byte buffer of
 # exactly the payload size (a host page of the host pool, a numpy array, a bytearray).

@@ -80,12 +80,12 @@ import torch
 import xxhash
 
 from hicache.errors import HicacheError, InvalidArgument, StorageUnavailable
-from hicache.storage.base import PAGE_KEY_BYTES, Buffer, PageMeta, PageRecord, PutResult, StorageStats
+from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
+from hicache.spec import FINGERPRINT_BYTES
+from hicache.storage.base import Buffer, PageMeta, PageRecord, PutResult, StorageStats
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_BYTES = 16
-TOKEN_BYTES = 4
 
 PAYLOAD_MAGIC = b"HCKV"
 PAYLOAD_VERSION = 1

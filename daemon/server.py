@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -143,16 +144,18 @@ class Server:
         self._shutdown()
 
     def _timeout_ms(self) -> int:
-        """How long the next recv may block: until the next lease or timer is due, in
-        steps of 50 ms (a lease ends a little late, but the receive timeout does not
-        change — a system call — on every request)."""
+        """How long the next recv may block: until the next lease or timer is due,
+        rounded up to a step of 50 ms (a lease ends a little late, but the receive
+        timeout does not change — a system call — on every request). 0 only when
+        something is due now: rounding down would make every wait shorter than a step
+        a busy poll."""
         if self._ready:
             return 0
         wait = _MAX_WAIT_S
         deadline = self.daemon.next_deadline()
         if deadline is not None:
             wait = min(wait, max(0.0, deadline - self.daemon.clock()))
-        return int(wait * 20) * 50
+        return math.ceil(wait * 20) * 50
 
     def _receive(self, router: zmq.Socket) -> None:
         """Whatever else is queued (several clients): asking the socket first is cheaper

@@ -321,8 +321,11 @@ class Daemon:
         return len(expired)
 
     def next_deadline(self) -> float | None:
-        """When :meth:`poll` next has work of its own (a lease check), if ever."""
-        return self._next_lease_check if self.sessions else None
+        """When :meth:`poll` next has work of its own (a lease check, a tier manager's
+        timer), if ever."""
+        due = [self._next_lease_check] if self.sessions else []
+        due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
+        return min(due, default=None)
 
     # ------------------------------------------------------------------ cache ops
 

@@ -1055,6 +1055,10 @@ class TierManager:
         if self.storage is not None:
             self.storage.flush()
 
+    def next_timer(self) -> float | None:
+        """When the earliest timer is due (on this manager's clock), if any."""
+        return self._timers[0][0] if self._timers else None
+
     def _add_timer(self, delay_s: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (self._clock() + delay_s, next(self._timer_seq), fn))
 

@@ -190,3 +190,42 @@ def test_draining_refuses_new_sessions(tmp_path):
     error(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)), ErrorCode.DRAINING)
     assert ok(daemon.handle(p.Health(id=2))).state == "draining"
     daemon.close()
+
+
+def test_the_loop_sleeps_until_the_next_deadline_and_never_busy_polls(tmp_path, engines):
+    """The server's receive timeout: the whole idle step without sessions, a short sleep
+    (never 0, which would make the loop spin) while a lease check or a tier manager's
+    timer is a few milliseconds away, 0 only once one is due."""
+    import zmq
+
+    from hicache.daemon.server import Server
+
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock=clock)
+    context = zmq.Context()
+    server = Server(daemon.config, daemon=daemon, context=context)
+    try:
+        assert daemon.next_deadline() is None
+        assert server._timeout_ms() == 250
+        session(daemon, engines())
+        daemon.poll()
+        lease_check = daemon.next_deadline()
+        assert lease_check is not None and lease_check > clock.now
+        for before in (0.049, 0.003, 1e-6):
+            clock.now = lease_check - before
+            assert server._timeout_ms() == 50
+        clock.now = lease_check
+        assert server._timeout_ms() == 0
+        daemon.poll()  # the check ran: the next one is a step away
+        assert daemon.next_deadline() > clock.now and server._timeout_ms() == 50
+
+        manager = next(iter(daemon.managers.values()))
+        fired = []
+        manager._add_timer(0.01, lambda: fired.append(clock.now))
+        assert daemon.next_deadline() == pytest.approx(clock.now + 0.01)
+        clock.now += 0.01
+        assert server._timeout_ms() == 0
+        daemon.poll()
+        assert fired == [clock.now]
+    finally:
+        context.destroy(linger=0)

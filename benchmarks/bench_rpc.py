@@ -3,7 +3,9 @@
 In one run, over ``ipc://`` on this machine:
 
 * the floor — a pyzmq REQ/REP echo server in its own process, echoing a payload the
-  size of a 2,000-token match request;
+  size of a 2,000-token match request; and next to it a DEALER/ROUTER echo in Python
+  (``recv_multipart`` / ``send_multipart``), the least a server that answers many
+  clients on one socket does;
 * hicache — ``hicache serve`` in its own process; an engine registers a shared-memory
   pool, inserts a 2,000-token sequence, then times ``match`` round trips of it (a
   full device hit) through :class:`hicache.client.CacheClient`, alternating with echo
@@ -15,7 +17,7 @@ In one run, over ``ipc://`` on this machine:
     python benchmarks/bench_rpc.py [--seconds 3] [--json]
 
 With ``--json`` the last line is one JSON object with ``echo_p50_us``,
-``match_p50_us``, ``match_p99_us``, ``p50_ratio``, ``single_client_ops``,
+``router_echo_p50_us``, ``match_p50_us``, ``match_p99_us``, ``p50_ratio``, ``single_client_ops``,
 ``four_client_ops``, ``scaling`` and the batched figures.
 """
 
@@ -46,16 +48,23 @@ def spec():
     return KVSpec.mha(num_layers=4, num_kv_heads=2, head_dim=64, page_size=PAGE_SIZE, model="bench-rpc")
 
 
-def echo_server(endpoint: str) -> None:
+def echo_server(endpoint: str, router: bool = False) -> None:
+    """Echo every message: a REP socket (the floor), or with ``router`` a ROUTER socket
+    read and written with ``recv_multipart`` / ``send_multipart`` — the least any
+    Python server that answers many clients on one socket does, hicache's included."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.REP)
+    sock = ctx.socket(zmq.ROUTER if router else zmq.REP)
     sock.bind(endpoint)
     while True:
-        message = sock.recv()
+        if router:
+            frames = sock.recv_multipart()
+            sock.send_multipart(frames)
+            message = frames[-1]
+        else:
+            message = sock.recv()
+            sock.send(message)
         if message == b"stop":
-            sock.send(b"")
             break
-        sock.send(message)
     sock.close(linger=0)
     ctx.term()
 
@@ -65,9 +74,10 @@ def percentile_us(samples: list[float], q: float) -> float:
 
 
 def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, results,
-           echo_endpoint: str | None = None, payload_size: int = 0) -> None:
+           echo_endpoints: tuple[str, str] | None = None, payload_size: int = 0) -> None:
     """An engine process: register, insert the sequence, then match as fast as it can
-    (or, with ``echo_endpoint``, alternate a match and an echo and time both)."""
+    (or, with ``echo_endpoints``, take turns: a match, a REQ/REP echo, a DEALER/ROUTER
+    echo, each timed)."""
     from hicache.client import CacheClient
     from hicache.engine.kv_pool import export_kv_pool
 
@@ -82,15 +92,18 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
     assert client.match(packed).num_device_pages == TOKENS // PAGE_SIZE
     for _ in range(200):
         client.match(packed)
-    if echo_endpoint is not None:
+    if echo_endpoints is not None:
         ctx = zmq.Context()
         echo = ctx.socket(zmq.REQ)
-        echo.connect(echo_endpoint)
+        echo.connect(echo_endpoints[0])
+        router_echo = ctx.socket(zmq.DEALER)
+        router_echo.connect(echo_endpoints[1])
         payload = os.urandom(payload_size)
         for _ in range(200):
-            echo.send(payload)
-            echo.recv()
-        matches, echoes = [], []
+            for sock in (echo, router_echo):
+                sock.send(payload)
+                sock.recv()
+        matches, echoes, router_echoes = [], [], []
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             start = time.perf_counter()
@@ -98,13 +111,18 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
             middle = time.perf_counter()
             echo.send(payload)
             echo.recv()
-            echoes.append(time.perf_counter() - middle)
+            end = time.perf_counter()
+            router_echo.send(payload)
+            router_echo.recv()
+            router_echoes.append(time.perf_counter() - end)
+            echoes.append(end - middle)
             matches.append(middle - start)
-        echo.send(b"stop")
-        echo.recv()
-        echo.close(linger=0)
+        for sock in (echo, router_echo):
+            sock.send(b"stop")
+            sock.recv()
+            sock.close(linger=0)
         ctx.term()
-        results.put((matches, echoes))
+        results.put((matches, echoes, router_echoes))
         client.close()
         exported.close()
         return
@@ -129,14 +147,14 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
     exported.close()
 
 
-def run_latency(endpoint: str, echo_endpoint: str, payload_size: int, seconds: float):
+def run_latency(endpoint: str, echo_endpoints: tuple[str, str], payload_size: int, seconds: float):
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoint, payload_size))
+    proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoints, payload_size))
     proc.start()
-    matches, echoes = results.get(timeout=120)
+    samples = results.get(timeout=120)
     proc.join(30)
-    return matches, echoes
+    return samples
 
 
 def run_engines(endpoint: str, count: int, seconds: float, batch: int = 1):
@@ -167,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     payload_size = len(p.encode(p.Match(id=1, session=2**62, tokens=b"\0" * (4 * TOKENS))))
 
     ctx = multiprocessing.get_context("spawn")
-    echo_endpoint = f"ipc://{directory / 'echo.sock'}"
-    echo = ctx.Process(target=echo_server, args=(echo_endpoint,))
-    echo.start()
+    echo_endpoints = (f"ipc://{directory / 'echo.sock'}", f"ipc://{directory / 'router-echo.sock'}")
+    echoes = [ctx.Process(target=echo_server, args=(echo_endpoints[0],)),
+              ctx.Process(target=echo_server, args=(echo_endpoints[1], True))]
+    for echo in echoes:
+        echo.start()
 
     config = directory / "hicache.toml"
     config.write_text(f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
@@ -184,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline or daemon.poll() is not None:
                 raise SystemExit("the daemon did not start")
             time.sleep(0.05)
-        samples, echo_samples = run_latency(endpoint, echo_endpoint, payload_size, args.seconds)
-        echo.join(10)
+        samples, echo_samples, router_echo_samples = run_latency(endpoint, echo_endpoints, payload_size,
+                                                                 args.seconds)
+        for echo in echoes:
+            echo.join(10)
         single_ops, _ = run_engines(endpoint, 1, args.seconds)
         four_ops, _ = run_engines(endpoint, 4, args.seconds)
         batched_ops, _ = run_engines(endpoint, 1, args.seconds, batch=16)
@@ -199,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "payload_bytes": payload_size,
         "echo_p50_us": percentile_us(echo_samples, 50),
         "echo_p99_us": percentile_us(echo_samples, 99),
+        "router_echo_p50_us": percentile_us(router_echo_samples, 50),
+        "router_echo_p99_us": percentile_us(router_echo_samples, 99),
         "match_p50_us": percentile_us(samples, 50),
         "match_p99_us": percentile_us(samples, 99),
         "single_client_ops": single_ops,
@@ -206,12 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         "batched_match_ops": batched_ops,
     }
     figures["p50_ratio"] = figures["match_p50_us"] / figures["echo_p50_us"]
+    figures["router_echo_ratio"] = figures["router_echo_p50_us"] / figures["echo_p50_us"]
+    figures["p50_ratio_vs_router_echo"] = figures["match_p50_us"] / figures["router_echo_p50_us"]
     figures["scaling"] = four_ops / single_ops
     print(f"2,000-token match over ipc://, request {payload_size} bytes, {os.cpu_count()} cores")
     print(f"{'':26} {'p50 us':>8} {'p99 us':>8}")
     print(f"{'pyzmq REQ/REP echo':26} {figures['echo_p50_us']:8.1f} {figures['echo_p99_us']:8.1f}")
+    print(f"{'pyzmq DEALER/ROUTER echo':26} {figures['router_echo_p50_us']:8.1f} {figures['router_echo_p99_us']:8.1f}"
+          f"   ({figures['router_echo_ratio']:.2f}x the echo)")
     print(f"{'hicache match':26} {figures['match_p50_us']:8.1f} {figures['match_p99_us']:8.1f}"
-          f"   ({figures['p50_ratio']:.2f}x the echo)")
+          f"   ({figures['p50_ratio']:.2f}x the echo, {figures['p50_ratio_vs_router_echo']:.2f}x the ROUTER echo)")
     print(f"throughput: 1 client {single_ops:,.0f}/s, 4 clients {four_ops:,.0f}/s "
           f"({figures['scaling']:.2f}x), batched x16 {batched_ops:,.0f} lookups/s")
     if args.json:

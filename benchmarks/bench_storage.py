@@ -1,7 +1,10 @@
 """Disk-tier benchmark: LmdbBackend vs one file per page (SGLang's file backend pattern).
 
-For each page size (64 KiB and 1 MiB by default) it writes ``--mib`` MiB of pages and
-reads them straight back (page cache warm), through
+For each page size (64 KiB and 1 MiB by default) it writes ``--mib`` MiB of pages into
+a fresh store, reads them straight back (page cache warm), then writes as many new
+pages into the now full store (``steady_put``: LMDB evicts its least recently used
+records, the file pattern deletes the oldest page's file for each new one — a disk tier
+in service runs full), through
 
 * ``lmdb``: :class:`hicache.storage.lmdb_backend.LmdbBackend`, its real API: ``put`` of
   ``--batch`` records per call, all futures awaited (``flush``), then ``get`` of
@@ -20,7 +23,8 @@ are 10^6 bytes per second.
 
 With ``--json`` the last line is one JSON object with ``lmdb_put_64k_mbps``,
 ``file_put_64k_mbps``, ``put_64k_ratio``, ``lmdb_get_64k_mbps``, ``file_get_64k_mbps``,
-``get_64k_ratio`` and the same six for ``1m``.
+``get_64k_ratio`` and the same six for ``1m``, and the ``steady_put`` figures
+(``lmdb_steady_put_64k_mbps``, ``file_steady_put_64k_mbps``, ``steady_put_64k_ratio``, ...).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from hicache.storage.base import PageMeta, PageRecord
 from hicache.storage.lmdb_backend import LmdbBackend
 
 SIZES = {"64k": 64 << 10, "1m": 1 << 20}
+# put into a fresh store, warm get, put into a store at capacity (each put evicts)
+OPS = ("put", "get", "steady_put")
 FINGERPRINT = hashlib.blake2b(b"bench-spec", digest_size=16).digest()
 NAMESPACE = hashlib.blake2b(b"bench-namespace", digest_size=16).digest()
 NUM_SOURCE_PAGES = 64
@@ -82,29 +88,39 @@ def fresh_dir(root: str, name: str, prefault_mib: int) -> str:
     return path
 
 
-def bench_lmdb(root: str, keys: list[bytes], sources: list[np.ndarray], batch: int, args) -> tuple[float, float]:
+def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: list[np.ndarray], batch: int,
+               args) -> tuple[float, float, float]:
     page_bytes = sources[0].nbytes
     total = len(keys) * page_bytes
     path = fresh_dir(root, "lmdb", args.prefault_mib)
     tokens = bytes(4 * TOKENS_PER_PAGE)
-    records = [
-        PageRecord(key, sources[i % len(sources)], PageMeta(namespace=NAMESPACE, parent=bytes(16), tokens=tokens))
-        for i, key in enumerate(keys)
-    ]
-    store = LmdbBackend(
-        path,
-        capacity_bytes=total * 2,
-        writemap=args.writemap,
-        sync=args.sync,
-        max_batch_records=args.max_batch_records,
-        max_batch_bytes=args.max_batch_mib << 20,
-    )
-    try:
+
+    def records_of(page_keys: list[bytes]) -> list[PageRecord]:
+        return [
+            PageRecord(key, sources[i % len(sources)], PageMeta(namespace=NAMESPACE, parent=bytes(16), tokens=tokens))
+            for i, key in enumerate(page_keys)
+        ]
+
+    def put_all(records: list[PageRecord]) -> tuple[float, int]:
         start = time.perf_counter()
         futures = [store.put(records[i : i + batch], fingerprint=FINGERPRINT) for i in range(0, len(records), batch)]
         store.flush()
-        put_s = time.perf_counter() - start
-        assert sum(f.result().written for f in futures) == len(keys)
+        seconds = time.perf_counter() - start
+        results = [f.result() for f in futures]
+        assert sum(r.written for r in results) == len(records)
+        return seconds, sum(len(r.evicted) for r in results)
+
+    records, more_records = records_of(keys), records_of(more_keys)
+    batch_bounds = {}
+    if args.max_batch_mib is not None:
+        batch_bounds["max_batch_bytes"] = args.max_batch_mib << 20
+    if args.max_batch_records is not None:
+        batch_bounds["max_batch_records"] = args.max_batch_records
+    # Exactly the first phase's payload: full after it, then every put evicts.
+    store = LmdbBackend(path, capacity_bytes=total, writemap=args.writemap, sync=args.sync, **batch_bounds)
+    try:
+        put_s, num_evicted = put_all(records)
+        assert num_evicted == 0
 
         buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
         start = time.perf_counter()
@@ -116,23 +132,36 @@ def bench_lmdb(root: str, keys: list[bytes], sources: list[np.ndarray], batch: i
         get_s = time.perf_counter() - start
         if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
             raise RuntimeError("lmdb: wrong bytes read back")
+
+        os.sync()
+        steady_s, num_evicted = put_all(more_records)
+        if num_evicted != len(keys) or store.longest_run(keys[:1]) or not store.longest_run(more_keys[-1:]):
+            raise RuntimeError(f"lmdb: the full store evicted {num_evicted} records, not the {len(keys)} oldest")
     finally:
         store.close()
-    return total / put_s / 1e6, total / get_s / 1e6
+    return total / put_s / 1e6, total / get_s / 1e6, total / steady_s / 1e6
 
 
-def bench_files(root: str, keys: list[bytes], sources: list[np.ndarray], batch: int, args) -> tuple[float, float]:
+def bench_files(root: str, keys: list[bytes], more_keys: list[bytes], sources: list[np.ndarray], batch: int,
+                args) -> tuple[float, float, float]:
     page_bytes = sources[0].nbytes
     total = len(keys) * page_bytes
     path = fresh_dir(root, "files", args.prefault_mib)
-    names = [os.path.join(path, key.hex() + ".bin") for key in keys]
-    start = time.perf_counter()
-    for i, name in enumerate(names):
-        temp = name + ".tmp"
-        with open(temp, "wb") as f:
-            f.write(memoryview(sources[i % len(sources)]))
-        os.replace(temp, name)
-    put_s = time.perf_counter() - start
+
+    def put_all(page_keys: list[bytes], evicting: list[str] | None = None) -> tuple[list[str], float]:
+        """One file per page; with ``evicting``, each put also deletes the oldest page's."""
+        names = [os.path.join(path, key.hex() + ".bin") for key in page_keys]
+        start = time.perf_counter()
+        for i, name in enumerate(names):
+            temp = name + ".tmp"
+            with open(temp, "wb") as f:
+                f.write(memoryview(sources[i % len(sources)]))
+            os.replace(temp, name)
+            if evicting is not None:
+                os.unlink(evicting[i])
+        return names, time.perf_counter() - start
+
+    names, put_s = put_all(keys)
 
     buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
     views = [memoryview(b) for b in buffers]
@@ -144,7 +173,13 @@ def bench_files(root: str, keys: list[bytes], sources: list[np.ndarray], batch: 
     get_s = time.perf_counter() - start
     if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
         raise RuntimeError("file: wrong bytes read back")
-    return total / put_s / 1e6, total / get_s / 1e6
+
+    # At capacity: each new page's file replaces the least recently used one's.
+    os.sync()
+    more_names, steady_s = put_all(more_keys, evicting=names)
+    if len(os.listdir(path)) != len(more_names):
+        raise RuntimeError("file: the full directory did not stay at capacity")
+    return total / put_s / 1e6, total / get_s / 1e6, total / steady_s / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writemap", action=argparse.BooleanOptionalAction, default=False,
                         help="open LMDB with a writable map (LmdbBackend's default: off)")
     parser.add_argument("--sync", action="store_true", help="LMDB fsync per commit")
-    parser.add_argument("--max-batch-records", type=int, default=512, help="LmdbBackend writer batch bound")
-    parser.add_argument("--max-batch-mib", type=int, default=16, help="LmdbBackend writer batch bound")
+    parser.add_argument("--max-batch-records", type=int, default=None,
+                        help="LmdbBackend writer batch bound (default: the backend's)")
+    parser.add_argument("--max-batch-mib", type=int, default=None,
+                        help="LmdbBackend writer batch bound (default: the backend's)")
     parser.add_argument("--prefault-mib", type=int, default=None,
                         help="anonymous memory touched and freed before each timed write (default 2 x --mib; 0: off)")
     parser.add_argument("--json", action="store_true")
@@ -183,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
             sources = [rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(NUM_SOURCE_PAGES)]
             for round_index in range(args.rounds):
                 keys = page_keys(num_pages, f"{size}:{round_index}")
+                more_keys = page_keys(num_pages, f"{size}:{round_index}:steady")
                 results = {
-                    "lmdb": bench_lmdb(root, keys, sources, args.batch, args),
-                    "file": bench_files(root, keys, sources, args.batch, args),
+                    "lmdb": bench_lmdb(root, keys, more_keys, sources, args.batch, args),
+                    "file": bench_files(root, keys, more_keys, sources, args.batch, args),
                 }
-                for variant, (put_mbps, get_mbps) in results.items():
-                    for op, mbps in (("put", put_mbps), ("get", get_mbps)):
+                for variant, figures_of_round in results.items():
+                    for op, mbps in zip(OPS, figures_of_round, strict=True):
                         name = f"{variant}_{op}_{size}_mbps"
                         best[name] = max(best.get(name, 0.0), mbps)
     finally:
@@ -197,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, float | int | str | bool] = {}
     print(f"{args.mib} MiB per page size and variant, best of {args.rounds} rounds, batch {args.batch}, "
           f"{root} ({fstype}), writemap={args.writemap}, sync={args.sync}")
-    print(f"{'page':>6} {'op':>4} {'lmdb MB/s':>10} {'file MB/s':>10} {'lmdb/file':>10}")
+    print(f"{'page':>6} {'op':>10} {'lmdb MB/s':>10} {'file MB/s':>10} {'lmdb/file':>10}")
     for size in sizes:
-        for op in ("put", "get"):
+        for op in OPS:
             lmdb_mbps, file_mbps = best[f"lmdb_{op}_{size}_mbps"], best[f"file_{op}_{size}_mbps"]
             ratio = lmdb_mbps / file_mbps
-            print(f"{size:>6} {op:>4} {lmdb_mbps:>10.0f} {file_mbps:>10.0f} {ratio:>10.2f}")
+            print(f"{size:>6} {op:>10} {lmdb_mbps:>10.0f} {file_mbps:>10.0f} {ratio:>10.2f}")
             figures[f"lmdb_{op}_{size}_mbps"] = round(lmdb_mbps, 1)
             figures[f"file_{op}_{size}_mbps"] = round(file_mbps, 1)
             figures[f"{op}_{size}_ratio"] = round(ratio, 3)

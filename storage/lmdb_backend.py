@@ -33,6 +33,10 @@ thread and queue an operation; the writer thread (which also opens the environme
 every write transaction lives on the thread that opened it) takes whatever is queued, up
 to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transaction,
 commits, updates the in-memory index and only then resolves the futures, in queue order.
+The byte bound defaults to 2 MiB: LMDB copies each value into dirty pages that it writes
+out at the commit, and a batch that still sits in the CPU cache then makes puts of 64 KiB
+pages ~1.5-2x faster than 16 MiB batches on the benchmark machine. One put call is never
+split (its records commit together), so a larger call makes a larger transaction.
 A batch that raises is aborted and fails all its futures; the index changes only after a
 commit, so the store and the index stay consistent. ``lmdb.MapFullError`` doubles the map
 and retries the batch.
@@ -316,7 +320,7 @@ class LmdbBackend:
         sync: bool = False,
         writemap: bool = False,
         max_batch_records: int = 512,
-        max_batch_bytes: int = 16 * _MIB,
+        max_batch_bytes: int = 2 * _MIB,
         max_readers: int = 126,
         access_flush_interval_s: float = 10.0,
         clock: Callable[[], float] = time.time,

@@ -6,7 +6,8 @@ In one run, over ``ipc://`` on this machine:
   size of a 2,000-token match request; and next to it a DEALER/ROUTER echo in Python
   (``recv_multipart`` / ``send_multipart``), the least a server that answers many
   clients on one socket does;
-* hicache — ``hicache serve`` in its own process; an engine registers a shared-memory
+* hicache — ``hicache serve`` in its own process (default configuration, metrics on, on
+  a free port; disk off); an engine registers a shared-memory
   pool, inserts a 2,000-token sequence, then times ``match`` round trips of it (a
   full device hit) through :class:`hicache.client.CacheClient`, alternating with echo
   round trips from the same process so that both see the same machine (this VM's
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = directory / "hicache.toml"
     config.write_text(f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
-                      f'[metrics]\nenabled = false\n[host]\nratio = 1.0\n')
+                      f'[metrics]\nport = 0\n[host]\nratio = 1.0\n')
     hicache = str(Path(sys.executable).parent / "hicache")
     daemon = subprocess.Popen([hicache, "--log-level", "WARNING", "serve", "--config", str(config)],
                               stdout=subprocess.DEVNULL)

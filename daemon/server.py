@@ -181,11 +181,12 @@ class Server:
         except p.ProtocolError as exc:
             self._send(router, envelope, self.daemon.error_reply(p.request_id(payload), exc))
             return
-        reply = self.daemon.handle(request)
+        reply = self.daemon.answer(request)
         if isinstance(reply, Future):
             reply.add_done_callback(lambda f: self._ready.append((envelope, f.result())))
         else:
             self._send(router, envelope, reply)
+        self.daemon.settle()
 
     def _send_ready(self, router: zmq.Socket) -> None:
         while self._ready:

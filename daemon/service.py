@@ -161,6 +161,7 @@ class Daemon:
         self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else NoSharing()
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
+        self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self._next_lease_check = 0.0
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Match: self._match,
@@ -175,23 +176,38 @@ class Daemon:
     # ------------------------------------------------------------------ dispatch
 
     def handle(self, request: p.Request) -> p.Reply | Future:
-        """One decoded request -> its reply, or a future of it (on the owner thread)."""
+        """One decoded request -> its reply, or a future of it (on the owner thread),
+        with its bookkeeping done."""
+        reply = self.answer(request)
+        self.settle()
+        return reply
+
+    def answer(self, request: p.Request) -> p.Reply | Future:
+        """Like :meth:`handle`, but the bookkeeping that does not change the answer
+        (request counts and latency, hit / miss accounting) waits for :meth:`settle`,
+        which the server calls once the reply is on its way."""
         op = type(request).__struct_config__.tag
         start = time.perf_counter()
         try:
             reply = self._handlers[type(request)](request)
         except HicacheError as exc:
-            self._count(op, exc.code.name, start)
+            self._unsettled.append((self._count, (op, exc.code.name, start)))
             return p.Error(id=request.id, code=int(exc.code), message=exc.message)
         except Exception as exc:  # a bug: answer it, log it, keep serving
             logger.exception("internal error handling %s", op)
-            self._count(op, "INTERNAL", start)
+            self._unsettled.append((self._count, (op, "INTERNAL", start)))
             return p.Error(id=request.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}")
         if isinstance(reply, Future):
             return self._chain(reply, request.id, op, start)
-        self._count(op, "OK", start)
+        self._unsettled.append((self._count, (op, "OK", start)))
         reply.id = request.id
         return reply
+
+    def settle(self) -> None:
+        """Run the bookkeeping that :meth:`answer` left for after the reply."""
+        unsettled, self._unsettled = self._unsettled, []
+        for fn, args in unsettled:
+            fn(*args)
 
     def _count(self, op: str, status: str, start: float) -> None:
         self.counts[(op, status)] += 1
@@ -395,7 +411,7 @@ class Daemon:
 
             hit.add_done_callback(answer)
             return out
-        self._account_match(session, namespace, tokens, hit, sharing_off)
+        self._unsettled.append((self._account_match, (session, namespace, tokens, hit, sharing_off)))
         return self._match_reply(hit)
 
     def _match_many(self, m: p.MatchMany) -> p.MatchManyReply:

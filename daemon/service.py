@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -304,6 +304,7 @@ class Daemon:
                 host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
             manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
                                   completions=self.completions, clock=self.clock, metrics=self.metrics)
+            manager.on_store_evicted = self._store_evicted
             restored = manager.rebuild_from_storage()
             self.managers[spec.fingerprint] = manager
             logger.info("spec %s: host pool of %d pages, %d disk pages restored",
@@ -335,6 +336,12 @@ class Daemon:
         for session in expired:
             self.end_session(session, "lease_expired")
         return len(expired)
+
+    def _store_evicted(self, keys: Sequence[bytes]) -> None:
+        """The store (one for every KV spec) evicted records to make room for one
+        manager's writes: each manager forgets those of its own tree."""
+        for manager in self.managers.values():
+            manager.forget_disk_keys(keys)
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's

@@ -40,7 +40,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -244,6 +244,10 @@ class TierManager:
         self._host_staging = 0
         self._disk_pending = 0
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        # Told the keys the store evicted to make room for this manager's writes. A store
+        # shared by several managers (one per KV spec) needs them all told: the owner
+        # replaces this with a function that calls every manager's forget_disk_keys.
+        self.on_store_evicted: Callable[[Sequence[bytes]], None] = self.forget_disk_keys
         self._timer_seq = itertools.count()
         self._streams: dict[torch.device, object] = {}
         self.load_timings: deque[LoadTiming] = deque(maxlen=256)  # recent loads, newest last
@@ -769,7 +773,7 @@ class TierManager:
                     and (node.parent.is_root or node.parent.on_disk)):
                 self.tree.add_disk(node)
         if result is not None and result.evicted:
-            self._forget_disk_keys(result.evicted)
+            self.on_store_evicted(result.evicted)
         for entry in transfer.entries:
             if entry.node.node_id in transfer.then_drop:
                 self._drop_if_evictable(entry.node, Tier.HOST, None)
@@ -786,8 +790,9 @@ class TierManager:
             used -= self._evict_disk(excess)
         return used + num_pages <= self.disk_capacity_pages
 
-    def _forget_disk_keys(self, keys: Iterable[bytes]) -> None:
-        """The store dropped these records on its own: forget them (and what hangs below)."""
+    def forget_disk_keys(self, keys: Iterable[bytes]) -> None:
+        """The store dropped these records on its own: forget them (and what hangs below);
+        keys this tree does not hold are ignored."""
         wanted = set(keys)
         for node in list(self.tree.nodes()):
             if not self.tree.is_live(node) or not node.on_disk:

@@ -53,8 +53,8 @@ def session(daemon, engine=None, spec=SPEC, pools=None):
 def engines():
     made = []
 
-    def make(num_pages=16):
-        made.append(Engine(num_pages))
+    def make(num_pages=16, spec=SPEC):
+        made.append(Engine(num_pages, spec=spec))
         return made[-1]
 
     yield make
@@ -229,3 +229,44 @@ def test_the_loop_sleeps_until_the_next_deadline_and_never_busy_polls(tmp_path, 
         assert fired == [clock.now]
     finally:
         context.destroy(linger=0)
+
+
+def test_specs_sharing_the_store_hear_of_each_others_evictions(tmp_path, engines):
+    """Two models share one LMDB store: when one's writes make the store evict the
+    other's records, the other's tree stops claiming them (a match never reports disk
+    pages that are gone)."""
+    import dataclasses
+
+    other_spec = dataclasses.replace(SPEC, model="other-model")
+    assert other_spec.fingerprint != SPEC.fingerprint and other_spec.host_page_bytes == SPEC.host_page_bytes
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store"),
+                                      "disk.capacity_bytes": 6 * SPEC.host_page_bytes})
+    a, b = engines(), engines(spec=other_spec)
+    sa, sb = session(daemon, a), session(daemon, b, spec=other_spec)
+    manager_a, manager_b = daemon.managers[SPEC.fingerprint], daemon.managers[other_spec.fingerprint]
+
+    def insert(sid, engine, first_token, num_pages):
+        tokens = np.arange(first_token, first_token + num_pages * PS, dtype="<i4").tobytes()
+        pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=num_pages))).pages
+        ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages)))
+        return tokens
+
+    def disk_keys_present(manager):
+        for node in manager.tree.nodes():
+            if manager.tree.is_live(node) and node.on_disk:
+                keys = node.page_key_list()
+                assert daemon.storage.longest_run(keys) == len(keys), "the tree claims a disk record that is gone"
+
+    tokens_a = insert(sa, a, 0, 5)
+    manager_a.flush()
+    assert ok(daemon.handle(p.Match(id=3, session=sa, tokens=tokens_a))).node >= 0
+    assert sum(n.num_pages for n in manager_a.tree.nodes() if n.on_disk) == 5
+    insert(sb, b, 10_000, 5)  # 10 pages in a store of 6: the store evicts 4 of a's, oldest first
+    manager_b.flush()
+    manager_a.poll()
+    manager_b.poll()
+    disk_keys_present(manager_a)
+    disk_keys_present(manager_b)
+    assert sum(n.num_pages for n in manager_a.tree.nodes() if manager_a.tree.is_live(n) and n.on_disk) <= 1
+    ok(daemon.handle(p.Check(id=4)))
+    daemon.close()

@@ -37,7 +37,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds, ...
+        ProcessCollector(registry=r)
         self.requests = Counter("hicache_requests", "Requests handled, by op and status", ["op", "status"],
                                 registry=r)
         self.request_seconds = Histogram("hicache_request_duration_seconds", "Time to handle a request, by op",

@@ -38,6 +38,24 @@ def test_every_counter_exists_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("hicache_transfer_bytes_total", {"direction": direction}) == 0
 
 
+def test_the_daemon_process_reports_its_cpu_memory_and_start_time():
+    """An operator sees a daemon that burns CPU while idle, or restarted, without
+    another exporter."""
+    import time
+
+    metrics = Metrics()
+    sample = metrics.registry.get_sample_value
+    start = sample("process_start_time_seconds")
+    assert start is not None and time.time() - 86400 < start <= time.time()  # a Unix time, of this process
+    cpu = sample("process_cpu_seconds_total")
+    assert cpu is not None and cpu > 0
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert sample("process_cpu_seconds_total") > cpu
+    assert sample("process_resident_memory_bytes") > 0
+
+
 @pytest.fixture
 def engine():
     e = Engine(12)

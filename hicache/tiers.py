@@ -794,11 +794,9 @@ class TierManager:
         """The store dropped these records on its own: forget them (and what hangs below);
         keys this tree does not hold are ignored."""
         wanted = set(keys)
-        for node in list(self.tree.nodes()):
-            if not self.tree.is_live(node) or not node.on_disk:
-                continue
-            blob = node.page_keys
-            if any(blob[i : i + PAGE_KEY_BYTES] in wanted for i in range(0, len(blob), PAGE_KEY_BYTES)):
+        hit = {id(node): node for key in wanted if (node := self.tree.disk_node(key)) is not None}
+        for node in hit.values():
+            if self.tree.is_live(node) and node.on_disk:  # not gone with an ancestor already
                 below = self._subtree_disk_keys(node)
                 self.tree.discard(node, Tier.DISK)
                 self.storage.delete([k for k in below if k not in wanted])

@@ -233,6 +233,7 @@ class HiRadixTree:
         self._tick = 0
         self._slots: dict[int, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
         self._direct_locks: dict[tuple[int, int], int] = {}
+        self._disk_keys: dict[PageKey, Node] = {}  # page key of every disk-resident page -> its node
 
     # ------------------------------------------------------------------ namespaces
 
@@ -600,6 +601,10 @@ class HiRadixTree:
         """Every live non-root node."""
         return (n for n in self._nodes.values() if n.parent is not None)
 
+    def disk_node(self, page_key: PageKey) -> Node | None:
+        """The node whose page ``page_key`` is on disk, if any (a dict lookup)."""
+        return self._disk_keys.get(page_key)
+
     def __len__(self) -> int:
         return len(self._nodes) - len(self._namespaces)
 
@@ -730,6 +735,9 @@ class HiRadixTree:
                 upper.residency[slot] = value[:ids_cut]
                 node.residency[slot] = value[ids_cut:]
             upper.resident_children[slot] = 1
+        if DISK_SLOT in node.residency:
+            for key in split_page_keys(upper.page_keys):
+                self._disk_keys[key] = upper
         upper.lock_ref.update(node.lock_ref)
         upper.lock_total = node.lock_total
         upper.hit_count = node.hit_count
@@ -779,6 +787,9 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
+        if slot == DISK_SLOT:
+            for key in split_page_keys(node.page_keys):
+                self._disk_keys[key] = node
         if self._is_protected(node, slot):
             index.protected += node.num_pages
         else:
@@ -792,6 +803,9 @@ class HiRadixTree:
             )
         index = self._slots[slot]
         value = node.residency.pop(slot)
+        if slot == DISK_SLOT:
+            for key in split_page_keys(node.page_keys):
+                del self._disk_keys[key]
         if self._is_protected(node, slot):
             index.protected -= node.num_pages
         else:
@@ -852,6 +866,9 @@ class HiRadixTree:
             seen[root.node_id] = root
             self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen)
         assert seen.keys() == self._nodes.keys(), "node registry disagrees with the tree"
+        disk_keys = {key: node for node in seen.values() if node.on_disk for key in node.page_key_list()}
+        assert self._disk_keys.keys() == disk_keys.keys(), "the disk page-key index disagrees with the tree"
+        assert all(self._disk_keys[key] is node for key, node in disk_keys.items()), "disk page key on the wrong node"
         for slot, index in self._slots.items():
             evictable, protected = sizes.get(slot, (0, 0))
             assert (index.evictable, index.protected) == (evictable, protected), (

@@ -976,37 +976,44 @@ class TierManager:
 
     def rebuild_from_storage(self) -> int:
         """Put every persisted page of this spec back into the tree as disk-resident;
-        records of this spec whose chain is broken are deleted. Returns the pages
-        restored."""
+        records of this spec that no chain from a first page reaches (a page before
+        them is gone, or belongs to another namespace) are deleted. Returns the pages
+        restored.
+
+        Walks the records top-down from each sequence's first page, once each: the
+        time is O(records) plus one tree restore per leaf, however long the shared
+        prefixes are (walking up from every leaf instead was O(leaves x depth): 21 s
+        for 450,000 pages under 1,000-page shared prompts)."""
         if self.storage is None:
             return 0
         page_bytes = self.spec.page_size * 4
         fingerprint = self.spec.fingerprint
         metas = {key: meta for key, meta in self.storage.iter_metadata()
                  if meta.fingerprint == fingerprint and len(meta.tokens) == page_bytes}
-        has_child = {meta.parent for meta in metas.values()}
-        orphans = []
-        restored = 0
+        children: dict[bytes, list[bytes]] = {}
         for key, meta in metas.items():
-            if key in has_child:
-                continue
-            chain = []
-            current = key
-            while current != ROOT_PARENT_KEY:
-                record = metas.get(current)
-                if record is None or record.namespace != meta.namespace:
-                    break
-                chain.append(record.tokens)
-                current = record.parent
-            else:
-                self.add_namespace(NamespaceId(meta.namespace))
-                self.tree.restore(NamespaceId(meta.namespace), b"".join(reversed(chain)))
-                continue
-            orphans.append(key)
-        restored = self.tree.sizes(Tier.DISK).cached
+            children.setdefault(meta.parent, []).append(key)
+        reached: set[bytes] = set()
+        for first in children.get(ROOT_PARENT_KEY, ()):
+            namespace = NamespaceId(metas[first].namespace)
+            self.add_namespace(namespace)
+            path: list[bytes] = []  # the page tokens from the first page down to the current one
+            stack = [(first, 0)]
+            while stack:
+                key, depth = stack.pop()
+                reached.add(key)
+                del path[depth:]
+                path.append(metas[key].tokens)
+                below = [child for child in children.get(key, ()) if metas[child].namespace == namespace]
+                if below:
+                    stack.extend((child, depth + 1) for child in below)
+                else:  # the end of a sequence: restore the whole path in one go
+                    self.tree.restore(namespace, b"".join(path))
+        orphans = [key for key in metas if key not in reached]
         if orphans:
+            logger.warning("deleting %d disk records that no sequence reaches", len(orphans))
             self.storage.delete(orphans)
-        return restored
+        return self.tree.sizes(Tier.DISK).cached
 
     # ------------------------------------------------------------------ driving
 

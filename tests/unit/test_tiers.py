@@ -361,6 +361,53 @@ def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
     tm.close()
 
 
+def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engine, tmp_path):
+    """Records written straight into the store: two sequences sharing a first page,
+    one chain whose second page is missing (everything below it is unreachable), and
+    a page whose parent is in another namespace. One rebuild restores what a first
+    page reaches and deletes the rest in the same pass."""
+    from hicache.keys import ROOT_PARENT_KEY, chain_page_keys
+    from hicache.storage.base import PageMeta, PageRecord
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+
+    def chain(namespace, parent, toks):
+        packed = np.asarray(toks, dtype="<i4").tobytes()
+        keys = chain_page_keys(namespace, parent, packed, PS)
+        records = []
+        for i in range(len(toks) // PS):
+            key = keys[i * 16 : (i + 1) * 16]
+            records.append(PageRecord(key, np.full(SPEC.host_page_bytes, i, dtype=np.uint8),
+                                      PageMeta(namespace, parent, packed[i * PS * 4 : (i + 1) * PS * 4])))
+            parent = key
+        return records
+
+    shared = chain(NS, ROOT_PARENT_KEY, tokens(0, 2))
+    left = chain(NS, shared[-1].key, tokens(100, 3))
+    right = chain(NS, shared[-1].key, tokens(200, 1))
+    broken = chain(NS, ROOT_PARENT_KEY, tokens(300, 4))
+    other = namespace_id(SPEC.fingerprint, "someone-else")
+    stray = chain(other, left[0].key, tokens(400, 1))  # a parent in NS, itself in another namespace
+    written = shared + left + right + broken[:1] + broken[2:] + stray
+    store.put(written, fingerprint=SPEC.fingerprint).result()
+
+    tm = TierManager(SPEC, host_pages=4, storage=store)
+    tm.register_pool(0, [engine.pool])
+    assert tm.rebuild_from_storage() == 2 + 3 + 1 + 1
+    tm.check_invariants()
+    assert tm.match(NS, tokens(0, 2) + tokens(100, 3), 0).match.num_disk_pages == 5
+    assert tm.match(NS, tokens(0, 2) + tokens(200, 1), 0).match.num_disk_pages == 3
+    assert tm.match(NS, tokens(300, 4), 0).match.num_disk_pages == 1
+    assert other not in tm.tree.namespaces()
+    tm.close()
+    gone = [r.key for r in broken[2:] + stray]
+    kept = [r.key for r in shared + left + right + broken[:1]]
+    assert all(store.longest_run([key]) == 0 for key in gone)
+    assert all(store.longest_run([key]) == 1 for key in kept)
+    store.close()
+
+
 def test_warm_restart_hits_what_was_persisted(engine, tmp_path):
     from hicache.storage.lmdb_backend import LmdbBackend
 

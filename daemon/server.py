@@ -59,6 +59,8 @@ class Server:
         self._wakers_lock = threading.Lock()
         self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake))
         self.notifier = notifier or Notifier.from_env()
+        self.daemon.keepalive = self._keepalive
+        self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
         self._stop = False
@@ -116,7 +118,6 @@ class Server:
             self.bind()
         router = self._router
         watchdog_s = self.notifier.watchdog_interval_s
-        next_watchdog = time.monotonic()
         timeout_ms = -2
         self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
         logger.info("serving on %s", ", ".join(self.endpoints))
@@ -138,10 +139,20 @@ class Server:
                 self._receive(router)
             self.daemon.poll()
             self._send_ready(router)
-            if watchdog_s is not None and time.monotonic() >= next_watchdog:
-                self.notifier.watchdog()
-                next_watchdog = time.monotonic() + watchdog_s
+            if watchdog_s is not None and time.monotonic() >= self._next_watchdog:
+                self._feed_watchdog(watchdog_s)
         self._shutdown()
+
+    def _feed_watchdog(self, interval_s: float) -> None:
+        self.notifier.watchdog()
+        self._next_watchdog = time.monotonic() + interval_s
+
+    def _keepalive(self, done: int) -> None:
+        """Long work on the loop thread (a rebuild) reports progress: feed the watchdog
+        when due, so that systemd does not take a long rebuild for a hung loop."""
+        interval_s = self.notifier.watchdog_interval_s
+        if interval_s is not None and time.monotonic() >= self._next_watchdog:
+            self._feed_watchdog(interval_s)
 
     def _timeout_ms(self) -> int:
         """How long the next recv may block: until the next lease or timer is due,

@@ -162,6 +162,10 @@ class Daemon:
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
+        # Called now and then during long work on the owner thread (a disk-tier rebuild
+        # at a spec's first registration) with a count of records done; the server
+        # feeds the systemd watchdog from it.
+        self.keepalive: Callable[[int], None] = lambda done: None
         self._next_lease_check = 0.0
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Match: self._match,
@@ -305,7 +309,7 @@ class Daemon:
             manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
                                   completions=self.completions, clock=self.clock, metrics=self.metrics)
             manager.on_store_evicted = self._store_evicted
-            restored = manager.rebuild_from_storage()
+            restored = manager.rebuild_from_storage(progress=self.keepalive)
             self.managers[spec.fingerprint] = manager
             logger.info("spec %s: host pool of %d pages, %d disk pages restored",
                         spec.fingerprint_hex, host_pages, restored)

@@ -207,11 +207,13 @@ class CacheClient:
         hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
         self._session = hello.session
         self.lease_s = hello.lease_s
+        # The first registration of a spec after a daemon restart rebuilds its disk tier
+        # before the answer (seconds for a large store): as long as a load may take.
         reply = self._call(p.Register(
             id=0, session=self._session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
             key_check=key_self_test(spec.fingerprint, spec.page_size), pools=pools,
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
-        ))
+        ), timeout_s=max(self.timeout_s, self.load_timeout_s))
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
             self.waiter.close()

@@ -63,6 +63,8 @@ from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Tier
 
 logger = logging.getLogger(__name__)
 
+REBUILD_PROGRESS_EVERY = 16384  # records between two progress calls of rebuild_from_storage
+
 _EVICTED_MEMORY = 1 << 18  # page keys remembered for miss reasons (~30 MiB at most)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -974,7 +976,7 @@ class TierManager:
 
     # ------------------------------------------------------------------ warm restart
 
-    def rebuild_from_storage(self) -> int:
+    def rebuild_from_storage(self, progress: Callable[[int], None] | None = None) -> int:
         """Put every persisted page of this spec back into the tree as disk-resident;
         records of this spec that no chain from a first page reaches (a page before
         them is gone, or belongs to another namespace) are deleted. Returns the pages
@@ -983,13 +985,20 @@ class TierManager:
         Walks the records top-down from each sequence's first page, once each: the
         time is O(records) plus one tree restore per leaf, however long the shared
         prefixes are (walking up from every leaf instead was O(leaves x depth): 21 s
-        for 450,000 pages under 1,000-page shared prompts)."""
+        for 450,000 pages under 1,000-page shared prompts). ``progress(records
+        done)`` is called every :data:`REBUILD_PROGRESS_EVERY` records, so that a
+        caller on an event loop can keep its watchdog fed through a long rebuild."""
         if self.storage is None:
             return 0
         page_bytes = self.spec.page_size * 4
         fingerprint = self.spec.fingerprint
-        metas = {key: meta for key, meta in self.storage.iter_metadata()
-                 if meta.fingerprint == fingerprint and len(meta.tokens) == page_bytes}
+        report = progress or (lambda done: None)
+        metas = {}
+        for done, (key, meta) in enumerate(self.storage.iter_metadata(), 1):
+            if meta.fingerprint == fingerprint and len(meta.tokens) == page_bytes:
+                metas[key] = meta
+            if done % REBUILD_PROGRESS_EVERY == 0:
+                report(done)
         children: dict[bytes, list[bytes]] = {}
         for key, meta in metas.items():
             children.setdefault(meta.parent, []).append(key)
@@ -1002,6 +1011,8 @@ class TierManager:
             while stack:
                 key, depth = stack.pop()
                 reached.add(key)
+                if len(reached) % REBUILD_PROGRESS_EVERY == 0:
+                    report(len(reached))
                 del path[depth:]
                 path.append(metas[key].tokens)
                 below = [child for child in children.get(key, ()) if metas[child].namespace == namespace]

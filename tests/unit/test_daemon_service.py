@@ -228,6 +228,7 @@ def test_the_loop_sleeps_until_the_next_deadline_and_never_busy_polls(tmp_path, 
         daemon.poll()
         assert fired == [clock.now]
     finally:
+        daemon.close()
         context.destroy(linger=0)
 
 
@@ -270,3 +271,32 @@ def test_specs_sharing_the_store_hear_of_each_others_evictions(tmp_path, engines
     assert sum(n.num_pages for n in manager_a.tree.nodes() if manager_a.tree.is_live(n) and n.on_disk) <= 1
     ok(daemon.handle(p.Check(id=4)))
     daemon.close()
+
+
+def test_a_long_rebuild_on_the_loop_keeps_the_watchdog_fed(tmp_path):
+    """The daemon's keepalive (called through a disk-tier rebuild) pings systemd's
+    watchdog when a ping is due, and only then."""
+    import zmq
+
+    from hicache.daemon.server import Server
+
+    class Recorder:
+        def __init__(self, interval_s):
+            self.watchdog_interval_s = interval_s
+            self.pings = 0
+
+        def watchdog(self):
+            self.pings += 1
+
+    context = zmq.Context()
+    try:
+        for interval_s, pings in ((3600.0, 1), (0.0, 3)):  # the first is due at once
+            daemon = make_daemon(tmp_path)
+            notifier = Recorder(interval_s)
+            Server(daemon.config, daemon=daemon, notifier=notifier, context=context)
+            for done in (16384, 32768, 49152):
+                daemon.keepalive(done)
+            assert notifier.pings == pings
+            daemon.close()
+    finally:
+        context.destroy(linger=0)

@@ -361,7 +361,7 @@ def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
     tm.close()
 
 
-def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engine, tmp_path):
+def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engine, tmp_path, monkeypatch):
     """Records written straight into the store: two sequences sharing a first page,
     one chain whose second page is missing (everything below it is unreachable), and
     a page whose parent is in another namespace. One rebuild restores what a first
@@ -394,7 +394,13 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
 
     tm = TierManager(SPEC, host_pages=4, storage=store)
     tm.register_pool(0, [engine.pool])
-    assert tm.rebuild_from_storage() == 2 + 3 + 1 + 1
+    import hicache.tiers
+
+    monkeypatch.setattr(hicache.tiers, "REBUILD_PROGRESS_EVERY", 2)
+    progress = []
+    assert tm.rebuild_from_storage(progress=progress.append) == 2 + 3 + 1 + 1
+    # Reading the 11 records, then walking the 7 reachable ones: a call every 2 of each.
+    assert progress == [2, 4, 6, 8, 10, 2, 4, 6]
     tm.check_invariants()
     assert tm.match(NS, tokens(0, 2) + tokens(100, 3), 0).match.num_disk_pages == 5
     assert tm.match(NS, tokens(0, 2) + tokens(200, 1), 0).match.num_disk_pages == 3

@@ -162,9 +162,9 @@ class Daemon:
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
-        # Called now and then during long work on the owner thread (a disk-tier rebuild
-        # at a spec's first registration) with a count of records done; the server
-        # feeds the systemd watchdog from it.
+        # Called now and then during long work on the owner thread at a spec's first
+        # registration (pinning its host pool, rebuilding its disk tier) with a count
+        # of what is done; the server feeds the systemd watchdog from it.
         self.keepalive: Callable[[int], None] = lambda done: None
         self._next_lease_check = 0.0
         self._handlers: dict[type, Callable[[Any], Any]] = {
@@ -307,7 +307,8 @@ class Daemon:
             else:
                 host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
             manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
-                                  completions=self.completions, clock=self.clock, metrics=self.metrics)
+                                  completions=self.completions, clock=self.clock, metrics=self.metrics,
+                                  progress=self.keepalive)
             manager.on_store_evicted = self._store_evicted
             restored = manager.rebuild_from_storage(progress=self.keepalive)
             self.managers[spec.fingerprint] = manager

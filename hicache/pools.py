@@ -28,6 +28,7 @@ bytes of a device pool go where in a host page or host state slot.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,7 +235,10 @@ class DevicePool:
 class HostPool:
     """The daemon's host pool: ``num_pages`` page-first host pages (+ state slots)."""
 
-    def __init__(self, spec: KVSpec, num_pages: int, *, num_state_slots: int = 0, pinned: bool | None = None) -> None:
+    def __init__(self, spec: KVSpec, num_pages: int, *, num_state_slots: int = 0, pinned: bool | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        """``progress(bytes pinned so far)`` is called after each chunk is pinned (a
+        large pool takes seconds: a caller on an event loop feeds its watchdog)."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise InvalidArgument(f"num_pages must be a positive int, got {num_pages!r}")
         if num_state_slots < 0:
@@ -253,7 +257,7 @@ class HostPool:
         if pinned:
             self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-            self._register()
+            self._register(progress)
             self._shared = None
         else:
             self._map = None
@@ -285,7 +289,7 @@ class HostPool:
             raise InvalidArgument(f"host page {host_page} outside [0, {self.num_pages})")
         return self.pages[host_page * self.page_bytes : (host_page + 1) * self.page_bytes]
 
-    def _register(self) -> None:
+    def _register(self, progress: Callable[[int], None] | None) -> None:
         cudart = torch.cuda.cudart()
         base = self.buffer.data_ptr()
         # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context and
@@ -298,6 +302,8 @@ class HostPool:
                 self._unregister()
                 raise RuntimeError(f"cudaHostRegister failed with error {int(err)} (is LimitMEMLOCK high enough?)")
             self._registered.append(base + start)
+            if progress is not None:
+                progress(start + size)
 
     def _unregister(self) -> None:
         cudart = torch.cuda.cudart()

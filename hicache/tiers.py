@@ -225,7 +225,10 @@ class TierManager:
         clock: Callable[[], float] = time.monotonic,
         pinned_host: bool | None = None,
         metrics=None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
+        """``progress`` is called now and then while the host pool is pinned (seconds
+        for a large one), with the bytes done."""
         self.spec = spec
         self.metrics = metrics if metrics is not None else NullMetrics()
         # page key -> the tier it was last evicted from (bounded), to tell a miss's reason
@@ -234,7 +237,7 @@ class TierManager:
         if self.config.disk_policy != "none" and storage is None:
             self.config = dataclasses.replace(self.config, disk_policy="none")
         self.tree = HiRadixTree(eviction=self.config.eviction, on_split=self._on_split)
-        self.host_pool = HostPool(spec, host_pages, pinned=pinned_host)
+        self.host_pool = HostPool(spec, host_pages, pinned=pinned_host, progress=progress)
         self.host_alloc = PageAllocator.for_host(host_pages)
         self.storage = storage if self.config.disk_policy != "none" else None
         self.completions = completions or Completions()

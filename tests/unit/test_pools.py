@@ -102,3 +102,44 @@ def test_page_mover_round_trip_in_process():
             assert torch.equal(buf[start : start + region.unit_bytes], before[start : start + region.unit_bytes])
     host.close()
     exported.close()
+
+
+def test_pinning_a_host_pool_reports_progress_chunk_by_chunk(monkeypatch):
+    """Pinned host pools are registered with CUDA in chunks, reporting the bytes done
+    after each (a daemon feeds its watchdog from it); a failed chunk unpins the rest.
+    CUDA's runtime is replaced by a recorder: this runs without a GPU."""
+    import hicache.pools
+
+    class Cudart:
+        def __init__(self, fail_at=None):
+            self.registered, self.fail_at = [], fail_at
+
+        def cudaHostRegister(self, ptr, size, flags):
+            if len(self.registered) == self.fail_at:
+                return 2  # cudaErrorMemoryAllocation
+            assert flags == 0x01 | 0x02
+            self.registered.append((ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            self.registered = [(p, s) for p, s in self.registered if p != ptr]
+            return 0
+
+    chunk = 3 * SPEC.host_page_bytes
+    monkeypatch.setattr(hicache.pools, "PIN_CHUNK_BYTES", chunk)
+    cudart = Cudart()
+    monkeypatch.setattr(hicache.pools.torch.cuda, "cudart", lambda: cudart)
+    progress = []
+    pool = HostPool(SPEC, 7, pinned=True, progress=progress.append)
+    nbytes = 7 * SPEC.host_page_bytes
+    assert progress == [chunk, 2 * chunk, nbytes]
+    base = pool.buffer.data_ptr()
+    assert cudart.registered == [(base, chunk), (base + chunk, chunk), (base + 2 * chunk, nbytes - 2 * chunk)]
+    pool.close()
+    assert cudart.registered == []
+
+    cudart = Cudart(fail_at=1)
+    progress.clear()
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed"):
+        HostPool(SPEC, 7, pinned=True, progress=progress.append)
+    assert progress == [chunk] and cudart.registered == []

@@ -214,6 +214,22 @@ def _decode_meta(value) -> PageMeta | None:
     )
 
 
+_META_INDEX = struct.Struct("<B3xQd")  # the leading fields of _META: version, payload size, last access
+_META_TOKEN_BYTES = struct.Struct("<I")  # its last field
+
+
+def _index_entry(value) -> tuple[float, int] | None:
+    """``(last access, payload size)`` of a metadata record, checked as :func:`_decode_meta`
+    checks it but without building a :class:`PageMeta` (opening a store reads them all)."""
+    if len(value) < META_BYTES:
+        return None
+    version, payload_size, last_access_s = _META_INDEX.unpack_from(value, 0)
+    (num_token_bytes,) = _META_TOKEN_BYTES.unpack_from(value, META_BYTES - 4)
+    if version != META_VERSION or len(value) != META_BYTES + num_token_bytes or num_token_bytes % TOKEN_BYTES:
+        return None
+    return last_access_s, payload_size
+
+
 class _ReadGate:
     """Many transactions of this process at once, or one exclusive holder (map resize,
     close). A waiting exclusive holder stops new readers, so a stream of gets cannot
@@ -692,11 +708,11 @@ class LmdbBackend:
             unreadable: list[bytes] = []
             with env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
-                    meta = _decode_meta(value)
-                    if meta is None:
+                    entry = _index_entry(value)
+                    if entry is None:
                         unreadable.append(bytes(key))
                     else:
-                        entries.append((meta.last_access_s, bytes(key), meta.payload_size))
+                        entries.append((entry[0], bytes(key), entry[1]))
                 known = {key for _, key, _ in entries}.union(unreadable)
                 orphans = [
                     bytes(key) for key in txn.cursor(db=self._payload_db).iternext(values=False)

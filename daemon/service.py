@@ -620,11 +620,18 @@ class Daemon:
         return ran
 
     def drain(self) -> None:
-        """Stop taking sessions, write host pages to disk per policy, wait for transfers."""
+        """Stop taking sessions, finish the transfers in flight, write host pages to
+        disk per policy, and wait for those writes. Finishing first matters: a backup
+        still in flight becomes host pages only when it completes, and would otherwise
+        miss the disk."""
         self.draining = True
+        deadline = self.clock() + self.config.server.drain_timeout_s
+        self._flush_all(deadline)
         for manager in self.managers.values():
             manager.persist()
-        deadline = self.clock() + self.config.server.drain_timeout_s
+        self._flush_all(deadline)
+
+    def _flush_all(self, deadline: float) -> None:
         for manager in self.managers.values():
             remaining = max(0.0, deadline - self.clock())
             try:

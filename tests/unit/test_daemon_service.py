@@ -300,3 +300,25 @@ def test_a_long_rebuild_on_the_loop_keeps_the_watchdog_fed(tmp_path):
             daemon.close()
     finally:
         context.destroy(linger=0)
+
+
+def test_drain_persists_pages_whose_backup_was_still_in_flight(tmp_path, engines):
+    """SIGTERM right after an insert: the device -> host backup has not been taken in
+    yet (no poll since), and the disk policy is write-back. The drain waits for it and
+    then writes every host page to disk, so a restart hits all of it."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store"),
+                                      "tiers.disk_policy": "write_back"})
+    engine = engines()
+    sid = session(daemon, engine)
+    tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages
+    ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages)))
+    daemon.drain()
+    daemon.close()
+    store = LmdbBackend(tmp_path / "store", capacity_bytes=1 << 30)
+    try:
+        assert store.stats().records == 3
+    finally:
+        store.close()

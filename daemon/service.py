@@ -82,6 +82,7 @@ class Session:
     manager: TierManager | None = None
     pool_id: int = -1
     locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
+    locked_since: dict[int, float] = field(default_factory=dict)  # node id -> when its first lock was taken
     private: set[int] = field(default_factory=set)  # its private device pages
     namespaces: dict[str, NamespaceId] = field(default_factory=dict)
 
@@ -457,6 +458,7 @@ class Daemon:
         node = self._node(session, m.node)
         session.manager.lock(node, session.pool_id)
         session.locks[m.node] += 1
+        session.locked_since.setdefault(m.node, self.clock())
         return p.Ok(id=m.id)
 
     def _unlock(self, m: p.Unlock) -> p.Ok:
@@ -467,6 +469,7 @@ class Daemon:
         session.locks[m.node] -= 1
         if not session.locks[m.node]:
             del session.locks[m.node]
+            del session.locked_since[m.node]
         return p.Ok(id=m.id)
 
     def _load(self, m: p.Load) -> Future:
@@ -596,8 +599,10 @@ class Daemon:
         storage = self.storage.stats()._asdict() if self.storage is not None else None
         mode = "gpu" if any(pool.device.type == "cuda" for m in self.managers.values() for pool in m.device_pools())\
             else "cpu"
+        oldest = min((t for session in self.sessions.values() for t in session.locked_since.values()), default=None)
         self._snapshot = {
             "pages": pages, "sessions": len(self.sessions), "storage": storage,
+            "oldest_lock_s": 0.0 if oldest is None else self.clock() - oldest,
             "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": mode},
         }
 

@@ -183,6 +183,9 @@ class StateCollector:
                 pages.add_metric([tier, state], counts.get(state, 0))
         yield pages
         yield GaugeMetricFamily("hicache_sessions", "Engine sessions open", value=snap["sessions"])
+        yield GaugeMetricFamily("hicache_oldest_lock_age_seconds",
+                                "How long the oldest lock an engine still holds has been held (0: none)",
+                                value=snap.get("oldest_lock_s", 0.0))
         storage = snap.get("storage")
         if storage is not None:
             yield GaugeMetricFamily("hicache_disk_bytes", "Payload bytes in the disk tier", value=storage["bytes"])

@@ -39,7 +39,7 @@ needs_prometheus = pytest.mark.skipif(
 # The alerts alerts.yml must define; it may define more.
 REQUIRED_ALERTS = {"HicacheDown", "HicacheHitRatioCollapse", "HicacheEvictionStorm",
                    "HicacheProtectedPagesNearCapacity", "HicacheSessionsExpiring", "HicacheDiskCorruptRecords",
-                   "HicacheDiskTierFull"}
+                   "HicacheDiskTierFull", "HicacheLockHeldForAnHour"}
 SEVERITIES = {"critical", "warning", "info"}
 
 # Grafana's variables, as the integration test fills them in ("instance" comes from the

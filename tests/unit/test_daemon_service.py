@@ -322,3 +322,36 @@ def test_drain_persists_pages_whose_backup_was_still_in_flight(tmp_path, engines
         assert store.stats().records == 3
     finally:
         store.close()
+
+
+def test_the_oldest_lock_age_is_exported(tmp_path, engines):
+    """hicache_oldest_lock_age_seconds: how long the oldest lock still held has been
+    held, over every session; back to 0 once it is released (or its session ends)."""
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock, **{"metrics.enabled": True})
+    engine = engines()
+    sid = session(daemon, engine)
+
+    def age():
+        daemon.refresh_snapshot()
+        return daemon.metrics.registry.get_sample_value("hicache_oldest_lock_age_seconds")
+
+    assert age() == 0
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=4))).pages
+    first = ok(daemon.handle(p.Insert(id=2, session=sid, tokens=np.arange(2 * PS, dtype="<i4").tobytes(),
+                                      pages=pages[:8]))).node
+    second = ok(daemon.handle(p.Insert(id=3, session=sid, tokens=np.arange(100, 100 + 2 * PS, dtype="<i4").tobytes(),
+                                       pages=pages[8:]))).node
+    ok(daemon.handle(p.Lock(id=4, session=sid, node=first)))
+    clock.now += 2.0
+    ok(daemon.handle(p.Lock(id=5, session=sid, node=second)))
+    ok(daemon.handle(p.Lock(id=6, session=sid, node=first)))  # a second lock keeps the first one's time
+    clock.now += 3.0
+    assert age() == 5.0
+    ok(daemon.handle(p.Unlock(id=7, session=sid, node=first)))
+    assert age() == 5.0  # still held once
+    ok(daemon.handle(p.Unlock(id=8, session=sid, node=first)))
+    assert age() == 3.0  # now the second one is the oldest
+    ok(daemon.handle(p.Bye(id=9, session=sid)))
+    assert age() == 0
+    daemon.close()

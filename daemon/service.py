@@ -302,6 +302,7 @@ class Daemon:
     def _manager_for(self, spec: KVSpec, device_pages: int) -> TierManager:
         manager = self.managers.get(spec.fingerprint)
         if manager is None:
+            started = self.clock()
             host = self.config.host
             if host.bytes:
                 host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
@@ -313,8 +314,12 @@ class Daemon:
             manager.on_store_evicted = self._store_evicted
             restored = manager.rebuild_from_storage(progress=self.keepalive)
             self.managers[spec.fingerprint] = manager
-            logger.info("spec %s: host pool of %d pages, %d disk pages restored",
-                        spec.fingerprint_hex, host_pages, restored)
+            stalled = self.clock() - started
+            logger.info("spec %s: host pool of %d pages, %d disk pages restored in %.1f s",
+                        spec.fingerprint_hex, host_pages, restored, stalled)
+            # Nobody's heartbeat was answered meanwhile: the silence was ours, not theirs.
+            for session in self.sessions.values():
+                session.lease_deadline += stalled
         return manager
 
     def end_session(self, session: Session, reason: str) -> None:

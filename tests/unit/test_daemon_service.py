@@ -355,3 +355,35 @@ def test_the_oldest_lock_age_is_exported(tmp_path, engines):
     ok(daemon.handle(p.Bye(id=9, session=sid)))
     assert age() == 0
     daemon.close()
+
+
+def test_a_long_first_registration_does_not_expire_the_other_sessions(tmp_path, engines, monkeypatch):
+    """A spec's first registration rebuilds its disk tier on the owner thread, which
+    answers nothing meanwhile - heartbeats included. If that takes longer than a lease,
+    the engines that were waiting must not lose their sessions (and everything they
+    hold) for the daemon's own stall."""
+    import dataclasses
+
+    from hicache.tiers import TierManager
+
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock)
+    a = engines()
+    sa = session(daemon, a)
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sa, num_pages=2))).pages
+    rebuild = TierManager.rebuild_from_storage
+
+    def slow_rebuild(self, progress=None):
+        clock.now += 30.0  # three leases
+        return rebuild(self, progress)
+
+    monkeypatch.setattr(TierManager, "rebuild_from_storage", slow_rebuild)
+    other_spec = dataclasses.replace(SPEC, model="other-model")
+    session(daemon, engines(spec=other_spec), spec=other_spec)
+    daemon.poll()
+    assert sa in daemon.sessions
+    ok(daemon.handle(p.Release(id=2, session=sa, pages=pages)))  # still its pages
+    clock.now += daemon.config.server.lease_s + 1.0  # a real silence still ends it
+    daemon.poll()
+    assert sa not in daemon.sessions
+    daemon.close()

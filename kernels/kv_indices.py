@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from hicache.errors import InvalidArgument
+from hicache.kernels._checks import check_out, check_page_size
 
 # Entries per loop iteration of one program; longer runs loop.
 BLOCK = 512
@@ -170,22 +171,6 @@ def _plan(
     return _Plan(indptr, counts, start, total)
 
 
-def _check_page_size(page_size: int) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
-
-
-def _check_out(out: torch.Tensor | None, total: int, device: torch.device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(total, dtype=torch.int32, device=device)
-    if out.dtype != torch.int32 or out.shape != (total,) or out.device != device or not out.is_contiguous():
-        raise InvalidArgument(
-            f"out must be a contiguous int32 tensor of shape ({total},) on {device}, "
-            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    return out
-
-
 def _gather_torch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, plan: _Plan, step: int) -> torch.Tensor:
     """Entry ``j`` of request ``i``: ``req_to_token[row_i, kv_start_i + j * step]``."""
     device = req_to_token.device
@@ -211,7 +196,7 @@ def build_kv_indices_triton(
     past ``max_context_len``.
     """
     plan = _plan(req_to_token, req_pool_indices, kv_lens, kv_start, 1)
-    out = _check_out(out, plan.total, req_to_token.device)
+    out = check_out(out, plan.total, torch.int32, req_to_token.device)
     if plan.total:
         _kv_indices_kernel[(req_pool_indices.numel(),)](
             req_to_token,
@@ -237,7 +222,7 @@ def build_kv_indices_torch(
 ) -> KvIndices:
     """Reference for :func:`build_kv_indices_triton`: the same contract, in torch ops."""
     plan = _plan(req_to_token, req_pool_indices, kv_lens, kv_start, 1)
-    out = _check_out(out, plan.total, req_to_token.device)
+    out = check_out(out, plan.total, torch.int32, req_to_token.device)
     if plan.total:
         out.copy_(_gather_torch(req_to_token, req_pool_indices, plan, 1))
     return KvIndices(plan.indptr, out)
@@ -270,9 +255,9 @@ def build_kv_page_indices_triton(
 
     Raises :class:`~hicache.errors.InvalidArgument` like :func:`build_kv_indices_triton`.
     """
-    _check_page_size(page_size)
+    check_page_size(page_size)
     plan = _plan(req_to_token, req_pool_indices, kv_lens, kv_start, page_size)
-    out = _check_out(out, plan.total, req_to_token.device)
+    out = check_out(out, plan.total, torch.int32, req_to_token.device)
     if plan.total:
         _kv_page_indices_kernel[(req_pool_indices.numel(),)](
             req_to_token,
@@ -299,9 +284,9 @@ def build_kv_page_indices_torch(
     out: torch.Tensor | None = None,
 ) -> KvIndices:
     """Reference for :func:`build_kv_page_indices_triton`: the same contract, in torch ops."""
-    _check_page_size(page_size)
+    check_page_size(page_size)
     plan = _plan(req_to_token, req_pool_indices, kv_lens, kv_start, page_size)
-    out = _check_out(out, plan.total, req_to_token.device)
+    out = check_out(out, plan.total, torch.int32, req_to_token.device)
     if plan.total:
         slots = _gather_torch(req_to_token, req_pool_indices, plan, page_size)
         out.copy_(torch.div(slots, page_size, rounding_mode="trunc"))

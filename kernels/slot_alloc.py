@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from hicache.errors import InvalidArgument
+from hicache.kernels._checks import check_out, check_page_size
 
 # Extend positions per loop iteration of one program; longer extends loop.
 EXTEND_BLOCK = 256
@@ -126,11 +127,6 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def _check_page_size(page_size: int) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
-
-
 def _check_vectors(free_pages: torch.Tensor, **batch: torch.Tensor) -> int:
     """Validate shapes, dtypes and devices; return the batch size."""
     sizes = set()
@@ -147,17 +143,6 @@ def _check_vectors(free_pages: torch.Tensor, **batch: torch.Tensor) -> int:
         lengths = {name: t.numel() for name, t in batch.items()}
         raise InvalidArgument(f"batch tensors differ in length: {lengths}")
     return sizes.pop()
-
-
-def _check_out(out: torch.Tensor | None, num_slots: int, device: torch.device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(num_slots, dtype=torch.int64, device=device)
-    if out.dtype != torch.int64 or out.shape != (num_slots,) or out.device != device or not out.is_contiguous():
-        raise InvalidArgument(
-            f"out must be a contiguous int64 tensor of shape ({num_slots},) on {device}, "
-            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    return out
 
 
 def _check_free_pages(free_pages: torch.Tensor, num_pages: int, min_page: int) -> None:
@@ -187,7 +172,7 @@ def _plan_extend(
     free_pages: torch.Tensor,
     page_size: int,
 ) -> _ExtendPlan:
-    _check_page_size(page_size)
+    check_page_size(page_size)
     bs = _check_vectors(free_pages, prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last_loc)
     prefix = prefix_lens.to(torch.int64)
     seq = seq_lens.to(torch.int64)
@@ -234,7 +219,7 @@ def alloc_extend_triton(
     holds fewer pages than the batch needs.
     """
     plan = _plan_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size)
-    out = _check_out(out, plan.num_slots, free_pages.device)
+    out = check_out(out, plan.num_slots, torch.int64, free_pages.device)
     if plan.num_slots:
         _alloc_extend_kernel[(prefix_lens.numel(),)](
             prefix_lens.contiguous(),
@@ -261,7 +246,7 @@ def alloc_extend_torch(
 ) -> SlotAssignment:
     """Reference for :func:`alloc_extend_triton`: the same contract, in torch ops."""
     plan = _plan_extend(prefix_lens, seq_lens, last_loc, free_pages, page_size)
-    out = _check_out(out, plan.num_slots, free_pages.device)
+    out = check_out(out, plan.num_slots, torch.int64, free_pages.device)
     if not plan.num_slots:
         return SlotAssignment(out, plan.num_pages)
     device = free_pages.device
@@ -302,7 +287,7 @@ class _DecodePlan(NamedTuple):
 def _plan_decode(
     seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor, page_size: int
 ) -> _DecodePlan:
-    _check_page_size(page_size)
+    check_page_size(page_size)
     bs = _check_vectors(free_pages, seq_lens=seq_lens, last_loc=last_loc)
     seq = seq_lens.to(torch.int64)
     last = last_loc.to(torch.int64)
@@ -341,7 +326,7 @@ def alloc_decode_triton(
     """
     plan = _plan_decode(seq_lens, last_loc, free_pages, page_size)
     bs = seq_lens.numel()
-    out = _check_out(out, bs, free_pages.device)
+    out = check_out(out, bs, torch.int64, free_pages.device)
     if bs:
         _alloc_decode_kernel[(triton.cdiv(bs, DECODE_BLOCK),)](
             seq_lens.contiguous(),
@@ -366,7 +351,7 @@ def alloc_decode_torch(
 ) -> SlotAssignment:
     """Reference for :func:`alloc_decode_triton`: the same contract, in torch ops."""
     plan = _plan_decode(seq_lens, last_loc, free_pages, page_size)
-    out = _check_out(out, seq_lens.numel(), free_pages.device)
+    out = check_out(out, seq_lens.numel(), torch.int64, free_pages.device)
     if not seq_lens.numel():
         return SlotAssignment(out, plan.num_pages)
     new_page = (seq_lens.to(torch.int64) - 1) % page_size == 0

@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -181,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hicache.daemon import protocol as p
+    from hicache.daemon.spawn import start_daemon
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-rpc-"))
     payload_size = len(p.encode(p.Match(id=1, session=2**62, tokens=b"\0" * (4 * TOKENS))))
@@ -192,19 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     for echo in echoes:
         echo.start()
 
-    config = directory / "hicache.toml"
-    config.write_text(f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
-                      f'[metrics]\nport = 0\n[host]\nratio = 1.0\n')
-    hicache = str(Path(sys.executable).parent / "hicache")
-    daemon = subprocess.Popen([hicache, "--log-level", "WARNING", "serve", "--config", str(config)],
-                              stdout=subprocess.DEVNULL)
+    daemon = start_daemon(directory, f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
+                                     f'[metrics]\nport = 0\n[host]\nratio = 1.0\n', name="bench_rpc")
     endpoint = f"ipc://{directory / 'hicache.sock'}"
     try:
-        deadline = time.monotonic() + 30
-        while not (directory / "hicache.sock").exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise SystemExit("the daemon did not start")
-            time.sleep(0.05)
         samples, echo_samples, router_echo_samples = run_latency(endpoint, echo_endpoints, payload_size,
                                                                  args.seconds)
         for echo in echoes:

@@ -31,7 +31,6 @@ import argparse
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import multi_turn  # noqa: E402
 
 from hicache.client import CacheClient  # noqa: E402
+from hicache.daemon.spawn import start_daemon  # noqa: E402
 from hicache.engine.kv_pool import export_kv_pool  # noqa: E402
 from hicache.keys import namespace_id, page_keys  # noqa: E402
 from hicache.pages import PageAllocator  # noqa: E402
@@ -71,22 +71,14 @@ def unique_pages(requests) -> int:
 def run_hicache(requests, device_pages: int, host_pages: int) -> list[tuple[int, int, int]]:
     """Saved tokens per request, by tier (device, host, disk), through a real daemon."""
     directory = Path(tempfile.mkdtemp(prefix="hicache-trace-"))
-    config = directory / "hicache.toml"
-    config.write_text(
+    daemon = start_daemon(directory, (
         f'[server]\nsocket = "{directory / "hicache.sock"}"\n'
         f'[host]\nbytes = {host_pages * SPEC.host_page_bytes}\n'
         f'[disk]\npath = "{directory / "lmdb"}"\ncapacity_bytes = {1 << 34}\n'
         '[metrics]\nenabled = false\n'
-    )
-    daemon = subprocess.Popen([str(Path(sys.executable).parent / "hicache"), "--log-level", "WARNING", "serve",
-                               "--config", str(config)], stdout=subprocess.DEVNULL)
+    ), name="bench_trace")
     kv = export_kv_pool(SPEC, device_pages)
     try:
-        deadline = time.monotonic() + 30
-        while not (directory / "hicache.sock").exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise SystemExit("the daemon did not start")
-            time.sleep(0.05)
         client = CacheClient(f"ipc://{directory / 'hicache.sock'}", timeout_s=30.0)
         client.register(SPEC, [kv.handle])
         saved = []

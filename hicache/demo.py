@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.client import CacheClient
+from hicache.daemon.spawn import start_daemon
 from hicache.engine.reference import ModelConfig, ReferenceEngine, TinyTransformer
 
 
@@ -31,21 +31,12 @@ def _free_port() -> int:
 
 
 def _start_daemon(directory: Path, metrics_port: int) -> subprocess.Popen:
-    config = directory / "hicache.toml"
-    config.write_text(
+    return start_daemon(directory, (
         f'[server]\nsocket = "{directory / "hicache.sock"}"\n'
         '[host]\nratio = 1.0\n'
         f'[disk]\npath = "{directory / "lmdb"}"\ncapacity_bytes = {256 << 20}\n'
         f'[metrics]\naddress = "127.0.0.1"\nport = {metrics_port}\n'
-    )
-    daemon = subprocess.Popen([str(Path(sys.executable).parent / "hicache"), "--log-level", "WARNING", "serve",
-                               "--config", str(config)], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not (directory / "hicache.sock").exists():
-        if time.monotonic() > deadline or daemon.poll() is not None:
-            raise SystemExit("hicache demo: the daemon did not start")
-        time.sleep(0.05)
-    return daemon
+    ), name="hicache demo")
 
 
 def _progress(done: int, total: int, note: str) -> None:

@@ -197,13 +197,24 @@ def _encode_meta(
     return value
 
 
-def _decode_meta(value) -> PageMeta | None:
-    """The metadata record, or ``None`` if it is not a well-formed current-version record."""
+def _meta_fields(value) -> tuple | None:
+    """The fixed fields of a metadata record (``_META``'s), or ``None`` if it is not a
+    well-formed current-version record."""
     if len(value) < META_BYTES:
         return None
-    version, payload_size, last_access_s, namespace, parent, fingerprint, num_token_bytes = _META.unpack_from(value, 0)
+    fields = _META.unpack_from(value, 0)
+    version, num_token_bytes = fields[0], fields[-1]
     if version != META_VERSION or len(value) != META_BYTES + num_token_bytes or num_token_bytes % TOKEN_BYTES:
         return None
+    return fields
+
+
+def _decode_meta(value) -> PageMeta | None:
+    """The metadata record, or ``None`` if it is not a well-formed current-version record."""
+    fields = _meta_fields(value)
+    if fields is None:
+        return None
+    _, payload_size, last_access_s, namespace, parent, fingerprint, _ = fields
     return PageMeta(
         namespace=namespace,
         parent=parent,
@@ -212,22 +223,6 @@ def _decode_meta(value) -> PageMeta | None:
         last_access_s=last_access_s,
         fingerprint=fingerprint,
     )
-
-
-_META_INDEX = struct.Struct("<B3xQd")  # the leading fields of _META: version, payload size, last access
-_META_TOKEN_BYTES = struct.Struct("<I")  # its last field
-
-
-def _index_entry(value) -> tuple[float, int] | None:
-    """``(last access, payload size)`` of a metadata record, checked as :func:`_decode_meta`
-    checks it but without building a :class:`PageMeta` (opening a store reads them all)."""
-    if len(value) < META_BYTES:
-        return None
-    version, payload_size, last_access_s = _META_INDEX.unpack_from(value, 0)
-    (num_token_bytes,) = _META_TOKEN_BYTES.unpack_from(value, META_BYTES - 4)
-    if version != META_VERSION or len(value) != META_BYTES + num_token_bytes or num_token_bytes % TOKEN_BYTES:
-        return None
-    return last_access_s, payload_size
 
 
 class _ReadGate:
@@ -708,11 +703,13 @@ class LmdbBackend:
             unreadable: list[bytes] = []
             with env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
-                    entry = _index_entry(value)
-                    if entry is None:
+                    # Only the access time and size: a whole PageMeta (token bytes copied)
+                    # for every record made opening a big store ~40% slower.
+                    fields = _meta_fields(value)
+                    if fields is None:
                         unreadable.append(bytes(key))
                     else:
-                        entries.append((entry[0], bytes(key), entry[1]))
+                        entries.append((fields[2], bytes(key), fields[1]))
                 known = {key for _, key, _ in entries}.union(unreadable)
                 orphans = [
                     bytes(key) for key in txn.cursor(db=self._payload_db).iternext(values=False)

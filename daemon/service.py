@@ -161,6 +161,7 @@ class Daemon:
         self.counts: Counter = Counter()  # (op, status) -> requests, for stats
         self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else NoSharing()
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
+        self._no_sharing = NoSharing()
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         # Called now and then during long work on the owner thread at a spec's first
@@ -168,13 +169,18 @@ class Daemon:
         # of what is done; the server feeds the systemd watchdog from it.
         self.keepalive: Callable[[int], None] = lambda done: None
         self._next_lease_check = 0.0
-        self._handlers: dict[type, Callable[[Any], Any]] = {
+        handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Match: self._match,
             p.MatchMany: self._match_many, p.Lock: self._lock, p.Unlock: self._unlock,
             p.Load: self._load, p.Alloc: self._alloc, p.Insert: self._insert,
             p.Release: self._release, p.Heartbeat: self._heartbeat, p.Bye: self._bye,
             p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
         }
+        # request type -> (handler, op name): one lookup on the request path
+        self._handlers: dict[type, tuple[Callable[[Any], Any], str]] = {
+            cls: (fn, cls.__struct_config__.tag) for cls, fn in handlers.items()}
+        self._lease_s = config.server.lease_s
+        self._max_token_bytes = config.server.max_tokens * TOKEN_BYTES
         self.refresh_snapshot()
         self.metrics.add_state_collector(lambda: self._snapshot)
 
@@ -191,10 +197,10 @@ class Daemon:
         """Like :meth:`handle`, but the bookkeeping that does not change the answer
         (request counts and latency, hit / miss accounting) waits for :meth:`settle`,
         which the server calls once the reply is on its way."""
-        op = type(request).__struct_config__.tag
+        handler, op = self._handlers[type(request)]
         start = time.perf_counter()
         try:
-            reply = self._handlers[type(request)](request)
+            reply = handler(request)
         except HicacheError as exc:
             self._unsettled.append((self._count, (op, exc.code.name, start)))
             return p.Error(id=request.id, code=int(exc.code), message=exc.message)
@@ -246,7 +252,7 @@ class Daemon:
         session = self.sessions.get(session_id)
         if session is None:
             raise UnknownSession(f"no session {session_id} (expired, or the daemon restarted)")
-        session.lease_deadline = self.clock() + self.config.server.lease_s
+        session.lease_deadline = self.clock() + self._lease_s
         if registered and session.manager is None:
             raise InvalidArgument("register the engine's pool first")
         return session
@@ -380,7 +386,7 @@ class Daemon:
         return tokens
 
     def _sharing_for(self, extra_key: str) -> SharingPolicy:
-        return NoSharing() if extra_key in self._no_sharing_keys else self._sharing
+        return self._no_sharing if extra_key in self._no_sharing_keys else self._sharing
 
     def _account_match(self, session: Session, namespace: NamespaceId, tokens: bytes, hit: Hit | None,
                        sharing_off: bool) -> None:
@@ -406,20 +412,26 @@ class Daemon:
         self.metrics.missed(reason, missing)
 
     def _match_reply(self, hit: Hit | None) -> p.MatchReply:
-        if hit is None or hit.match.node is None or hit.match.node.is_root:
+        node = None if hit is None else hit.match.node
+        if node is None or node.parent is None:  # unknown namespace, or nothing matched
             return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
         m = hit.match
-        return p.MatchReply(id=0, node=m.node.node_id, device_pages=m.device_pages.tobytes(),
+        return p.MatchReply(id=0, node=node.node_id, device_pages=m.device_pages.tobytes(),
                             host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
-                            wait=[tuple(t) for t in hit.wait])
+                            wait=[tuple(t) for t in hit.wait] if hit.wait else [])
 
     def _match(self, m: p.Match):
+        # The request path of the daemon's most frequent call: the same steps as the
+        # other ops (session, namespace, token check, policy), each inlined.
         session = self._session(m.session)
-        sharing = self._sharing_for(m.extra_key)
-        namespace = self._namespace(session, m.extra_key)
-        tokens = self._tokens(m.tokens)
+        extra_key = m.extra_key
+        namespace = session.namespaces.get(extra_key) or self._namespace(session, extra_key)
+        tokens = m.tokens
+        if len(tokens) % TOKEN_BYTES or len(tokens) > self._max_token_bytes:
+            self._tokens(tokens)  # raises, saying which
+        sharing_off = extra_key in self._no_sharing_keys
+        sharing = self._no_sharing if sharing_off else self._sharing
         hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
-        sharing_off = isinstance(sharing, NoSharing)
         if isinstance(hit, Future):
             out: Future = Future()
 

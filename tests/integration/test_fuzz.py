@@ -136,3 +136,39 @@ def test_fuzz_every_message_gets_an_error_and_nothing_breaks(tmp_path):
         victim.close()
         attacker.close()
         assert daemon.stop() == 0, daemon.log.read_text()[-3000:]
+
+
+def test_framing_stays_in_step_with_multipart_and_req_envelopes(tmp_path):
+    """The server reads a message frame by frame: a DEALER's extra frames, a REQ's empty
+    delimiter and empty frames must each stay part of their own message — a frame left
+    behind would be read as the next message's routing identity."""
+    daemon = DaemonProcess(tmp_path).start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    req = ctx.socket(zmq.REQ)
+    try:
+        for sock in (dealer, req):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.connect(daemon.endpoint)
+        for rid in range(1, 4):
+            # Extra frames ride in the envelope and come back in front of the reply.
+            dealer.send_multipart([b"extra", b"", p.encode(p.Health(id=rid))])
+            frames = dealer.recv_multipart()
+            assert frames[:-1] == [b"extra", b""]
+            assert isinstance(p.decode_reply(frames[-1]), p.HealthReply) and p.decode_reply(frames[-1]).id == rid
+            # A lone empty frame is a malformed request: an error reply, nothing else.
+            dealer.send(b"")
+            assert isinstance(p.decode_reply(dealer.recv()), p.Error)
+            # A REQ socket (delimiter frame) gets its answer through the same path.
+            req.send(p.encode(p.Health(id=100 + rid)))
+            reply = p.decode_reply(req.recv())
+            assert isinstance(reply, p.HealthReply) and reply.id == 100 + rid
+            # And a plain single-frame request right after is answered, in step.
+            dealer.send(p.encode(p.Health(id=200 + rid)))
+            assert p.decode_reply(dealer.recv()).id == 200 + rid
+    finally:
+        dealer.close(linger=0)
+        req.close(linger=0)
+        ctx.term()
+        assert daemon.stop() == 0, daemon.log.read_text()[-3000:]

@@ -33,12 +33,15 @@ hicache_build_info                     (gauge)  version, protocol_version, mode
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +66,14 @@ class Metrics:
         r = self.registry
         # process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds, ...
         ProcessCollector(registry=r)
-        self.requests = Counter("hicache_requests", "Requests handled, by op and status", ["op", "status"],
-                                registry=r)
-        self.request_seconds = Histogram("hicache_request_duration_seconds", "Time to handle a request, by op",
-                                         ["op"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.matched_tokens = Counter("hicache_matched_tokens", "Tokens found cached by match, by tier", ["tier"],
-                                      registry=r)
-        self.missed_tokens = Counter("hicache_missed_tokens", "Tokens a match or load could not serve, by reason",
-                                     ["reason"], registry=r)
+        # Per-request figures (requests, their latency, matched and missed tokens) are
+        # plain counts on the owner thread, exported at scrape time by _RequestCollector.
+        self.request_counts: dict[tuple[str, str], int] = {(op, "OK"): 0 for op in OPS}
+        self.latency_buckets: dict[str, list[int]] = {op: [0] * (len(_LATENCY_BUCKETS) + 1) for op in OPS}
+        self.latency_sum: dict[str, float] = dict.fromkeys(OPS, 0.0)
+        self.matched_tokens: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.missed_tokens: dict[str, int] = dict.fromkeys(MISS_REASONS, 0)
+        r.register(_RequestCollector(self))
         self.transfer_bytes = Counter("hicache_transfer_bytes", "Bytes moved between tiers, by direction",
                                       ["direction"], registry=r)
         self.transfer_seconds = Histogram("hicache_transfer_duration_seconds",
@@ -81,44 +84,42 @@ class Metrics:
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.evicted_pages = Counter("hicache_evicted_pages", "Pages evicted, by tier", ["tier"], registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
-        for op in OPS:
-            self.requests.labels(op, "OK")
-            self.request_seconds.labels(op)
         for tier in TIERS:
-            self.matched_tokens.labels(tier)
             self.evicted_pages.labels(tier)
-        for reason in MISS_REASONS:
-            self.missed_tokens.labels(reason)
         for direction in DIRECTIONS:
             self.transfer_bytes.labels(direction)
             self.transfer_seconds.labels(direction)
         for reason in SESSION_END_REASONS:
             self.sessions_ended.labels(reason)
-        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._matched = {tier: self.matched_tokens.labels(tier) for tier in TIERS}
-        self._missed = {reason: self.missed_tokens.labels(reason) for reason in MISS_REASONS}
 
     # -- the observer interface the daemon and the tier manager call
 
     def request(self, op: str, status: str, seconds: float) -> None:
-        children = self._request_children.get((op, status))
-        if children is None:  # labels() costs microseconds: once per (op, status)
-            children = self._request_children[(op, status)] = (
-                self.requests.labels(op, status), self.request_seconds.labels(op))
-        children[0].inc()
-        children[1].observe(seconds)
+        """Owner thread only. A dict and a list bump (~0.5 us) where prometheus_client's
+        labelled counter and histogram took ~3.5 us (locks, a Python loop over the
+        buckets) on every request."""
+        key = (op, status)
+        counts = self.request_counts
+        counts[key] = counts.get(key, 0) + 1
+        buckets = self.latency_buckets.get(op)
+        if buckets is None:
+            buckets = self.latency_buckets[op] = [0] * (len(_LATENCY_BUCKETS) + 1)
+            self.latency_sum[op] = 0.0
+        buckets[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum[op] += seconds
 
     def matched(self, device: int, host: int, disk: int) -> None:
+        tokens = self.matched_tokens
         if device:
-            self._matched["device"].inc(device)
+            tokens["device"] += device
         if host:
-            self._matched["host"].inc(host)
+            tokens["host"] += host
         if disk:
-            self._matched["disk"].inc(disk)
+            tokens["disk"] += disk
 
     def missed(self, reason: str, tokens: int) -> None:
         if tokens:
-            self._missed[reason].inc(tokens)
+            self.missed_tokens[reason] += tokens
 
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(num_bytes)
@@ -157,6 +158,39 @@ class NullMetrics:
     def evicted(self, tier: str, num_pages: int) -> None: ...
     def session_ended(self, reason: str) -> None: ...
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
+
+
+class _RequestCollector:
+    """The per-request figures of :class:`Metrics` as Prometheus families, at scrape time
+    (the HTTP thread). Copies are taken first: the owner thread keeps counting while a
+    scrape runs, so a histogram's sum may lead its count by a request — never a
+    decreasing counter."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable:
+        m = self._metrics
+        requests = CounterMetricFamily("hicache_requests", "Requests handled, by op and status",
+                                       labels=["op", "status"])
+        for (op, status), count in sorted(dict(m.request_counts).items()):
+            requests.add_metric([op, status], count)
+        yield requests
+        latency = HistogramMetricFamily("hicache_request_duration_seconds", "Time to handle a request, by op",
+                                        labels=["op"])
+        bounds = [floatToGoString(b) for b in _LATENCY_BUCKETS] + ["+Inf"]
+        for op, buckets in sorted(dict(m.latency_buckets).items()):
+            cumulative = list(itertools.accumulate(list(buckets)))
+            latency.add_metric([op], list(zip(bounds, cumulative)), sum_value=m.latency_sum.get(op, 0.0))
+        yield latency
+        for name, doc, label, values in (
+                ("hicache_matched_tokens", "Tokens found cached by match, by tier", "tier", m.matched_tokens),
+                ("hicache_missed_tokens", "Tokens a match or load could not serve, by reason", "reason",
+                 m.missed_tokens)):
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for key, count in dict(values).items():
+                family.add_metric([key], count)
+            yield family
 
 
 class StateCollector:

@@ -38,6 +38,30 @@ def test_every_counter_exists_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("hicache_transfer_bytes_total", {"direction": direction}) == 0
 
 
+def test_request_latency_histogram_buckets_are_cumulative_and_inclusive():
+    """Counted on the owner thread, exported at scrape time: a value equal to a bound
+    falls in that bound's bucket (Prometheus' ``le``), buckets are cumulative, ``+Inf``
+    equals the count, the sum is the sum, and an error status is its own series."""
+    metrics = Metrics()
+    for seconds in (50e-6, 51e-6, 1e-6, 10.0):  # on a bound, just above it, below all, above all
+        metrics.request("match", "OK", seconds)
+    metrics.request("match", "UNKNOWN_SESSION", 1e-3)
+
+    def bucket(le):
+        return value(metrics, "hicache_request_duration_seconds_bucket", op="match", le=le)
+
+    assert bucket("2.5e-05") == 1
+    assert bucket("5e-05") == 2
+    assert bucket("0.0001") == 3
+    assert bucket("0.001") == 4
+    assert bucket("5.0") == 4
+    assert bucket("+Inf") == 5 == value(metrics, "hicache_request_duration_seconds_count", op="match")
+    assert value(metrics, "hicache_request_duration_seconds_sum", op="match") == pytest.approx(10.0 + 1e-3 + 102e-6)
+    assert value(metrics, "hicache_requests_total", op="match", status="OK") == 4
+    assert value(metrics, "hicache_requests_total", op="match", status="UNKNOWN_SESSION") == 1
+    assert value(metrics, "hicache_request_duration_seconds_count", op="lock") == 0
+
+
 def test_the_daemon_process_reports_its_cpu_memory_and_start_time():
     """An operator sees a daemon that burns CPU while idle, or restarted, without
     another exporter."""

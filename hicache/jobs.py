@@ -41,6 +41,8 @@ class Completions:
         """Run every queued callback on this (the owner) thread; if none is queued, wait
         up to ``timeout_s`` for one. Returns how many ran."""
         ran = 0
+        if timeout_s <= 0 and self._queue.empty():
+            return 0  # the usual case on every loop turn: no exception raised and caught
         try:
             fn = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
         except queue.Empty:

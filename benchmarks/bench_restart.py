@@ -12,20 +12,33 @@ pages under them, round robin), closes it, then in one run times:
 
 Both rebuilds must produce the same tree (same disk pages, same node count).
 
+* ``serve``: ``hicache serve`` on that store with another engine (another model)
+  already registered and matching in a loop; then this spec's engine registers. Its
+  disk tier is rebuilt a slice at a time between the other engine's requests: the
+  figures are the registration's time and the other engine's longest and p99 match
+  round trip meanwhile — next to the rebuild time, which is how long a daemon that
+  rebuilt on the spot (as it did before) kept every other engine waiting.
+
     python benchmarks/bench_restart.py [--prompts 50] [--prompt-pages 1000] [--conversations 20000] [--json]
 
 With ``--json`` the last line is one JSON object with ``records``, ``open_s``,
-``rebuild_s``, ``baseline_s`` and ``speedup`` (baseline / rebuild).
+``rebuild_s``, ``baseline_s``, ``speedup`` (baseline / rebuild), ``serve_register_s``,
+``other_engine_max_ms``, ``other_engine_p99_ms`` and ``stall_ratio`` (rebuild time /
+the other engine's longest round trip).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
 import shutil
+import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -104,6 +117,70 @@ def timed_rebuild(path: str, spec: KVSpec, bottom_up: bool) -> tuple[float, floa
     return opened - start, done - begin, pages, nodes
 
 
+def other_engine(endpoint: str, spec: KVSpec, ready, stop, results) -> None:
+    """Another model's engine: registers, caches a sequence, then matches it until told
+    to stop, timing every round trip."""
+    from hicache.client import CacheClient
+    from hicache.engine.kv_pool import export_kv_pool
+
+    exported = export_kv_pool(spec, 64)
+    client = CacheClient(endpoint, load_timeout_s=600.0)
+    client.register(spec, [exported.handle])
+    tokens = np.arange(4 * PAGE_SIZE, dtype=np.int32) + 7_000_000
+    client.insert(tokens, client.alloc(4))
+    ready.set()
+    samples = []  # (start, seconds); time.monotonic is one clock for every process here
+    while not stop.is_set():
+        start = time.monotonic()
+        match = client.match(tokens)
+        samples.append((start, time.monotonic() - start if match.num_device_pages == 4 else float("inf")))
+    results.put(samples)
+    client.close()
+    exported.close()
+
+
+def serve_while_rebuilding(root: str, spec: KVSpec) -> tuple[float, list[float], int]:
+    """Times this spec's first registration with ``hicache serve`` while another
+    engine is being served; returns (register seconds, the other engine's round trips
+    that started meanwhile — a degraded one counts as infinite —, disk pages the daemon
+    reports for this spec)."""
+    from hicache.client import CacheClient
+    from hicache.daemon.spawn import start_daemon
+    from hicache.engine.kv_pool import export_kv_pool
+
+    directory = Path(tempfile.mkdtemp(prefix="hicache-bench-restart-serve-"))
+    daemon = start_daemon(directory, f'[server]\nsocket = "{directory / "hicache.sock"}"\n'
+                                     f'[disk]\npath = "{root}"\ncapacity_bytes = {1 << 40}\n[metrics]\nport = 0\n',
+                          name="bench_restart", timeout_s=300.0)
+    endpoint = f"ipc://{directory / 'hicache.sock'}"
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    other = ctx.Process(target=other_engine,
+                        args=(endpoint, dataclasses.replace(spec, model="bench-restart-other"), ready, stop, results))
+    try:
+        other.start()
+        if not ready.wait(600):
+            raise SystemExit("bench_restart: the other engine did not come up")
+        time.sleep(0.5)  # a few round trips before
+        exported = export_kv_pool(spec, 64)
+        client = CacheClient(endpoint, load_timeout_s=600.0, heartbeat=False)
+        start = time.monotonic()
+        client.register(spec, [exported.handle])
+        end = time.monotonic()
+        time.sleep(0.2)
+        stop.set()
+        samples = [seconds for at, seconds in results.get(timeout=60) if start <= at <= end]
+        disk = client.stats()["specs"][spec.fingerprint.hex()]["disk"]
+        client.close()
+        exported.close()
+        other.join(30)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(120)
+        shutil.rmtree(directory, ignore_errors=True)
+    return end - start, samples, disk["cached_evictable"] + disk["cached_protected"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=50)
@@ -120,17 +197,29 @@ def main(argv: list[str] | None = None) -> int:
         records = write_store(root, spec, args)
         open_s, rebuild_s, pages, nodes = timed_rebuild(root, spec, bottom_up=False)
         _, baseline_s, baseline_pages, baseline_nodes = timed_rebuild(root, spec, bottom_up=True)
+        register_s, other_samples, served_pages = serve_while_rebuilding(root, spec)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if (pages, nodes) != (baseline_pages, baseline_nodes) or pages != records:
         raise SystemExit(f"rebuilds disagree: {pages} pages / {nodes} nodes vs {baseline_pages} / {baseline_nodes}, "
                          f"{records} records")
+    if served_pages != records:
+        raise SystemExit(f"the daemon restored {served_pages} pages of {records} records")
+    other_max = max(other_samples)
     figures = {"records": records, "nodes": nodes, "open_s": round(open_s, 3), "rebuild_s": round(rebuild_s, 3),
-               "baseline_s": round(baseline_s, 3), "speedup": round(baseline_s / rebuild_s, 2)}
+               "baseline_s": round(baseline_s, 3), "speedup": round(baseline_s / rebuild_s, 2),
+               "serve_register_s": round(register_s, 3), "other_engine_matches": len(other_samples),
+               "other_engine_max_ms": round(other_max * 1e3, 2),
+               "other_engine_p99_ms": round(float(np.percentile(other_samples, 99)) * 1e3, 3),
+               "stall_ratio": round(rebuild_s / other_max, 1)}
     print(f"{records:,} records ({args.prompts} prefixes of {args.prompt_pages} pages, {args.conversations:,} "
           f"sequences of {args.conversation_pages} pages), {nodes:,} tree nodes")
     print(f"open the store {open_s:.2f} s; rebuild top-down {rebuild_s:.2f} s; "
           f"bottom-up baseline {baseline_s:.2f} s ({baseline_s / rebuild_s:.1f}x)")
+    print(f"hicache serve: registering the spec took {register_s:.2f} s; another engine's "
+          f"{len(other_samples):,} matches meanwhile: longest {other_max * 1e3:.1f} ms, "
+          f"p99 {figures['other_engine_p99_ms']:.2f} ms (a rebuild on the spot kept it waiting "
+          f"{rebuild_s:.2f} s: {figures['stall_ratio']:.0f}x)")
     if args.json:
         print(json.dumps(figures))
     return 0

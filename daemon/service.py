@@ -19,17 +19,21 @@ Errors come back as ``Error`` replies with a stable code and a message.
 KV specs: the first session registering a spec creates its :class:`TierManager` (host
 pool sized from ``[host]``) over the daemon's one storage backend, and rebuilds that
 spec's disk tier from the storage metadata; later sessions of the same spec share its
-tree, host pool and disk pages.
+tree, host pool and disk pages. While other engines are being served, that rebuild
+(seconds for a large store) runs a slice at a time between their requests, and the
+registrations of the spec are answered when it is done; with nobody else to serve it
+runs at once.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 _LEASE_CHECK_S = 0.05  # leases are checked this often (they end at most this late)
 _SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
+_REBUILD_SLICE_S = 0.005  # owner-thread time a background rebuild takes between two looks at the socket
+_REBUILD_STEP = 256  # records a rebuild walks between two looks at the clock
 
 @dataclass(eq=False)
 class Session:
@@ -85,6 +91,19 @@ class Session:
     locked_since: dict[int, float] = field(default_factory=dict)  # node id -> when its first lock was taken
     private: set[int] = field(default_factory=set)  # its private device pages
     namespaces: dict[str, NamespaceId] = field(default_factory=dict)
+    registering: bool = False  # a register waits for its spec's disk tier to be rebuilt
+
+
+@dataclass(eq=False)
+class _Rebuild:
+    """A spec's disk tier going back into its new manager's tree, a slice at a time
+    (:meth:`TierManager.rebuild_steps`), and the registrations waiting for it."""
+
+    manager: TierManager
+    steps: Iterator[int]
+    started: float
+    waiting: list[tuple[Session, Callable[[Any], None]]] = field(default_factory=list)
+    evicted: set[bytes] = field(default_factory=set)  # store evictions meanwhile: forgotten at the end
 
 
 class SharingPolicy(Protocol):
@@ -155,6 +174,8 @@ class Daemon:
                                   sync=config.disk.sync)
         self.storage = storage
         self.managers: dict[bytes, TierManager] = {}
+        self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
+        self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
         self.sessions: dict[int, Session] = {}
         self._pool_ids = itertools.count(1)
         self.draining = False
@@ -272,9 +293,9 @@ class Daemon:
         return p.HelloReply(id=m.id, session=session_id, version=p.PROTOCOL_VERSION,
                             daemon=f"hicache {__version__}", lease_s=lease)
 
-    def _register(self, m: p.Register) -> p.RegisterReply:
+    def _register(self, m: p.Register) -> p.RegisterReply | Future:
         session = self._session(m.session, registered=False)
-        if session.manager is not None:
+        if session.manager is not None or session.registering:
             raise InvalidArgument("this session has registered its pool already")
         spec = KVSpec.from_dict(m.spec)
         if spec.fingerprint != m.fingerprint:
@@ -289,6 +310,38 @@ class Daemon:
             for handle in m.pools:
                 ranks.append(DevicePool.attach(PoolHandle.from_dict(handle), expected=spec))
             manager = self._manager_for(spec, ranks[0].num_pages)
+        except BaseException:
+            for rank in ranks:
+                rank.close()
+            raise
+        if manager is not None:
+            return self._attach(session, m, spec, ranks, manager)
+        # The spec's disk tier is being rebuilt between other engines' requests: answer
+        # when it is back.
+        session.registering = True
+        out: Future = Future()
+
+        def rebuilt(result: Any) -> None:
+            session.registering = False
+            if isinstance(result, TierManager) and self.sessions.get(session.session_id) is not session:
+                result = UnknownSession(f"session {session.session_id} ended while its spec was rebuilt")
+            if not isinstance(result, TierManager):
+                for rank in ranks:
+                    rank.close()
+                out.set_exception(result)
+                return
+            try:
+                out.set_result(self._attach(session, m, spec, ranks, result))
+            except BaseException as exc:  # _attach closed the ranks
+                out.set_exception(exc)
+
+        self._rebuilds[spec.fingerprint].waiting.append((session, rebuilt))
+        return out
+
+    def _attach(self, session: Session, m: p.Register, spec: KVSpec, ranks: list[DevicePool],
+                manager: TierManager) -> p.RegisterReply:
+        """The end of a registration: the session's pool joins its spec's manager."""
+        try:
             pool_id = next(self._pool_ids)
             counters = manager.register_pool(pool_id, ranks)
         except BaseException:
@@ -305,28 +358,91 @@ class Daemon:
         return p.RegisterReply(id=m.id, pool=pool_id, counters=counters.handle.to_dict(),
                                page_size=spec.page_size, num_pages=ranks[0].num_pages)
 
-    def _manager_for(self, spec: KVSpec, device_pages: int) -> TierManager:
+    def _manager_for(self, spec: KVSpec, device_pages: int) -> TierManager | None:
+        """The spec's manager; a new one at its first registration, whose disk tier is
+        rebuilt now when no registered engine is waiting to be served, else in the
+        background (then ``None``: the registration waits for :meth:`_run_rebuild`)."""
         manager = self.managers.get(spec.fingerprint)
-        if manager is None:
-            started = self.clock()
-            host = self.config.host
-            if host.bytes:
-                host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
-            else:
-                host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
-            manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
-                                  completions=self.completions, clock=self.clock, metrics=self.metrics,
-                                  progress=self.keepalive)
-            manager.on_store_evicted = self._store_evicted
-            restored = manager.rebuild_from_storage(progress=self.keepalive)
+        if manager is not None or spec.fingerprint in self._rebuilds:
+            return manager
+        started = self.clock()
+        host = self.config.host
+        if host.bytes:
+            host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
+        else:
+            host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
+        manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
+                              completions=self.completions, clock=self.clock, metrics=self.metrics,
+                              progress=self.keepalive)
+        manager.on_store_evicted = self._store_evicted
+        if self.storage is not None and any(s.manager is not None for s in self.sessions.values()):
+            if not self._rebuilds:
+                self._pause_gc()
+            self._rebuilds[spec.fingerprint] = _Rebuild(manager, manager.rebuild_steps(_REBUILD_STEP), started)
+            manager = None
+        else:
+            collecting = gc.isenabled()  # see _pause_gc: nothing else to serve, but the same full collections
+            gc.disable()
+            try:
+                restored = manager.rebuild_from_storage(progress=self.keepalive)
+            finally:
+                if collecting:
+                    gc.enable()
             self.managers[spec.fingerprint] = manager
-            stalled = self.clock() - started
             logger.info("spec %s: host pool of %d pages, %d disk pages restored in %.1f s",
-                        spec.fingerprint_hex, host_pages, restored, stalled)
-            # Nobody's heartbeat was answered meanwhile: the silence was ours, not theirs.
-            for session in self.sessions.values():
-                session.lease_deadline += stalled
+                        spec.fingerprint_hex, host_pages, restored, self.clock() - started)
+        # Pinning the host pool (and a rebuild done at once) stalls the loop: nobody's
+        # heartbeat was answered meanwhile, so the silence was ours, not theirs.
+        stalled = self.clock() - started
+        for session in self.sessions.values():
+            session.lease_deadline += stalled
         return manager
+
+    def _pause_gc(self) -> None:
+        """A rebuild allocates an object per record (450,000 for a large store): each of
+        the several full collections that triggers walks them all, ~0.2 s during which
+        no request is answered. Collection waits until the rebuilds are done (the cyclic
+        garbage of a few seconds of serving is small)."""
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+
+    def _resume_gc(self) -> None:
+        if not self._rebuilds and self._gc_was_enabled:
+            gc.enable()
+
+    def _run_rebuild(self) -> None:
+        """One slice of the oldest background rebuild; at its end the manager starts
+        serving and the registrations waiting for it are answered."""
+        fingerprint, rebuild = next(iter(self._rebuilds.items()))
+        now = self.clock()
+        for session, _ in rebuild.waiting:  # their clients wait for the answer: no heartbeats
+            session.lease_deadline = max(session.lease_deadline, now + self._lease_s)
+        deadline = now + _REBUILD_SLICE_S
+        try:
+            while True:  # at least one step a slice, however coarse the clock
+                next(rebuild.steps)
+                if self.clock() >= deadline:
+                    return
+        except StopIteration as finished:
+            restored = finished.value
+            error = None
+        except Exception as exc:  # a store that fails to read: refuse the registrations, keep serving
+            logger.exception("rebuilding the disk tier of spec %s failed", rebuild.manager.spec.fingerprint_hex)
+            error = exc
+        del self._rebuilds[fingerprint]
+        self._resume_gc()
+        if error is not None:
+            rebuild.manager.close()
+            for _, answer in rebuild.waiting:
+                answer(error)
+            return
+        if rebuild.evicted:
+            rebuild.manager.forget_disk_keys(rebuild.evicted)
+        self.managers[fingerprint] = rebuild.manager
+        logger.info("spec %s: %d disk pages restored in %.1f s, between other engines' requests",
+                    rebuild.manager.spec.fingerprint_hex, restored, self.clock() - rebuild.started)
+        for _, answer in rebuild.waiting:
+            answer(rebuild.manager)
 
     def end_session(self, session: Session, reason: str) -> None:
         """Give back everything the session held. ``reason``: bye, lease_expired, shutdown."""
@@ -359,10 +475,15 @@ class Daemon:
         manager's writes: each manager forgets those of its own tree."""
         for manager in self.managers.values():
             manager.forget_disk_keys(keys)
+        for rebuild in self._rebuilds.values():  # a key may be restored after this: forget it again at the end
+            rebuild.evicted.update(keys)
+            rebuild.manager.forget_disk_keys(keys)
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's
         timer), if ever."""
+        if self._rebuilds:
+            return self.clock()  # a rebuild's next slice
         due = [self._next_lease_check] if self.sessions else []
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
         return min(due, default=None)
@@ -624,7 +745,8 @@ class Daemon:
         }
 
     def poll(self, timeout_s: float = 0.0) -> int:
-        """Run transfer completions and timers, expire leases, answer idle waiters."""
+        """Run transfer completions and timers, expire leases, answer idle waiters, and
+        take a slice of a background rebuild."""
         ran = self.completions.drain(timeout_s)
         for manager in self.managers.values():
             ran += manager.poll(0)
@@ -639,6 +761,8 @@ class Daemon:
             waiters, self._idle_list = self._idle_list, []
             for future, make_reply in waiters:
                 future.set_result(make_reply())
+        if self._rebuilds:
+            self._run_rebuild()
         return ran
 
     def drain(self) -> None:
@@ -662,6 +786,12 @@ class Daemon:
                 logger.warning("drain timed out with transfers in flight")
 
     def close(self) -> None:
+        for rebuild in self._rebuilds.values():
+            rebuild.manager.close()
+            for _, answer in rebuild.waiting:
+                answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
+        self._rebuilds.clear()
+        self._resume_gc()
         for session in list(self.sessions.values()):
             self.end_session(session, "shutdown")
         for manager in self.managers.values():

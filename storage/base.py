@@ -90,8 +90,10 @@ class StorageBackend(Protocol):
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""
 
-    def iter_metadata(self) -> Iterator[tuple[bytes, PageMeta]]:
-        """Every stored record's key and metadata (a consistent snapshot)."""
+    def iter_metadata(self, batch: int | None = None) -> Iterator[tuple[bytes, PageMeta]]:
+        """Every stored record's key and metadata, in key order: one consistent snapshot,
+        or with ``batch`` one snapshot per ``batch`` records (records written or deleted
+        meanwhile may or may not be listed; none is listed twice)."""
 
     def flush(self) -> None:
         """Wait until every queued write is committed."""

@@ -67,6 +67,7 @@ in memory and the writer persists them lazily, with the next batch or after
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
@@ -486,20 +487,43 @@ class LmdbBackend:
         self._enqueue(_DeleteOp(keys, future), 0)
         return future
 
-    def iter_metadata(self) -> Iterator[tuple[bytes, PageMeta]]:
+    def iter_metadata(self, batch: int | None = None) -> Iterator[tuple[bytes, PageMeta]]:
         """Every stored record's key and metadata, in key order, from one snapshot taken
         when this is called (O(records) memory; the read transaction is not held while
-        the caller iterates). ``last_access_s`` is the persisted time, which may lag the
-        in-memory LRU by up to one writer batch or ``access_flush_interval_s``."""
+        the caller iterates) — or, with ``batch``, read ``batch`` records at a time, each
+        batch from its own snapshot, when the caller asks for it (an owner thread that
+        serves requests between batches: reading 400,000 records at once took 0.8 s).
+        ``last_access_s`` is the persisted time, which may lag the in-memory LRU by up
+        to one writer batch or ``access_flush_interval_s``."""
         self._check_usable()
+        if batch is None:
+            return self._decode_snapshot(self._read_meta(None, None))
+        return self._iter_batches(batch)
+
+    def _iter_batches(self, batch: int) -> Iterator[tuple[bytes, PageMeta]]:
+        after = None
+        while True:
+            raw = self._read_meta(after, batch)
+            yield from self._decode_snapshot(raw)
+            if len(raw) < batch:
+                return
+            after = raw[-1][0]
+
+    def _read_meta(self, after: bytes | None, limit: int | None) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` metadata records with keys above ``after`` (all: ``None``)."""
         self._gate.acquire_shared()
         try:
             self._check_open()
             with self._env.begin(db=self._meta_db) as txn:
-                raw = list(txn.cursor())
+                cursor = txn.cursor()
+                if after is not None:  # position on the first key above it (an unpositioned
+                    # cursor would iterate from the first key again)
+                    if not cursor.set_range(after) or (cursor.key() == after and not cursor.next()):
+                        return []
+                items = cursor.iternext()
+                return list(items) if limit is None else list(itertools.islice(items, limit))
         finally:
             self._gate.release_shared()
-        return self._decode_snapshot(raw)
 
     def flush(self) -> None:
         """Wait until every write queued before this call is committed (and the access

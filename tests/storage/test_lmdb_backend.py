@@ -690,3 +690,26 @@ def test_use_after_fork_raises(open_store):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert store.longest_run([key_of("a")]) == 1
+
+
+def test_metadata_in_batches_lists_every_record_once(open_store):
+    """Read a batch at a time (each from its own snapshot), the listing is the snapshot's
+    for every batch size; records deleted between batches are simply not listed, and
+    none is listed twice."""
+    store = open_store()
+    keys = [key_of(i) for i in range(23)]
+    store.put([record(key, 64) for key in keys], fingerprint=FP).result()
+    store.flush()
+    whole = [key for key, _ in store.iter_metadata()]
+    assert sorted(whole) == sorted(keys)
+    for batch in (1, 2, 5, 22, 23, 24, 1000):
+        assert [key for key, _ in store.iter_metadata(batch=batch)] == whole, batch
+    listed = []
+    doomed = whole[10:15]
+    for i, (key, _) in enumerate(store.iter_metadata(batch=4)):
+        listed.append(key)
+        if i == 7:  # in the middle of the second batch: the next batches no longer hold these
+            store.delete(doomed).result()
+            store.flush()
+    assert len(listed) == len(set(listed))
+    assert listed == [key for key in whole if key not in doomed or whole.index(key) < 8]

@@ -1,6 +1,9 @@
 """The daemon's request handling, without sockets: sessions, validation, sharing off, TP
 groups, leases (with an injected clock)."""
 
+import gc
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 
@@ -41,11 +44,25 @@ def error(reply, code):
     return reply
 
 
+def answered(daemon, reply):
+    """The reply, or the reply a future ends with while the daemon's loop is driven (a
+    registration waiting for its spec's rebuild in the background)."""
+    while isinstance(reply, Future) and not reply.done():
+        daemon.poll()
+    return reply.result() if isinstance(reply, Future) else reply
+
+
+def register(daemon, session_id, spec, handles, request_id=2):
+    return daemon.handle(p.Register(id=request_id, session=session_id, spec=spec.to_dict(),
+                                    fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint,
+                                                                                          spec.page_size),
+                                    pools=handles))
+
+
 def session(daemon, engine=None, spec=SPEC, pools=None):
     hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test")))
     handles = pools if pools is not None else [engine.exported.handle.to_dict()]
-    ok(daemon.handle(p.Register(id=2, session=hello.session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
-                                key_check=key_self_test(spec.fingerprint, spec.page_size), pools=handles)))
+    ok(answered(daemon, register(daemon, hello.session, spec, handles)))
     return hello.session
 
 
@@ -387,3 +404,75 @@ def test_a_long_first_registration_does_not_expire_the_other_sessions(tmp_path, 
     daemon.poll()
     assert sa not in daemon.sessions
     daemon.close()
+
+
+def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_done(tmp_path, engines, monkeypatch):
+    """After a restart, a spec registering while another engine is being served gets its
+    disk tier rebuilt a slice at a time between that engine's requests: the other
+    engine's matches are answered meanwhile, the waiting session keeps its lease (its
+    client sends no heartbeats before the answer), and once the rebuild is done the
+    registration is answered and the persisted pages hit from disk."""
+    import dataclasses
+
+    import hicache.daemon.service as service
+
+    store = {"disk.enabled": True, "disk.path": str(tmp_path / "store")}
+    first = make_daemon(tmp_path, **store)
+    a = engines()
+    sa = session(first, a)
+    tokens_a = np.arange(0, 6 * PS, dtype="<i4").tobytes()
+    pages = ok(first.handle(p.Alloc(id=1, session=sa, num_pages=6))).pages
+    ok(first.handle(p.Insert(id=2, session=sa, tokens=tokens_a, pages=pages)))
+    first.drain()
+    first.close()
+
+    monkeypatch.setattr(service, "_REBUILD_STEP", 1)  # one record a step,
+    monkeypatch.setattr(service, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock, **store)
+    other_spec = dataclasses.replace(SPEC, model="other-model")
+    b = engines(spec=other_spec)
+    sb = session(daemon, b, spec=other_spec)  # nobody else to serve: rebuilt at once
+    tokens_b = np.arange(50_000, 50_000 + 2 * PS, dtype="<i4").tobytes()
+    pages_b = ok(daemon.handle(p.Alloc(id=3, session=sb, num_pages=2))).pages
+    ok(daemon.handle(p.Insert(id=4, session=sb, tokens=tokens_b, pages=pages_b)))
+
+    a2 = engines()
+    sa2 = ok(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION, client="restarted"))).session
+    assert gc.isenabled()
+    pending = register(daemon, sa2, SPEC, [a2.exported.handle.to_dict()], request_id=6)
+    assert isinstance(pending, Future) and not pending.done()
+    assert not gc.isenabled()  # no full collection walks the rebuild's records meanwhile
+    error(register(daemon, sa2, SPEC, [a2.exported.handle.to_dict()], request_id=7), ErrorCode.INVALID_ARGUMENT)
+    slices = 0
+    while not pending.done():
+        assert ok(daemon.handle(p.Match(id=8, session=sb, tokens=tokens_b))).node >= 0  # b is served
+        clock.now += daemon.config.server.lease_s / 2  # two slices: a whole lease without a word from a2
+        daemon.poll()
+        slices += 1
+        assert sa2 in daemon.sessions
+    assert slices >= 6  # the rebuild did take turns with b's requests
+    reply = ok(pending.result())
+    assert isinstance(reply, p.RegisterReply) and reply.id == 6
+    assert gc.isenabled()
+    hit = ok(daemon.handle(p.Match(id=9, session=sa2, tokens=tokens_a)))
+    assert hit.disk_pages + hit.host_pages == 6 and hit.device_pages == b""
+    ok(daemon.handle(p.Check(id=10)))
+    daemon.close()
+
+
+def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, engines):
+    """A daemon closed mid-rebuild answers the waiting registration with an error (and
+    closes the pool it had attached) rather than leaving it unanswered."""
+    import dataclasses
+
+    store = {"disk.enabled": True, "disk.path": str(tmp_path / "store")}
+    daemon = make_daemon(tmp_path, **store)
+    other_spec = dataclasses.replace(SPEC, model="other-model")
+    session(daemon, engines(spec=other_spec), spec=other_spec)
+    sid = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))).session
+    pending = register(daemon, sid, SPEC, [engines().exported.handle.to_dict()])
+    assert isinstance(pending, Future) and not pending.done()
+    daemon.close()
+    assert isinstance(pending.result(), p.Error) and pending.result().code == ErrorCode.DRAINING
+    assert gc.isenabled()

@@ -399,8 +399,10 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
     monkeypatch.setattr(hicache.tiers, "REBUILD_PROGRESS_EVERY", 2)
     progress = []
     assert tm.rebuild_from_storage(progress=progress.append) == 2 + 3 + 1 + 1
-    # Reading the 11 records, then walking the 7 reachable ones: a call every 2 of each.
-    assert progress == [2, 4, 6, 8, 10, 2, 4, 6]
+    # Reading the 11 records, indexing them by parent, walking the 7 reachable ones,
+    # looking for the unreachable, then freeing the index of the 7 parents and the 11
+    # records: a call every 2 of each.
+    assert progress == [2, 4, 6, 8, 10] * 2 + [2, 4, 6] + [2, 4, 6, 8, 10] + [2, 4, 6] + [2, 4, 6, 8, 10]
     tm.check_invariants()
     assert tm.match(NS, tokens(0, 2) + tokens(100, 3), 0).match.num_disk_pages == 5
     assert tm.match(NS, tokens(0, 2) + tokens(200, 1), 0).match.num_disk_pages == 3

@@ -162,6 +162,55 @@ def test_daemon_restart_reconnects_and_hits_disk(tmp_path):
             assert daemon.stop() == 0
 
 
+def test_restart_with_another_model_serving_rebuilds_between_its_requests(tmp_path):
+    """After a restart another model's engine registers first; the disk tier of the
+    original model then comes back while that engine is served (the register waits
+    for it over the socket), and the original engine's prefix hits disk again with its
+    bytes intact."""
+    import dataclasses
+
+    import numpy as np
+
+    from tiers_util import Engine
+
+    daemon = DaemonProcess(tmp_path).start()
+    engine = ClientEngine(daemon.endpoint, timeout_s=1.0, reconnect_interval_s=0.1)
+    other_spec = dataclasses.replace(SPEC, model="another-model")
+    other_engine = Engine(16, spec=other_spec)
+    other = None
+    try:
+        seq = tokens(100, 5)
+        engine.prefill(seq)
+        engine.client.flush()
+        daemon.kill()
+        daemon.start()
+        other = CacheClient(daemon.endpoint, timeout_s=5.0)
+        other.register(other_spec, [other_engine.exported.handle])
+        own = np.arange(9000, 9000 + 2 * PS, dtype=np.int32)
+        other.insert(own, other.alloc(2))
+        deadline = time.monotonic() + 20
+        while True:
+            assert other.match(own).num_device_pages == 2  # served throughout
+            m = engine.client.match(seq)  # reconnects: its register waits for the rebuild
+            if m.handle is not None:
+                break
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            time.sleep(0.05)
+        assert m.num_device_pages == 0 and m.num_host_pages + m.num_disk_pages == 5
+        _, loaded, _ = engine.prefill(seq + tokens(700, 1))  # checks every page's bytes
+        assert loaded.num_loaded_pages == 5
+        assert other.match(own).num_device_pages == 2
+        assert "between other engines' requests" in daemon.log.read_text()  # rebuilt in slices, not at once
+        check(daemon.endpoint)
+    finally:
+        engine.close()
+        if other is not None:
+            other.close()
+        other_engine.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0
+
+
 def test_sigterm_drains_and_exits_zero(tmp_path):
     daemon = DaemonProcess(tmp_path, disk={"enabled": True}, tiers={"disk_policy": "write_back"}).start()
     engine = ClientEngine(daemon.endpoint)

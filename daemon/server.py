@@ -122,7 +122,6 @@ class Server:
         if self._router is None:
             self.bind()
         router = self._router
-        watchdog_s = self.notifier.watchdog_interval_s
         timeout_ms = -2
         self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
         logger.info("serving on %s", ", ".join(self.endpoints))
@@ -144,8 +143,7 @@ class Server:
                 self._receive(router)
             self.daemon.poll()
             self._send_ready(router)
-            if watchdog_s is not None and time.monotonic() >= self._next_watchdog:
-                self._feed_watchdog(watchdog_s)
+            self._keepalive(0)
         self._shutdown()
 
     def _feed_watchdog(self, interval_s: float) -> None:
@@ -153,8 +151,9 @@ class Server:
         self._next_watchdog = time.monotonic() + interval_s
 
     def _keepalive(self, done: int) -> None:
-        """Long work on the loop thread (a rebuild) reports progress: feed the watchdog
-        when due, so that systemd does not take a long rebuild for a hung loop."""
+        """Feed the watchdog when due: every loop turn, and from long work on the loop
+        thread (a rebuild at once, pinning a host pool) as it reports progress, so that
+        systemd does not take it for a hung loop."""
         interval_s = self.notifier.watchdog_interval_s
         if interval_s is not None and time.monotonic() >= self._next_watchdog:
             self._feed_watchdog(interval_s)

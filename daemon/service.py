@@ -502,7 +502,7 @@ class Daemon:
     def _tokens(self, tokens: bytes) -> bytes:
         if len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"tokens must be packed int32 ({TOKEN_BYTES} bytes each)")
-        if len(tokens) // TOKEN_BYTES > self.config.server.max_tokens:
+        if len(tokens) > self._max_token_bytes:
             raise InvalidArgument(f"more than {self.config.server.max_tokens} tokens in one request")
         return tokens
 
@@ -542,16 +542,11 @@ class Daemon:
                             wait=[tuple(t) for t in hit.wait] if hit.wait else [])
 
     def _match(self, m: p.Match):
-        # The request path of the daemon's most frequent call: the same steps as the
-        # other ops (session, namespace, token check, policy), each inlined.
         session = self._session(m.session)
-        extra_key = m.extra_key
-        namespace = session.namespaces.get(extra_key) or self._namespace(session, extra_key)
-        tokens = m.tokens
-        if len(tokens) % TOKEN_BYTES or len(tokens) > self._max_token_bytes:
-            self._tokens(tokens)  # raises, saying which
-        sharing_off = extra_key in self._no_sharing_keys
-        sharing = self._no_sharing if sharing_off else self._sharing
+        sharing = self._sharing_for(m.extra_key)
+        sharing_off = sharing is self._no_sharing
+        namespace = self._namespace(session, m.extra_key)
+        tokens = self._tokens(m.tokens)
         hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
         if isinstance(hit, Future):
             out: Future = Future()

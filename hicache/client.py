@@ -293,12 +293,8 @@ class CacheClient:
         if reply is None or reply.node < 0:
             return Match(None, _NO_PAGES, 0, 0, (), self.page_size)
         handle = NodeHandle(reply.node, self.epoch)
-        pages = np.frombuffer(reply.device_pages, PAGE_ID_DTYPE)
-        # Keep the path's pages of a handle handed out (needed if it gets locked).
-        if len(self._paths) > 4096 or handle in self._locked:
-            self._remember(handle, pages)
-        else:
-            self._paths[handle] = pages
+        pages = _pages(reply.device_pages)
+        self._remember(handle, pages)
         wait = tuple(Ticket(*t) for t in reply.wait) if reply.wait else ()
         return Match(handle, pages, reply.host_pages, reply.disk_pages, wait, self.page_size)
 

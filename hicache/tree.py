@@ -272,8 +272,7 @@ class HiRadixTree:
         false) marks every matched node accessed and hit. O(depth + log(pages of the
         last edge)) edge comparisons, each one ``memcmp`` of the edge.
         """
-        if type(pool) is not int or pool < 0:
-            self._check_pool(pool)  # raises
+        self._check_pool(pool)
         key = pack_tokens(tokens)
         entry = self._namespaces.get(namespace)
         if entry is None:
@@ -315,8 +314,7 @@ class HiRadixTree:
             if partial:
                 break
         # (dtype positional: numpy parses keywords slowly, and this is the request path)
-        device_pages = np.frombuffer(device[0] if len(device) == 1 else b"".join(device), PAGE_ID_DTYPE) \
-            if device else _NO_PAGES
+        device_pages = np.frombuffer(b"".join(device), PAGE_ID_DTYPE) if device else _NO_PAGES
         return MatchResult(
             node, last_device, last_host, device_pages, num_host, num_disk, entry.page_size
         )

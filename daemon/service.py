@@ -217,36 +217,37 @@ class Daemon:
     def answer(self, request: p.Request) -> p.Reply | Future:
         """Like :meth:`handle`, but the bookkeeping that does not change the answer
         (request counts and latency, hit / miss accounting) waits for :meth:`settle`,
-        which the server calls once the reply is on its way."""
+        which the server calls at its next idle moment (see :mod:`hicache.daemon.server`);
+        the latency recorded is the answer's, taken now."""
         handler, op = self._handlers[type(request)]
         start = time.perf_counter()
         try:
             reply = handler(request)
         except HicacheError as exc:
-            self._unsettled.append((self._count, (op, exc.code.name, start)))
+            self._unsettled.append((self._count, (op, exc.code.name, time.perf_counter() - start)))
             return p.Error(id=request.id, code=int(exc.code), message=exc.message)
         except Exception as exc:  # a bug: answer it, log it, keep serving
             logger.exception("internal error handling %s", op)
-            self._unsettled.append((self._count, (op, "INTERNAL", start)))
+            self._unsettled.append((self._count, (op, "INTERNAL", time.perf_counter() - start)))
             return p.Error(id=request.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}")
         if isinstance(reply, Future):
             return self._chain(reply, request.id, op, start)
-        self._unsettled.append((self._count, (op, "OK", start)))
+        self._unsettled.append((self._count, (op, "OK", time.perf_counter() - start)))
         reply.id = request.id
         return reply
 
     def settle(self) -> None:
-        """Run the bookkeeping that :meth:`answer` left for after the reply."""
+        """Run the bookkeeping that :meth:`answer` left for later."""
         unsettled, self._unsettled = self._unsettled, []
         for fn, args in unsettled:
             fn(*args)
 
-    def _count(self, op: str, status: str, start: float) -> None:
+    def _count(self, op: str, status: str, seconds: float) -> None:
         self.counts[(op, status)] += 1
-        self.metrics.request(op, status, time.perf_counter() - start)
+        self.metrics.request(op, status, seconds)
 
     def error_reply(self, request_id: int, exc: HicacheError) -> p.Error:
-        self._count("decode", exc.code.name, time.perf_counter())
+        self._count("decode", exc.code.name, 0.0)
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)
 
     def _chain(self, future: Future, request_id: int, op: str, start: float) -> Future:
@@ -257,10 +258,10 @@ class Daemon:
             if error is None:
                 reply = f.result()
                 reply.id = request_id
-                self._count(op, "OK", start)
+                self._count(op, "OK", time.perf_counter() - start)
             else:
                 code = error.code if isinstance(error, HicacheError) else ErrorCode.INTERNAL
-                self._count(op, code.name, start)
+                self._count(op, code.name, time.perf_counter() - start)
                 reply = p.Error(id=request_id, code=int(code), message=str(error))
             out.set_result(reply)
 
@@ -673,6 +674,7 @@ class Daemon:
     # ------------------------------------------------------------------ admin
 
     def stats(self) -> dict[str, Any]:
+        self.settle()  # the counts of requests answered since the last idle moment
         out: dict[str, Any] = {
             "version": __version__,
             "uptime_s": self.clock() - self.started,

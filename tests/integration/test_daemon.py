@@ -229,3 +229,35 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     finally:
         engine.close()
         assert daemon.stop() == 0
+
+
+def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path):
+    """The loop leaves its bookkeeping (request counts, lease expiry, timers) for idle
+    moments, but never longer than a catch-up step: an engine that stops heartbeating
+    loses its session while another engine's requests leave the daemon no idle moment,
+    and ``stats`` counts every request answered before it."""
+    proc = DaemonProcess(tmp_path, disk={"enabled": False}).start()
+    silent = ClientEngine(proc.endpoint, heartbeat=False)
+    busy = ClientEngine(proc.endpoint, heartbeat=False)
+    try:
+        seq = tokens(0, 4)
+        m, _, _ = busy.prefill(seq)
+        assert busy.client.stats()["sessions"] == 2
+        start = time.monotonic()
+        counted = busy.client.stats()["requests"].get("match/OK", 0)
+        matches = 0
+        while True:  # back to back: the daemon's socket is never idle for a receive timeout
+            for _ in range(50):
+                assert busy.client.match(seq).num_device_pages == 4
+            matches += 50
+            stats = busy.client.stats()
+            assert stats["requests"]["match/OK"] == counted + matches
+            if stats["sessions"] == 1:
+                break
+            assert time.monotonic() - start < 10, "the silent engine's lease never ran out"
+        assert time.monotonic() - start >= 1.0  # lease_s of daemon_util's config
+        busy.client.check()
+    finally:
+        busy.close()
+        silent.close()
+        assert proc.stop() == 0, proc.log.read_text()

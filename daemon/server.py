@@ -254,8 +254,8 @@ class Server:
             # Frame by frame (see _recv); a multipart message is queued whole or not at
             # all, so only the first frame can meet a full queue.
             for frame in envelope:
-                router.send(frame, _SEND_MORE)
-            router.send(data, _NOBLOCK)
+                p.send_frame(router, frame, _SEND_MORE)
+            p.send_frame(router, data, _NOBLOCK)
         except zmq.Again:
             logger.warning("dropping a reply: the client's queue is full")
 

@@ -538,7 +538,7 @@ class Daemon:
         if node is None or node.parent is None:  # unknown namespace, or nothing matched
             return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
         m = hit.match
-        return p.MatchReply(id=0, node=node.node_id, device_pages=m.device_pages.tobytes(),
+        return p.MatchReply(id=0, node=node.node_id, device_pages=m.device_bytes,
                             host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
                             wait=[tuple(t) for t in hit.wait] if hit.wait else [])
 

@@ -170,7 +170,7 @@ class CacheClient:
         system call to every round trip."""
         message.id = request_id = next(self._ids)
         sock = self._socket or self._connect()
-        sock.send(p.encode(message))
+        p.send_frame(sock, p.encode(message), 0)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:

@@ -141,24 +141,30 @@ class MatchResult(NamedTuple):
     ``node`` is the deepest matched node (the namespace root on a miss, ``None`` when the
     namespace is unknown); ``last_device_node`` ends the device part and
     ``last_host_node`` the host part (each equal to the one before when its part is
-    empty). ``device_pages`` is read-only.
+    empty). The device part's page ids are ``device_bytes`` (packed, as they go on the
+    wire: the daemon's match answers without a trip through numpy) or, read-only,
+    ``device_pages``.
     """
 
     node: Node | None
     last_device_node: Node | None
     last_host_node: Node | None
-    device_pages: PageIds
+    device_bytes: bytes
     num_host_pages: int
     num_disk_pages: int
     page_size: int
 
     @property
+    def device_pages(self) -> PageIds:
+        return np.frombuffer(self.device_bytes, PAGE_ID_DTYPE) if self.device_bytes else _NO_PAGES
+
+    @property
     def num_device_pages(self) -> int:
-        return len(self.device_pages)
+        return len(self.device_bytes) // _ID_BYTES
 
     @property
     def num_pages(self) -> int:
-        return len(self.device_pages) + self.num_host_pages + self.num_disk_pages
+        return len(self.device_bytes) // _ID_BYTES + self.num_host_pages + self.num_disk_pages
 
     @property
     def num_tokens(self) -> int:
@@ -276,7 +282,7 @@ class HiRadixTree:
         key = pack_tokens(tokens)
         entry = self._namespaces.get(namespace)
         if entry is None:
-            return MatchResult(None, None, None, _NO_PAGES, 0, 0, 0)
+            return MatchResult(None, None, None, b"", 0, 0, 0)
         page_bytes = entry.page_bytes
         end = len(key) - len(key) % page_bytes
         self._tick += 1
@@ -313,11 +319,7 @@ class HiRadixTree:
             node = child
             if partial:
                 break
-        # (dtype positional: numpy parses keywords slowly, and this is the request path)
-        device_pages = np.frombuffer(b"".join(device), PAGE_ID_DTYPE) if device else _NO_PAGES
-        return MatchResult(
-            node, last_device, last_host, device_pages, num_host, num_disk, entry.page_size
-        )
+        return MatchResult(node, last_device, last_host, b"".join(device), num_host, num_disk, entry.page_size)
 
     def insert(
         self,

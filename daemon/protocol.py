@@ -29,7 +29,9 @@ class ProtocolError(HicacheError, ValueError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
-class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True):
+# gc=False: messages hold only bytes, numbers, strings and plain containers of them — never
+# a cycle — so the garbage collector need not track the two or three made per request.
+class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True, gc=False):
     id: int
 
 
@@ -127,7 +129,7 @@ Request = Union[
 ]
 
 
-class _Reply(msgspec.Struct, tag_field="op", kw_only=True):
+class _Reply(msgspec.Struct, tag_field="op", kw_only=True, gc=False):
     id: int
 
 
@@ -154,7 +156,7 @@ class RegisterReply(_Reply, tag="register"):
     num_pages: int
 
 
-class MatchResult(msgspec.Struct, kw_only=True):
+class MatchResult(msgspec.Struct, kw_only=True, gc=False):
     node: int
     device_pages: bytes
     host_pages: int

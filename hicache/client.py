@@ -230,7 +230,7 @@ class CacheClient:
         """A session request; ``None`` in degraded mode (the daemon is unreachable)."""
         if self._registration is None:
             raise InvalidArgument("register the engine's pool first")
-        if self.degraded and not self._reconnect():
+        if self._down_since is not None and not self._reconnect():  # degraded
             return None
         for retry in (False, True):
             message.session = self._session

@@ -381,7 +381,7 @@ class TierManager:
         part and, under ``write_through_selective``, backs up pages hit often enough."""
         pool = self._pool(pool_id)
         result = self.tree.match(namespace, tokens, pool_id)
-        if result.node is None or result.num_pages == 0:
+        if result.node is None or result.node.parent is None:  # unknown namespace, or nothing matched
             return Hit(result, ())
         if self.config.write_policy == "write_through_selective" and result.num_device_pages:
             # Hit counts only grow towards the root: back up from the deepest node that
@@ -394,7 +394,7 @@ class TierManager:
                 node = node.parent
         if (self.storage is not None and result.num_disk_pages >= self.config.prefetch_min_pages):
             self._prefetch(result.node)
-        return Hit(result, self._tickets_on(result.last_device_node, pool_id))
+        return Hit(result, self._tickets_on(result.last_device_node, pool_id) if self._by_node else ())
 
     def match_async(self, namespace: NamespaceId, tokens: Tokens, pool_id: int) -> Future:
         """:meth:`match` under the prefetch policy: ``best_effort`` answers now;

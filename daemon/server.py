@@ -66,7 +66,7 @@ class Server:
     def __init__(self, config: DaemonConfig, *, notifier: Notifier | None = None,
                  context: zmq.Context | None = None, daemon: Daemon | None = None) -> None:
         self.config = config
-        self._context = context or zmq.Context()
+        self._context = context or p.new_context()
         self._own_context = context is None
         self._wake_endpoint = f"inproc://hicache-wake-{id(self)}"
         self._wake_sockets = threading.local()

@@ -124,7 +124,7 @@ class CacheClient:
         self.load_timeout_s = load_timeout_s
         self.name = name or f"pid{os.getpid()}"
         self.reconnect_interval_s = reconnect_interval_s
-        self._context = context or zmq.Context()
+        self._context = context or p.new_context()
         self._own_context = context is None
         self._socket: zmq.Socket | None = None
         self._rcvtimeo = -1

@@ -47,6 +47,18 @@ def write_config(directory: Path, **sections: dict) -> Path:
     return path
 
 
+def io_threads(pid: int | str = "self") -> dict[int, int]:
+    """Thread id -> scheduling policy of each ZeroMQ I/O thread of a process (Linux)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if task.joinpath("comm").read_text().startswith("ZMQbg/IO"):
+                out[int(task.name)] = os.sched_getscheduler(int(task.name))
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that just ended
+    return out
+
+
 class DaemonProcess:
     """``hicache serve`` in a subprocess."""
 

@@ -8,7 +8,7 @@ import traceback
 
 import pytest
 
-from daemon_util import ClientEngine, DaemonProcess
+from daemon_util import ClientEngine, DaemonProcess, io_threads
 from hicache.client import CacheClient
 from tiers_util import SPEC
 
@@ -243,6 +243,9 @@ def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path)
         seq = tokens(0, 4)
         m, _, _ = busy.prefill(seq)
         assert busy.client.stats()["sessions"] == 2
+        # both ends on hicache's transport settings (protocol.new_context)
+        assert list(io_threads(proc.proc.pid).values()) == [os.SCHED_BATCH]
+        assert os.SCHED_BATCH in io_threads().values()
         start = time.monotonic()
         counted = busy.client.stats()["requests"].get("match/OK", 0)
         matches = 0

@@ -233,8 +233,9 @@ def new_context() -> zmq.Context:
     sending a reply (half of all replies on a 2-core VM, ~20 us each), an engine right
     after sending its request. A batch thread does not preempt on waking — it runs once
     that thread blocks in its receive a few microseconds later, or at once on an idle
-    core — and still gets its fair share of the CPU. bench_rpc: a match's p50 1.2-1.4x
-    -> 1.0-1.2x the REQ/REP echo (which gains as much from it: see the README).
+    core — and still gets its fair share of the CPU. bench_rpc: a match's p50 went from
+    1.21-1.48x to 1.02-1.29x a plain REQ/REP echo (an echo on these settings gains as
+    much: see the README).
 
     Only for a process on the default policy: one an operator gave another (systemd's
     ``CPUSchedulingPolicy=``) keeps it for the I/O thread too.

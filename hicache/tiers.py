@@ -394,6 +394,7 @@ class TierManager:
                 node = node.parent
         if (self.storage is not None and result.num_disk_pages >= self.config.prefetch_min_pages):
             self._prefetch(result.node)
+        # (no transfer in flight, the common case: not even the call)
         return Hit(result, self._tickets_on(result.last_device_node, pool_id) if self._by_node else ())
 
     def match_async(self, namespace: NamespaceId, tokens: Tokens, pool_id: int) -> Future:

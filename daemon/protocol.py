@@ -15,7 +15,9 @@ integers. Load tickets are ``[slot, generation]`` pairs.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Any, Union
 
 import msgspec
@@ -237,17 +239,37 @@ def new_context() -> zmq.Context:
     1.21-1.48x to 1.02-1.29x a plain REQ/REP echo (an echo on these settings gains as
     much: see the README).
 
-    Only for a process on the default policy: one an operator gave another (systemd's
-    ``CPUSchedulingPolicy=``) keeps it for the I/O thread too.
+    Only for a process on the default policy (one an operator gave another, systemd's
+    ``CPUSchedulingPolicy=``, keeps it for the I/O thread too) and allowed to use it.
     """
     context = zmq.Context()
-    batch = getattr(os, "SCHED_BATCH", None)
-    if batch is not None and os.sched_getscheduler(0) == os.SCHED_OTHER:
+    if os.name == "posix" and hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(0) == os.SCHED_OTHER \
+            and _batch_allowed():
         try:
-            context.set(zmq.THREAD_SCHED_POLICY, batch)
+            context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         except (AttributeError, zmq.ZMQError):  # a libzmq without the option: the default
             pass
     return context
+
+
+@functools.cache
+def _batch_allowed() -> bool:
+    """Whether a thread of this process may switch to ``SCHED_BATCH``, tried on a
+    short-lived thread of its own: libzmq aborts the whole process when applying its
+    I/O threads' policy fails (a seccomp filter that forbids ``sched_setscheduler``)."""
+    allowed = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            allowed.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, name="hicache-sched-probe")
+    thread.start()
+    thread.join()
+    return bool(allowed)
 
 
 def decode_request(data: bytes) -> Request:

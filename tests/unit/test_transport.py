@@ -5,6 +5,7 @@ policy of its own."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,18 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BA
 
 
 def new_io_thread_policies(context: zmq.Context, endpoint: str) -> tuple[zmq.Socket, list[int]]:
-    """Start the context's I/O thread (it starts with the first socket that connects):
+    """Start the context's I/O thread (it starts with the first socket) and wait for it
+    to name itself — libzmq's thread applies its policy, then its name, once running:
     the socket, and the policies of the I/O threads that appeared."""
     before = io_threads()
     sock = context.socket(zmq.DEALER)
     sock.connect(endpoint)
-    return sock, [policy for tid, policy in io_threads().items() if tid not in before]
+    deadline = time.monotonic() + 10
+    while True:
+        new = [policy for tid, policy in io_threads().items() if tid not in before]
+        if new or time.monotonic() > deadline:
+            return sock, new
+        time.sleep(0.001)
 
 
 def test_new_context_runs_its_io_thread_batch_and_nothing_else(tmp_path):
@@ -59,3 +66,23 @@ context.term()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([os.SCHED_IDLE])
+
+
+def test_a_process_not_allowed_batch_keeps_the_default(tmp_path, monkeypatch):
+    """libzmq aborts the process when it cannot apply its I/O thread's policy (a seccomp
+    filter forbidding sched_setscheduler): new_context tries first and leaves it."""
+    def forbidden(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    p._batch_allowed.cache_clear()
+    monkeypatch.setattr(os, "sched_setscheduler", forbidden)
+    context = p.new_context()
+    try:
+        sock, policies = new_io_thread_policies(context, f"ipc://{tmp_path / 'transport.sock'}")
+        assert policies == [os.SCHED_OTHER]
+        sock.close(linger=0)
+    finally:
+        context.destroy(linger=0)
+        monkeypatch.undo()
+        p._batch_allowed.cache_clear()
+    assert p._batch_allowed()

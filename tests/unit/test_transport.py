@@ -1,6 +1,6 @@
 """hicache's ZeroMQ transport settings (``protocol.new_context``): the I/O thread of the
 daemon's and the client's contexts runs SCHED_BATCH, unless the process was given a
-policy of its own."""
+policy of its own or may not use that one."""
 
 import os
 import subprocess
@@ -54,7 +54,6 @@ import os, sys
 sys.path[:0] = {sys.path!r}
 sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-from daemon_util import io_threads
 from hicache.daemon import protocol as p
 from test_transport import new_io_thread_policies
 context = p.new_context()

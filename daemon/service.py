@@ -180,9 +180,11 @@ class Daemon:
         self._pool_ids = itertools.count(1)
         self.draining = False
         self.counts: Counter = Counter()  # (op, status) -> requests, for stats
-        self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else NoSharing()
-        self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
+        # One NoSharing object, whether sharing is off for the daemon or for some keys:
+        # ``sharing is self._no_sharing`` tells a miss that was never stored.
         self._no_sharing = NoSharing()
+        self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else self._no_sharing
+        self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         # Called now and then during long work on the owner thread at a spec's first
@@ -567,12 +569,13 @@ class Daemon:
             raise InvalidArgument(f"more than {self.config.server.max_batch} lookups in one batch")
         ns = self._namespace(session, m.extra_key)
         sharing = self._sharing_for(m.extra_key)
+        sharing_off = sharing is self._no_sharing
         results = []
         for tokens in m.tokens:
             hit = sharing.match(session.manager, ns, self._tokens(tokens), session.pool_id)
             if isinstance(hit, Future):  # batches answer with what is cached now
                 hit = session.manager.match(ns, tokens, session.pool_id)
-            self._account_match(session, ns, tokens, hit, isinstance(sharing, NoSharing))
+            self._account_match(session, ns, tokens, hit, sharing_off)
             r = self._match_reply(hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
                                          disk_pages=r.disk_pages, wait=r.wait))

@@ -173,6 +173,20 @@ def test_sharing_off_for_the_daemon_or_one_extra_key(tmp_path, engines):
         daemon.close()
 
 
+def test_misses_with_sharing_off_count_as_never_stored(tmp_path, engines):
+    """Sharing off for the whole daemon or for one extra_key: a miss is a request never
+    stored (not an unknown namespace), for match and match_many alike."""
+    for overrides, key in (({"sharing.enabled": False}, ""), ({"sharing.disabled_extra_keys": ["secret"]}, "secret")):
+        daemon = make_daemon(tmp_path, **overrides)
+        sid = session(daemon, engines())
+        tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+        ok(daemon.handle(p.Match(id=1, session=sid, tokens=tokens, extra_key=key)))
+        ok(daemon.handle(p.MatchMany(id=2, session=sid, tokens=[tokens, tokens], extra_key=key)))
+        missed = daemon.metrics.missed_tokens
+        assert missed["never_stored"] == 9 * PS and missed["namespace_unknown"] == 0, missed
+        daemon.close()
+
+
 def test_a_tp_group_registers_once_and_host_pages_hold_every_rank(tmp_path):
     spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=PS, model="tp2", tp_size=2)
     ranks = [export_kv_pool(spec, 8, rank=r) for r in range(2)]

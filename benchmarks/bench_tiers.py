@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import multiprocessing.reduction
+import os
 import shutil
 import sys
 import tempfile
@@ -43,7 +45,7 @@ SPEC_ARGS = dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, mode
 
 def engine_waiter(conn, handle: dict, num_layers: int) -> None:
     """The engine process: wait on each load's first and last layer, report when."""
-    waiter = LayerWaiter(CountersHandle.from_dict(handle))
+    waiter = LayerWaiter(CountersHandle.from_dict(handle), multiprocessing.reduction.recv_handle(conn))
     conn.send("ready")
     while True:
         ticket = conn.recv()
@@ -103,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     tm = TierManager(spec, host_pages=n + 8, storage=store, config=TierConfig(prefetch_min_pages=10**9))
     ns = namespace_id(spec.fingerprint)
     tm.add_namespace(ns)
-    handle = tm.register_pool(0, [exported.pool]).handle
+    counters = tm.register_pool(0, [exported.pool])
     ctx = multiprocessing.get_context("spawn")
     engine, child = ctx.Pipe()
-    waiter = ctx.Process(target=engine_waiter, args=(child, handle.to_dict(), spec.num_layers), daemon=True)
+    waiter = ctx.Process(target=engine_waiter, args=(child, counters.handle().to_dict(), spec.num_layers),
+                         daemon=True)
     waiter.start()
+    ring_fd = counters.reader_fd()  # the ring travels as a descriptor, as from the daemon
+    multiprocessing.reduction.send_handle(engine, ring_fd, waiter.pid)
+    os.close(ring_fd)
     assert engine.recv() == "ready"
     tokens = np.arange(n * spec.page_size, dtype=np.int32)
 

@@ -7,7 +7,8 @@
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
 the state directory, socket in the runtime directory — see :mod:`hicache.config`);
-SIGTERM or SIGINT drains it and it exits 0. ``status`` prints the live figures of a
+SIGTERM or SIGINT drains it and it exits 0. If another daemon serves the same socket or
+store, it exits 1 at once, having touched neither. ``status`` prints the live figures of a
 running daemon, ``check`` runs its invariant checks (exit 1 if one fails). This is the
 only place that configures logging.
 """
@@ -36,6 +37,7 @@ def _endpoint(args: argparse.Namespace) -> str:
 def _serve(args: argparse.Namespace) -> int:
     from hicache.config import DaemonConfig
     from hicache.daemon.server import Server
+    from hicache.daemon.statelock import AlreadyRunning
 
     overrides = {}
     if args.socket:
@@ -45,7 +47,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.no_disk:
         overrides["disk.enabled"] = False
     config = DaemonConfig.load(args.config, overrides)
-    server = Server(config)
+    try:
+        server = Server(config)
+    except AlreadyRunning as exc:
+        print(f"hicache: {exc}; not starting", file=sys.stderr)
+        return 1
     endpoints = server.bind()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())

@@ -151,6 +151,7 @@ class HelloReply(_Reply, tag="hello"):
     version: int
     daemon: str
     lease_s: float
+    fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
 
 
 class RegisterReply(_Reply, tag="register"):
@@ -273,10 +274,19 @@ def _batch_allowed() -> bool:
 
 
 def decode_request(data: bytes) -> Request:
+    """A request, or :class:`ProtocolError` for anything else — whatever the bytes. The
+    decoder checks declared lengths against the bytes present before allocating, and
+    nesting is bounded by the interpreter's recursion limit, which the parse of a
+    ``dict[str, Any]`` field (or of a value skipped on the way to ``op``) can reach with
+    a message of a few kilobytes: that is a bad request too."""
     try:
         return _request_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad request: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("bad request: nested too deeply") from None
+    except MemoryError:
+        raise ProtocolError("bad request: too large to decode") from None
 
 
 def decode_reply(data: bytes) -> Reply:
@@ -284,17 +294,22 @@ def decode_reply(data: bytes) -> Reply:
         return _reply_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad reply: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise ProtocolError("bad reply: nested too deeply or too large") from None
+
+
+class _Id(msgspec.Struct, gc=False):
+    id: int = 0
+
+
+_id_decoder = msgspec.msgpack.Decoder(_Id)
 
 
 def request_id(data: bytes) -> int:
     """The ``id`` of a request that failed to decode, if it can be read (else 0), so that
     its error reply still reaches the right waiter."""
     try:
-        value = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+        rid = _id_decoder.decode(data).id
+    except (msgspec.DecodeError, RecursionError, MemoryError):
         return 0
-    if isinstance(value, dict):
-        rid = value.get("id")
-        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
-            return rid
-    return 0
+    return rid if 0 <= rid < 2**63 else 0

@@ -24,6 +24,17 @@ cache) held the core the reply's way out needs — ZeroMQ's I/O thread, then the
 the last catch-up set it: a short one costs every wake-up (a 1 ms timeout made a ROUTER
 echo ~9 % slower). ``stats`` settles the bookkeeping first, so its counts are exact.
 
+The loop survives whatever a peer sends: a message that cannot be decoded gets an error
+reply, and anything a message makes go wrong in the handling (a bug included) is logged
+and counted, and the loop goes on. Sessions are bound to the connection that said
+hello (its routing id); the first message of each connection is read with its
+metadata, whose ``Peer-Address`` names the peer's user and process on ``ipc://``.
+
+Before anything else, the server takes the state's lock
+(:mod:`hicache.daemon.statelock`): a second daemon on the same socket or store exits
+without touching either. Next to the ZeroMQ socket it serves the descriptor socket that
+engines hand their CPU pools over on (:mod:`hicache.fdpass`).
+
 SIGTERM (see :mod:`hicache.daemon.cli`) calls :meth:`Server.stop`: the loop tells
 systemd it is stopping, closes the socket (no new requests), drains (host pages to disk
 per policy, in-flight transfers finished), closes the store and returns.
@@ -46,8 +57,10 @@ import zmq
 from hicache.config import DaemonConfig
 from hicache.daemon import protocol as p
 from hicache.daemon.sd_notify import Notifier
-from hicache.daemon.service import Daemon
+from hicache.daemon.service import Daemon, PeerCreds
+from hicache.daemon.statelock import StateLock
 from hicache.errors import InvalidArgument
+from hicache.fdpass import FdExchange, socket_path_for
 from hicache.jobs import Completions
 
 logger = logging.getLogger(__name__)
@@ -55,6 +68,8 @@ logger = logging.getLogger(__name__)
 _CATCH_UP_S = 0.002  # with requests back to back, the loop catches up at least this often
 _MAX_WAIT_S = 0.25
 _WAKE_ID = b"\0hicache-wake-"
+_MAX_PEERS = 4096  # connections whose peer is remembered; past that, relearned as they speak
+_NO_PEER = PeerCreds.parse("")
 # Plain ints: pyzmq converts its enum members on every call.
 _RCVMORE = int(zmq.RCVMORE)
 _SNDMORE = int(zmq.SNDMORE)
@@ -66,15 +81,23 @@ class Server:
     def __init__(self, config: DaemonConfig, *, notifier: Notifier | None = None,
                  context: zmq.Context | None = None, daemon: Daemon | None = None) -> None:
         self.config = config
+        self._state_lock = StateLock.for_config(config)  # before the store is opened
         self._context = context or p.new_context()
         self._own_context = context is None
         self._wake_endpoint = f"inproc://hicache-wake-{id(self)}"
         self._wake_sockets = threading.local()
         self._wakers: list[zmq.Socket] = []
         self._wakers_lock = threading.Lock()
-        self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake))
+        try:
+            self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake))
+        except BaseException:
+            self._state_lock.release()
+            raise
         self.notifier = notifier or Notifier.from_env()
         self.daemon.keepalive = self._keepalive
+        self._peers: dict[bytes, PeerCreds] = {}  # routing id -> who is at the other end
+        self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER)
+        self.dropped = 0  # messages whose handling failed outside the daemon's own fence
         self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
@@ -109,9 +132,9 @@ class Server:
         router.setsockopt(zmq.RCVHWM, 100_000)
         router.setsockopt(zmq.SNDHWM, 100_000)
         socket_path = self.config.server.socket_path
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
         if socket_path.exists():
-            socket_path.unlink()  # a stale socket from a daemon that died
+            socket_path.unlink()  # a stale socket from a daemon that died (we hold the state's lock)
+        self.daemon.fds = FdExchange(socket_path_for(socket_path), mode=self.config.server.socket_mode)
         router.bind(self._wake_endpoint)
         for endpoint in self.config.server.endpoints:
             router.bind(endpoint)
@@ -151,7 +174,7 @@ class Server:
                 if exc.errno != errno.EINTR:
                     raise
                 frames = None
-            if frames is not None and self._handle(router, frames):
+            if frames is not None and self._fenced(self._handle, router, frames):
                 # Answered. Its bookkeeping waits for an idle moment: run right after the
                 # send, it holds a core the reply's way out needs (see the module doc).
                 if self._ready:
@@ -163,9 +186,20 @@ class Server:
                 if time.monotonic() < catch_up_at:
                     continue
             # Idle, a wake-up, an answer still to come, or requests back to back for _CATCH_UP_S.
-            self._catch_up(router)
+            self._fenced(self._catch_up, router)
             behind = False
         self._shutdown()
+
+    def _fenced(self, step, router: zmq.Socket, *args) -> bool:
+        """Run one step of the loop; whatever it raises is logged and counted, and the
+        loop goes on (the daemon fences each request's handling already: what gets here
+        is a bug, which must not take every engine's cache down with it)."""
+        try:
+            return step(router, *args)
+        except Exception:
+            self.dropped += 1
+            logger.exception("the loop dropped what it was doing (%s)", step.__name__)
+            return False
 
     def _catch_up(self, router: zmq.Socket) -> None:
         """The loop's own work: the answered requests' bookkeeping, transfer completions
@@ -201,18 +235,33 @@ class Server:
             wait = min(wait, max(0.0, deadline - self.daemon.clock()))
         return math.ceil(wait * 20) * 50
 
-    @staticmethod
-    def _recv(router: zmq.Socket, flags: int) -> list[bytes]:
+    def _recv(self, router: zmq.Socket, flags: int) -> list[bytes]:
         """One message's frames. A DEALER's request arrives as [identity, body]: two
         receives and one look at RCVMORE, where ``recv_multipart`` makes two of each
         plus its own Python frame — each call into pyzmq costs microseconds on a cold
         cache, ~17 us a round trip in all here (bench_rpc: a REP echo and a ROUTER echo
         read this way take the same time). A REQ envelope (or anything longer) reads
-        on frame by frame."""
-        frames = [router.recv(flags), router.recv(flags)]
+        on frame by frame. The first message of a connection is read as a ``Frame``,
+        for its metadata (~2 us more): who the peer is."""
+        identity = router.recv(flags)
+        if identity in self._peers:
+            frames = [identity, router.recv(flags)]
+        else:
+            frame = router.recv(flags, copy=False)
+            self._learn_peer(identity, frame)
+            frames = [identity, frame.bytes]
         while router.getsockopt(_RCVMORE):
             frames.append(router.recv(flags))
         return frames
+
+    def _learn_peer(self, identity: bytes, frame: zmq.Frame) -> None:
+        if len(self._peers) >= _MAX_PEERS:
+            self._peers.clear()
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:  # inproc (a worker's wake-up): no peer address
+            address = ""
+        self._peers[identity] = PeerCreds.parse(address or "")
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> bool:
         """Answer one message (or send its future's reply when it is done). True when
@@ -234,7 +283,7 @@ class Server:
         except p.ProtocolError as exc:
             self._send(router, envelope, self.daemon.error_reply(p.request_id(payload), exc))
             return True
-        reply = self.daemon.answer(request)
+        reply = self.daemon.answer(request, envelope[0])
         if isinstance(reply, Future):
             if not reply.done():
                 reply.add_done_callback(lambda f: self._ready.append((envelope, f.result())))
@@ -275,10 +324,17 @@ class Server:
             Path(self.config.server.socket_path).unlink()
         except FileNotFoundError:
             pass
+        self.close()
+        logger.info("stopped")
+
+    def close(self) -> None:
+        """Let go of the wake-up sockets, the context (if ours) and the state's lock
+        (the end of :meth:`serve_forever`; for a server that never served, after its
+        daemon was closed)."""
         with self._wakers_lock:
             for sock in self._wakers:
                 sock.close(linger=0)
             self._wakers.clear()
         if self._own_context:
             self._context.destroy(linger=0)
-        logger.info("stopped")
+        self._state_lock.release()

@@ -4,17 +4,33 @@
 thread; :mod:`hicache.daemon.server` moves bytes. Keeping the two apart lets tests drive
 every request path without sockets.
 
-Sessions: ``hello`` opens one (its id is a random 63-bit token: a client cannot guess
-another's), ``register`` attaches the engine's device pool (one handle per TP rank, so a
+Sessions: ``hello`` opens one (its id is a random 63-bit token, usable only from the
+ZeroMQ connection that said hello: another peer naming it is told there is no such
+session), ``register`` attaches the engine's device pool (one handle per TP rank, so a
 TP group registers once and gets one answer), and from then on the session owns private
-pages and node locks. Every request renews the session's lease; ``bye``, an expired
-lease (a killed engine) or a drain ends it: its locks are released, its private pages
-freed, and its pool retired — unmapped once no transfer uses it.
+pages and node locks. An unregistered session lives ``server.register_within_s`` at most,
+and each peer (a user on ``ipc://``, an address on ``tcp://``) may hold
+``server.max_unregistered_per_peer`` of them. Every request of a registered session
+renews its lease, and a request still waiting for its answer keeps it; ``bye``, an
+expired lease (a killed engine) or a drain ends it: its locks are released, its private
+pages freed, and its pool retired — unmapped once no transfer uses it. Logs name a
+session by a serial number, never by its id.
+
+Pools: a CPU pool is a sealed memfd segment its engine offered on the descriptor socket
+(:mod:`hicache.fdpass`); the registration names it by token, and it is mapped only if
+the user who offered it is the session's (when the transport tells), owns the segment,
+and the segment is not already mapped as another pool (same device and inode). A GPU
+pool's IPC handle is refused likewise if it is already registered.
+
+Node handles are capabilities: each session gets its own random handle for a node,
+from its own ``match`` / ``insert`` / ``load``, and only that session can use it — any
+other value, another session's handle included, is ``UNKNOWN_NODE``.
 
 Validation happens before anything changes: types at decode time (msgspec), then sizes,
-ranges and ownership here — page ids in range and the session's own, node handles live
-and locked by this session, token buffers whole int32s within the configured limits.
-Errors come back as ``Error`` replies with a stable code and a message.
+ranges and ownership here — page ids in range and the session's own, node handles this
+session's and live, token buffers whole int32s within the configured limits. Errors
+come back as ``Error`` replies with a stable code and a message; a request that fails
+changes nothing (a refused ``register`` leaves the session as it was).
 
 KV specs: the first session registering a spec creates its :class:`TierManager` (host
 pool sized from ``[host]``) over the daemon's one storage backend, and rebuilds that
@@ -27,9 +43,11 @@ runs at once.
 
 from __future__ import annotations
 
+import array
 import gc
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections import Counter
@@ -55,6 +73,7 @@ from hicache.errors import (
     UnknownSession,
     VersionMismatch,
 )
+from hicache.fdpass import FdExchange
 from hicache.jobs import Completions
 from hicache.metrics import Metrics, NullMetrics
 from hicache.keys import (
@@ -68,6 +87,7 @@ from hicache.keys import (
 )
 from hicache.pages import PAGE_ID_DTYPE, as_page_ids
 from hicache.pools import DevicePool, HostPool, PoolHandle
+from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec
 from hicache.tiers import Hit, TierAccount, TierManager
 from hicache.tree import Node
@@ -78,13 +98,42 @@ _LEASE_CHECK_S = 0.05  # leases are checked this often (they end at most this la
 _SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
 _REBUILD_SLICE_S = 0.005  # owner-thread time a background rebuild takes between two looks at the socket
 _REBUILD_STEP = 256  # records a rebuild walks between two looks at the clock
+_MAX_HANDLES = 1 << 16  # node handles a session keeps before the oldest unlocked ones are dropped
+
+@dataclass(frozen=True)
+class PeerCreds:
+    """Who is at the other end of a connection, as the transport tells it: the user,
+    group and process on ``ipc://``; nothing (``None``) on ``tcp://``."""
+
+    uid: int | None
+    gid: int | None
+    pid: int | None
+    key: str  # what the per-peer limits count by: the user on ipc://, the address on tcp://
+
+    @classmethod
+    def parse(cls, address: str) -> "PeerCreds":
+        """libzmq's ``Peer-Address``: ``localhost:<uid>:<gid>:<pid>`` on ipc://, the
+        numeric host on tcp://."""
+        if address.startswith("localhost:"):
+            parts = address.split(":")[1:]
+            if len(parts) == 3 and all(part.isdigit() for part in parts):
+                uid, gid, pid = map(int, parts)
+                return cls(uid, gid, pid, f"uid:{uid}")
+        return cls(None, None, None, address)
+
+
+LOCAL = PeerCreds(os.getuid(), os.getgid(), os.getpid(), "local")  # requests handled without a socket
+
 
 @dataclass(eq=False)
 class Session:
     session_id: int
+    serial: int  # what logs call it: the id is a secret
     client: str
     pid: int
     lease_deadline: float
+    peer: bytes = b""  # the ZeroMQ routing id of the connection that said hello
+    creds: PeerCreds = LOCAL
     manager: TierManager | None = None
     pool_id: int = -1
     locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
@@ -92,6 +141,14 @@ class Session:
     private: set[int] = field(default_factory=set)  # its private device pages
     namespaces: dict[str, NamespaceId] = field(default_factory=dict)
     registering: bool = False  # a register waits for its spec's disk tier to be rebuilt
+    ranks: list[DevicePool] = field(default_factory=list)  # mapped, waiting for a rebuild to register
+    handles: dict[int, int] = field(default_factory=dict)  # handle -> node id, oldest first
+    handle_of: dict[int, int] = field(default_factory=dict)  # node id -> handle
+    waiting: int = 0  # requests answered later (a load from disk): the engine is alive
+
+    @property
+    def registered(self) -> bool:
+        return self.manager is not None
 
 
 @dataclass(eq=False)
@@ -127,7 +184,7 @@ class RadixSharing:
         result = manager.insert(namespace, tokens, session.pool_id, pages)
         session.private.difference_update(pages.tolist())
         return p.InsertReply(
-            id=0, node=-1 if result.node.is_root else result.node.node_id,
+            id=0, node=daemon.handle_for(session, result.node),
             device_pages=result.device_pages.tobytes(),
             freed=result.duplicate_pages.tobytes(), prefix_pages=result.num_prefix_pages,
         )
@@ -145,6 +202,16 @@ class NoSharing:
         return p.InsertReply(id=0, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
 
 
+def _as_error(exc: BaseException) -> HicacheError:
+    """What a request that raised ``exc`` is answered with (never INTERNAL: these are
+    the request's doing)."""
+    if isinstance(exc, HicacheError):
+        return exc
+    if isinstance(exc, RecursionError):
+        return InvalidArgument("the request nests too deeply")
+    return ResourceExhausted("not enough memory to handle the request")
+
+
 class Daemon:
     """See the module docstring. Owner thread only."""
 
@@ -156,8 +223,12 @@ class Daemon:
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | NullMetrics | None = None,
+        fds: FdExchange | None = None,
     ) -> None:
+        """``fds``: the descriptor socket engines offer their CPU pools on (without
+        one, only CUDA pools can register); closed with the daemon."""
         self.config = config
+        self.fds = fds
         if metrics is None:
             metrics = Metrics() if config.metrics.enabled else NullMetrics()
         self.metrics = metrics
@@ -169,7 +240,7 @@ class Daemon:
         if storage is None and config.disk.enabled:
             from hicache.storage.lmdb_backend import LmdbBackend
 
-            config.disk.store_path.mkdir(parents=True, exist_ok=True)
+            config.disk.store_path.mkdir(mode=0o700, parents=True, exist_ok=True)
             storage = LmdbBackend(config.disk.store_path, capacity_bytes=config.disk.capacity_bytes,
                                   sync=config.disk.sync)
         self.storage = storage
@@ -177,6 +248,13 @@ class Daemon:
         self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
         self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
         self.sessions: dict[int, Session] = {}
+        self._serials = itertools.count(1)
+        self._unregistered: Counter = Counter()  # peer key -> its sessions not registered yet
+        # The connection the request being handled came from (its routing id), and how to
+        # learn who is at its other end: the server's (tests without sockets: LOCAL).
+        self._peer = b""
+        self.peer_creds: Callable[[bytes], PeerCreds] = lambda peer: LOCAL
+        self._random: Iterator[int] = iter(())
         self._pool_ids = itertools.count(1)
         self.draining = False
         self.counts: Counter = Counter()  # (op, status) -> requests, for stats
@@ -209,31 +287,34 @@ class Daemon:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, request: p.Request) -> p.Reply | Future:
+    def handle(self, request: p.Request, peer: bytes = b"") -> p.Reply | Future:
         """One decoded request -> its reply, or a future of it (on the owner thread),
         with its bookkeeping done."""
-        reply = self.answer(request)
+        reply = self.answer(request, peer)
         self.settle()
         return reply
 
-    def answer(self, request: p.Request) -> p.Reply | Future:
+    def answer(self, request: p.Request, peer: bytes = b"") -> p.Reply | Future:
         """Like :meth:`handle`, but the bookkeeping that does not change the answer
         (request counts and latency, hit / miss accounting) waits for :meth:`settle`,
         which the server calls at its next idle moment (see :mod:`hicache.daemon.server`);
-        the latency recorded is the answer's, taken now."""
+        the latency recorded is the answer's, taken now. ``peer``: the routing id of the
+        connection it came on (sessions are bound to theirs)."""
         handler, op = self._handlers[type(request)]
         start = time.perf_counter()
+        self._peer = peer
         try:
             reply = handler(request)
-        except HicacheError as exc:
-            self._unsettled.append((self._count, (op, exc.code.name, time.perf_counter() - start)))
-            return p.Error(id=request.id, code=int(exc.code), message=exc.message)
+        except (HicacheError, RecursionError, MemoryError) as exc:
+            error = _as_error(exc)
+            self._unsettled.append((self._count, (op, error.code.name, time.perf_counter() - start)))
+            return p.Error(id=request.id, code=int(error.code), message=error.message)
         except Exception as exc:  # a bug: answer it, log it, keep serving
             logger.exception("internal error handling %s", op)
             self._unsettled.append((self._count, (op, "INTERNAL", time.perf_counter() - start)))
             return p.Error(id=request.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}")
         if isinstance(reply, Future):
-            return self._chain(reply, request.id, op, start)
+            return self._chain(reply, request.id, op, start, self.sessions.get(getattr(request, "session", 0)))
         self._unsettled.append((self._count, (op, "OK", time.perf_counter() - start)))
         reply.id = request.id
         return reply
@@ -252,10 +333,16 @@ class Daemon:
         self._count("decode", exc.code.name, 0.0)
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)
 
-    def _chain(self, future: Future, request_id: int, op: str, start: float) -> Future:
+    def _chain(self, future: Future, request_id: int, op: str, start: float, session: Session | None) -> Future:
         out: Future = Future()
+        counted = session is not None and not future.done()
+        if counted:
+            session.waiting += 1  # its engine waits for this answer: its lease holds meanwhile
 
         def done(f: Future) -> None:
+            if counted:
+                session.waiting -= 1
+                session.lease_deadline = max(session.lease_deadline, self.clock() + self._lease_s)
             error = f.exception()
             if error is None:
                 reply = f.result()
@@ -273,11 +360,14 @@ class Daemon:
     # ------------------------------------------------------------------ sessions
 
     def _session(self, session_id: int, *, registered: bool = True) -> Session:
+        """The request's session, which must have said hello on the same connection;
+        renews a registered session's lease."""
         session = self.sessions.get(session_id)
-        if session is None:
-            raise UnknownSession(f"no session {session_id} (expired, or the daemon restarted)")
-        session.lease_deadline = self.clock() + self._lease_s
-        if registered and session.manager is None:
+        if session is None or session.peer != self._peer:
+            raise UnknownSession("no such session on this connection (expired, or the daemon restarted)")
+        if session.manager is not None:
+            session.lease_deadline = self.clock() + self._lease_s
+        elif registered:
             raise InvalidArgument("register the engine's pool first")
         return session
 
@@ -287,16 +377,28 @@ class Daemon:
                 f"client speaks protocol {m.version}, this daemon {p.PROTOCOL_VERSION} (hicache {__version__})")
         if self.draining:
             raise Draining("the daemon is shutting down")
-        if len(self.sessions) >= self.config.server.max_sessions:
-            raise ResourceExhausted(f"too many sessions ({self.config.server.max_sessions})")
+        server = self.config.server
+        if len(self.sessions) >= server.max_sessions:
+            raise ResourceExhausted(f"too many sessions ({server.max_sessions})")
+        creds = self.peer_creds(self._peer)
+        if self._unregistered[creds.key] >= server.max_unregistered_per_peer:
+            raise ResourceExhausted(f"this peer has {server.max_unregistered_per_peer} sessions that "
+                                    f"have not registered; register them or let them lapse")
         session_id = secrets.randbits(63)
-        lease = self.config.server.lease_s
-        self.sessions[session_id] = Session(session_id, m.client[:200], m.pid, self.clock() + lease)
-        logger.info("session %x opened by %r (pid %d)", session_id, m.client, m.pid)
+        while session_id in self.sessions or not session_id:
+            session_id = secrets.randbits(63)
+        session = Session(session_id, next(self._serials), m.client[:200], m.pid,
+                          self.clock() + server.register_within_s, peer=self._peer, creds=creds)
+        self.sessions[session_id] = session
+        self._unregistered[creds.key] += 1
+        logger.info("session #%d opened by %r (pid %d, peer %s)", session.serial, session.client, m.pid, creds.key)
         return p.HelloReply(id=m.id, session=session_id, version=p.PROTOCOL_VERSION,
-                            daemon=f"hicache {__version__}", lease_s=lease)
+                            daemon=f"hicache {__version__}", lease_s=self._lease_s,
+                            fd_socket=str(self.fds.path) if self.fds is not None else "")
 
     def _register(self, m: p.Register) -> p.RegisterReply | Future:
+        """Everything is checked and mapped before the session changes: a refused
+        registration leaves it unregistered, as it was (and free to try again)."""
         session = self._session(m.session, registered=False)
         if session.manager is not None or session.registering:
             raise InvalidArgument("this session has registered its pool already")
@@ -308,57 +410,102 @@ class Daemon:
         if len(m.pools) != spec.tp_size:
             raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
                                   f"got {len(m.pools)}")
+        handles = [PoolHandle.from_dict(handle) for handle in m.pools]
         ranks: list[DevicePool] = []
         try:
-            for handle in m.pools:
-                ranks.append(DevicePool.attach(PoolHandle.from_dict(handle), expected=spec))
+            for handle in handles:
+                ranks.append(DevicePool.attach(handle, expected=spec, segment=lambda h: self._segment(session, h)))
+                self._refuse_mapped_twice(ranks)
+            in_use = self._in_use(m.in_use, ranks[0].num_pages)
             manager = self._manager_for(spec, ranks[0].num_pages)
         except BaseException:
             for rank in ranks:
                 rank.close()
             raise
         if manager is not None:
-            return self._attach(session, m, spec, ranks, manager)
+            return self._attach(session, m.id, spec, ranks, in_use, manager)
         # The spec's disk tier is being rebuilt between other engines' requests: answer
         # when it is back.
         session.registering = True
+        session.ranks = ranks
         out: Future = Future()
 
         def rebuilt(result: Any) -> None:
             session.registering = False
+            session.ranks = []
             if isinstance(result, TierManager) and self.sessions.get(session.session_id) is not session:
-                result = UnknownSession(f"session {session.session_id} ended while its spec was rebuilt")
+                result = UnknownSession(f"session #{session.serial} ended while its spec was rebuilt")
             if not isinstance(result, TierManager):
                 for rank in ranks:
                     rank.close()
                 out.set_exception(result)
                 return
             try:
-                out.set_result(self._attach(session, m, spec, ranks, result))
+                out.set_result(self._attach(session, m.id, spec, ranks, in_use, result))
             except BaseException as exc:  # _attach closed the ranks
                 out.set_exception(exc)
 
         self._rebuilds[spec.fingerprint].waiting.append((session, rebuilt))
         return out
 
-    def _attach(self, session: Session, m: p.Register, spec: KVSpec, ranks: list[DevicePool],
-                manager: TierManager) -> p.RegisterReply:
+    def _segment(self, session: Session, handle: PoolHandle) -> SharedBuffer:
+        """Map the memfd segment offered under ``handle.token``: only if the user who
+        offered it is the session's (when the transport says who that is) and owns it."""
+        offer = self.fds.take(handle.token) if self.fds is not None else None
+        if offer is None:
+            raise InvalidArgument("no descriptor was offered under this pool's token (offer it on the "
+                                  "descriptor socket first; an offer is used once and expires)")
+        uid = session.creds.uid
+        if uid is not None and offer.uid != uid:
+            os.close(offer.fd)
+            raise InvalidArgument(f"the pool's descriptor was offered by uid {offer.uid}, not by the session's user")
+        return SharedBuffer.attach(offer.fd, handle.nbytes, uid=offer.uid)
+
+    def _refuse_mapped_twice(self, ranks: list[DevicePool]) -> None:
+        """A pool's memory may be mapped as one pool only: not as another session's
+        (the same segment under another token), nor twice in one TP group."""
+        new = ranks[-1].segment_id
+        if new is None:
+            return
+        mapped = [rank.segment_id for rank in ranks[:-1]]
+        mapped += [pool.segment_id for manager in self._all_managers() for pool in manager.device_pools()]
+        mapped += [rank.segment_id for s in self.sessions.values() for rank in s.ranks]
+        if new in mapped:
+            raise InvalidArgument("this memory is already registered as a pool")
+
+    def _all_managers(self) -> list[TierManager]:
+        return [*self.managers.values(), *(rebuild.manager for rebuild in self._rebuilds.values())]
+
+    @staticmethod
+    def _in_use(data: bytes, num_pages: int) -> np.ndarray:
+        """The pages a re-registering engine still uses, checked: in the pool, once each."""
+        in_use = as_page_ids(data)
+        if in_use.size:
+            if int(in_use.min()) < 1 or int(in_use.max()) > num_pages:
+                raise InvalidArgument(f"in_use page ids must be in [1, {num_pages}]")
+            if len(np.unique(in_use)) != len(in_use):
+                raise InvalidArgument("a page id appears twice in in_use")
+        return in_use
+
+    def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
+                in_use: np.ndarray, manager: TierManager) -> p.RegisterReply:
         """The end of a registration: the session's pool joins its spec's manager."""
+        pool_id = next(self._pool_ids)
         try:
-            pool_id = next(self._pool_ids)
             counters = manager.register_pool(pool_id, ranks)
         except BaseException:
             for rank in ranks:
                 rank.close()
             raise
-        session.manager, session.pool_id = manager, pool_id
-        in_use = as_page_ids(m.in_use)
         if in_use.size:
-            manager.reserve(pool_id, in_use)
+            manager.reserve(pool_id, in_use)  # checked: cannot fail
             session.private.update(in_use.tolist())
-        logger.info("session %x registered pool %d: %d pages, spec %s", session.session_id, pool_id,
+        token = self.fds.publish(counters.reader_fd(), uid=session.creds.uid) if self.fds is not None else b""
+        self._registered_or_gone(session)
+        session.manager, session.pool_id = manager, pool_id
+        logger.info("session #%d registered pool %d: %d pages, spec %s", session.serial, pool_id,
                     ranks[0].num_pages, spec.fingerprint_hex)
-        return p.RegisterReply(id=m.id, pool=pool_id, counters=counters.handle.to_dict(),
+        return p.RegisterReply(id=request_id, pool=pool_id, counters=counters.handle(token).to_dict(),
                                page_size=spec.page_size, num_pages=ranks[0].num_pages)
 
     def _manager_for(self, spec: KVSpec, device_pages: int) -> TierManager | None:
@@ -374,6 +521,11 @@ class Daemon:
             host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
         else:
             host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
+        used = sum(m.host_pool.nbytes for m in self._all_managers())
+        if used + host_pages * spec.host_page_bytes > host.limit_bytes:
+            raise ResourceExhausted(
+                f"a host pool of {host_pages * spec.host_page_bytes} bytes for this spec would take the host "
+                f"tier past [host].max_bytes ({host.limit_bytes} bytes, {used} in use)")
         manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
                               completions=self.completions, clock=self.clock, metrics=self.metrics,
                               progress=self.keepalive)
@@ -449,10 +601,13 @@ class Daemon:
 
     def end_session(self, session: Session, reason: str) -> None:
         """Give back everything the session held. ``reason``: bye, lease_expired, shutdown."""
-        self.sessions.pop(session.session_id, None)
+        if self.sessions.pop(session.session_id, None) is None:
+            return
         self.metrics.session_ended(reason)
         manager = session.manager
-        if manager is not None:
+        if manager is None:
+            self._registered_or_gone(session)
+        else:
             for node_id, count in session.locks.items():
                 node = manager.tree.node(node_id)
                 for _ in range(count):
@@ -460,15 +615,22 @@ class Daemon:
             if session.private:
                 manager.release(session.pool_id, np.fromiter(session.private, dtype=PAGE_ID_DTYPE))
             manager.retire_pool(session.pool_id)
-        logger.info("session %x ended (%s): %d locks, %d private pages released", session.session_id, reason,
+        logger.info("session #%d ended (%s): %d locks, %d private pages released", session.serial, reason,
                     sum(session.locks.values()), len(session.private))
+
+    def _registered_or_gone(self, session: Session) -> None:
+        """The session no longer counts against its peer's unregistered sessions."""
+        key = session.creds.key
+        self._unregistered[key] -= 1
+        if self._unregistered[key] <= 0:
+            del self._unregistered[key]
 
     def expire_leases(self) -> int:
         now = self.clock()
         if now < self._next_lease_check:
             return 0
         self._next_lease_check = now + _LEASE_CHECK_S
-        expired = [s for s in self.sessions.values() if s.lease_deadline < now]
+        expired = [s for s in self.sessions.values() if s.lease_deadline < now and not s.waiting]
         for session in expired:
             self.end_session(session, "lease_expired")
         return len(expired)
@@ -535,12 +697,12 @@ class Daemon:
             reason = session.manager.miss_reason(first)
         self.metrics.missed(reason, missing)
 
-    def _match_reply(self, hit: Hit | None) -> p.MatchReply:
+    def _match_reply(self, session: Session, hit: Hit | None) -> p.MatchReply:
         node = None if hit is None else hit.match.node
         if node is None or node.parent is None:  # unknown namespace, or nothing matched
             return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
         m = hit.match
-        return p.MatchReply(id=0, node=node.node_id, device_pages=m.device_bytes,
+        return p.MatchReply(id=0, node=self.handle_for(session, node), device_pages=m.device_bytes,
                             host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
                             wait=[tuple(t) for t in hit.wait] if hit.wait else [])
 
@@ -556,12 +718,12 @@ class Daemon:
 
             def answer(f: Future) -> None:
                 self._account_match(session, namespace, tokens, f.result(), sharing_off)
-                out.set_result(self._match_reply(f.result()))
+                out.set_result(self._match_reply(session, f.result()))
 
             hit.add_done_callback(answer)
             return out
         self._unsettled.append((self._account_match, (session, namespace, tokens, hit, sharing_off)))
-        return self._match_reply(hit)
+        return self._match_reply(session, hit)
 
     def _match_many(self, m: p.MatchMany) -> p.MatchManyReply:
         session = self._session(m.session)
@@ -570,50 +732,89 @@ class Daemon:
         ns = self._namespace(session, m.extra_key)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
+        batch = [self._tokens(tokens) for tokens in m.tokens]  # all checked before any is looked up
         results = []
-        for tokens in m.tokens:
-            hit = sharing.match(session.manager, ns, self._tokens(tokens), session.pool_id)
+        for tokens in batch:
+            hit = sharing.match(session.manager, ns, tokens, session.pool_id)
             if isinstance(hit, Future):  # batches answer with what is cached now
                 hit = session.manager.match(ns, tokens, session.pool_id)
             self._account_match(session, ns, tokens, hit, sharing_off)
-            r = self._match_reply(hit)
+            r = self._match_reply(session, hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
                                          disk_pages=r.disk_pages, wait=r.wait))
         return p.MatchManyReply(id=m.id, results=results)
 
-    def _node(self, session: Session, node_id: int) -> Node:
-        try:
-            node = session.manager.tree.node(node_id)
-        except (UnknownNode, TypeError):
-            raise UnknownNode(f"no node {node_id} (evicted, or never returned to this session)") from None
-        if node.is_root:
-            raise UnknownNode("the root cannot be locked")
+    def handle_for(self, session: Session, node: Node) -> int:
+        """The session's handle for ``node`` (-1 for a root: nothing matched). A node
+        keeps one handle per session; a new one is a random 63-bit number, so that a
+        handle is as hard to guess as a session id. The oldest handles of unlocked
+        nodes are forgotten past :data:`_MAX_HANDLES` (using one then is UNKNOWN_NODE,
+        like using a handle of an evicted node)."""
+        if node.parent is None:
+            return -1
+        handle = session.handle_of.get(node.node_id)
+        if handle is not None:
+            return handle
+        if len(session.handles) >= _MAX_HANDLES:
+            self._forget_handles(session)
+        handle = self._random_handle()
+        while handle in session.handles:
+            handle = self._random_handle()
+        session.handles[handle] = node.node_id
+        session.handle_of[node.node_id] = handle
+        return handle
+
+    def _random_handle(self) -> int:
+        value = next(self._random, None)
+        if value is None:  # urandom by the batch: a call per handle costs ~1.5 us
+            self._random = iter(array.array("Q", os.urandom(8 * 1024)))
+            value = next(self._random)
+        return (value >> 1) or 1
+
+    @staticmethod
+    def _forget_handles(session: Session) -> None:
+        """Drop the older half of the handles of nodes this session has not locked."""
+        unlocked = [h for h, node_id in session.handles.items() if node_id not in session.locks]
+        for handle in unlocked[: max(1, len(session.handles) // 2)]:
+            del session.handle_of[session.handles.pop(handle)]
+
+    def _node(self, session: Session, handle: int) -> Node:
+        """The node behind one of this session's handles."""
+        node_id = session.handles.get(handle)
+        node = None if node_id is None else session.manager.tree.find(node_id)
+        if node is None:
+            if node_id is not None:  # the node has left the tree: so does its handle
+                del session.handle_of[session.handles.pop(handle)]
+            raise UnknownNode(f"no node {handle} (evicted, or never returned to this session)")
         return node
 
     def _lock(self, m: p.Lock) -> p.Ok:
         session = self._session(m.session)
         node = self._node(session, m.node)
         session.manager.lock(node, session.pool_id)
-        session.locks[m.node] += 1
-        session.locked_since.setdefault(m.node, self.clock())
+        session.locks[node.node_id] += 1
+        session.locked_since.setdefault(node.node_id, self.clock())
         return p.Ok(id=m.id)
 
     def _unlock(self, m: p.Unlock) -> p.Ok:
         session = self._session(m.session)
-        if session.locks.get(m.node, 0) <= 0:
+        node = self._node(session, m.node)
+        node_id = node.node_id
+        if session.locks.get(node_id, 0) <= 0:
             raise LockUnderflow(f"this session holds no lock on node {m.node}")
-        session.manager.unlock(self._node(session, m.node), session.pool_id)
-        session.locks[m.node] -= 1
-        if not session.locks[m.node]:
-            del session.locks[m.node]
-            del session.locked_since[m.node]
+        session.manager.unlock(node, session.pool_id)
+        session.locks[node_id] -= 1
+        if not session.locks[node_id]:
+            del session.locks[node_id]
+            del session.locked_since[node_id]
         return p.Ok(id=m.id)
 
     def _load(self, m: p.Load) -> Future:
         session = self._session(m.session)
-        if session.locks.get(m.node, 0) <= 0:
+        node = self._node(session, m.node)
+        if session.locks.get(node.node_id, 0) <= 0:
             raise InvalidArgument(f"lock node {m.node} before loading it")
-        future = session.manager.load(self._node(session, m.node), session.pool_id)
+        future = session.manager.load(node, session.pool_id)
         out: Future = Future()
 
         def done(f: Future) -> None:
@@ -622,9 +823,9 @@ class Daemon:
                 out.set_exception(error)
                 return
             r = f.result()
-            node = -1 if r.node.is_root else r.node.node_id
-            out.set_result(p.LoadReply(id=0, node=node, device_pages=r.device_pages.tobytes(),
-                                       loaded_pages=r.num_loaded_pages, wait=[tuple(t) for t in r.wait]))
+            out.set_result(p.LoadReply(id=0, node=self.handle_for(session, r.node),
+                                       device_pages=r.device_pages.tobytes(), loaded_pages=r.num_loaded_pages,
+                                       wait=[tuple(t) for t in r.wait]))
 
         future.add_done_callback(done)
         return out
@@ -799,4 +1000,6 @@ class Daemon:
             manager.close()
         if self.storage is not None:
             self.storage.close()
+        if self.fds is not None:
+            self.fds.close()
 

@@ -14,15 +14,23 @@ The lifecycle of DESIGN.md::
 
 Every call has a timeout. A daemon that does not answer puts the client in *degraded
 mode*: matches miss, allocations return ``None``, inserts keep their pages private —
-the engine computes, never hangs — and the client tries to reconnect (at most every
-``reconnect_interval_s``). A daemon that restarted answers ``UNKNOWN_SESSION``; the
-client then says hello again, re-registers the pool, and declares the pages the engine
-still holds (its private pages and the pages of paths it has locked) so the new daemon
-never hands them out. Node handles from before a reconnect are *orphans*: unlocking the
-last one gives back its pages (unless an insert adopted them meanwhile).
+the engine computes, never hangs. Only the call that found the daemon gone waits for
+its timeout: from then on calls answer at once, while the background thread probes
+the daemon (every ``reconnect_interval_s``); once a probe is answered, the next call
+reconnects. A daemon that restarted answers ``UNKNOWN_SESSION``; the client then says
+hello again, re-registers the pool, and declares the pages the engine still holds (its
+private pages and the pages of paths it has locked) so the new daemon never hands them
+out. Node handles from before a reconnect are *orphans*: unlocking the last one gives
+back its pages (unless an insert adopted them meanwhile).
 
-A background thread sends heartbeats (its own socket) so that an idle engine keeps its
-lease; a killed engine loses it, and the daemon takes back everything it held.
+The background thread also sends heartbeats so that an idle engine keeps its lease (a
+killed engine loses it, and the daemon takes back everything it held). They go on the
+client's one socket, between calls: the daemon accepts a session's requests only from
+the connection that opened it.
+
+CPU pools (``memfd`` handles) are handed to the daemon as descriptors on its descriptor
+socket (:mod:`hicache.fdpass`) at each registration; the layer-counter ring comes back
+the same way, read-only.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import zmq
 
+from hicache import fdpass
 from hicache.counters import CountersHandle, LayerWaiter, Ticket
 from hicache.daemon import protocol as p
 from hicache.errors import ErrorCode, HicacheError, InvalidArgument, Unavailable
@@ -127,13 +136,15 @@ class CacheClient:
         self._context = context or p.new_context()
         self._own_context = context is None
         self._socket: zmq.Socket | None = None
+        self._socket_lock = threading.Lock()  # the caller's calls and the heartbeats share the socket
         self._rcvtimeo = -1
         self._ids = itertools.count(1)
         self._session = 0
         self.epoch = 0
         self._down_since: float | None = None
         self._next_retry = 0.0
-        self._registration: tuple[KVSpec, list[dict[str, Any]]] | None = None
+        self._registration: tuple[KVSpec, list[PoolHandle]] | None = None
+        self._answering = threading.Event()  # set by a probe that reached the daemon while degraded
         self.waiter: LayerWaiter | None = None
         self.page_size = 0
         self.num_pages = 0
@@ -165,9 +176,13 @@ class CacheClient:
 
     def _call(self, message: p._Request, timeout_s: float | None = None) -> p.Reply:
         """Send one request, wait for its reply (replies to earlier, timed-out requests
-        are dropped). Raises :class:`Unavailable` on timeout, :class:`RemoteError` on an
-        error reply. A blocking ``recv`` with a receive timeout: a poll first would add a
-        system call to every round trip."""
+        and heartbeats are dropped). Raises :class:`Unavailable` on timeout,
+        :class:`RemoteError` on an error reply. A blocking ``recv`` with a receive
+        timeout: a poll first would add a system call to every round trip."""
+        with self._socket_lock:
+            return self._call_locked(message, timeout_s)
+
+    def _call_locked(self, message: p._Request, timeout_s: float | None) -> p.Reply:
         message.id = request_id = next(self._ids)
         sock = self._socket or self._connect()
         p.send_frame(sock, p.encode(message), 0)
@@ -200,37 +215,62 @@ class CacheClient:
         return self._down_since is not None
 
     def register(self, spec: KVSpec, pools: Sequence[PoolHandle]) -> None:
-        """Register the engine's pool (one handle per TP rank). Raises if the daemon
-        refuses it (spec or key mismatch) or does not answer."""
-        self._registration = (spec, [h.to_dict() for h in pools])
+        """Register the engine's pool (one handle per TP rank, e.g. ``exported.handle``).
+        A CPU pool's descriptor is offered to the daemon at each registration, so a
+        handle made in another process must come with its ``fd`` received here (or be
+        a ``cuda_ipc`` handle). Raises if the daemon refuses it (spec or key mismatch,
+        a pool that is not this user's) or does not answer."""
+        self._registration = (spec, list(pools))
         self._open_session(in_use=())
+
+    def _fd_socket(self, hello: p.HelloReply) -> str:
+        """The daemon's descriptor socket: next to its ipc:// socket as this process
+        sees that (a container may mount it elsewhere), else where the daemon says."""
+        if self.endpoint.startswith("ipc://"):
+            return str(fdpass.socket_path_for(self.endpoint[len("ipc://"):]))
+        return hello.fd_socket
+
+    def _pool_dicts(self, pools: list[PoolHandle], fd_socket: str) -> list[dict[str, Any]]:
+        out = []
+        for handle in pools:
+            data = handle.to_dict()
+            if handle.kind == "memfd":
+                if handle.fd < 0:
+                    raise InvalidArgument("a memfd pool handle without its descriptor in this process")
+                data["token"] = fdpass.offer(fd_socket, handle.fd, timeout_s=self.timeout_s)
+            out.append(data)
+        return out
 
     def _open_session(self, in_use: Sequence[int]) -> None:
         spec, pools = self._registration
         hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
         self._session = hello.session
         self.lease_s = hello.lease_s
+        fd_socket = self._fd_socket(hello)
         # The first registration of a spec after a daemon restart rebuilds its disk tier
         # before the answer (seconds for a large store): as long as a load may take.
         reply = self._call(p.Register(
             id=0, session=self._session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
-            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=pools,
+            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=self._pool_dicts(pools, fd_socket),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
+        counters = CountersHandle.from_dict(reply.counters)
+        waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
             self.waiter.close()
-        self.waiter = LayerWaiter(CountersHandle.from_dict(reply.counters))
+        self.waiter = waiter
         self.epoch += 1
         self._down_since = None
+        self._answering.clear()
         self._start_heartbeat()
-        logger.info("registered with %s (session %x, epoch %d)", self.endpoint, self._session, self.epoch)
+        logger.info("registered with %s (epoch %d)", self.endpoint, self.epoch)
 
     def _request(self, message: p._Request, timeout_s: float | None = None) -> p.Reply | None:
         """A session request; ``None`` in degraded mode (the daemon is unreachable)."""
         if self._registration is None:
             raise InvalidArgument("register the engine's pool first")
-        if self._down_since is not None and not self._reconnect():  # degraded
+        if self._down_since is not None and not self._try_reconnect():  # degraded: no wait
             return None
         for retry in (False, True):
             message.session = self._session
@@ -254,11 +294,20 @@ class CacheClient:
             self._down_since = time.monotonic()
             self._next_retry = 0.0
 
+    def _try_reconnect(self) -> bool:
+        """In degraded mode: reconnect if the daemon is known to answer again (a probe
+        of the background thread said so), else miss at once. Without the thread
+        (``heartbeat=False``) this call probes, at most every ``reconnect_interval_s``."""
+        if self._heartbeat is not None:
+            return self._answering.is_set() and self._reconnect(force=True)
+        return self._reconnect()
+
     def _reconnect(self, force: bool = False) -> bool:
         now = time.monotonic()
         if not force and now < self._next_retry:
             return False
         self._next_retry = now + self.reconnect_interval_s
+        self._answering.clear()
         # Everything the engine still holds stays its own in the new session.
         orphans = Counter()
         for handle, count in self._locked.items():
@@ -267,7 +316,7 @@ class CacheClient:
         in_use = self._private | set(orphans)
         try:
             self._open_session(in_use=in_use)
-        except (Unavailable, RemoteError) as exc:
+        except (Unavailable, RemoteError, InvalidArgument) as exc:
             logger.info("reconnect to %s failed: %s", self.endpoint, exc)
             self._go_down()
             return False
@@ -414,16 +463,41 @@ class CacheClient:
         self._heartbeat.start()
 
     def _heartbeat_main(self) -> None:
+        """Heartbeats while connected (sent between the caller's calls, on its socket:
+        a call renews the lease anyway); probes of the daemon while degraded."""
+        ids = itertools.count(1)
+        while True:
+            degraded = self._down_since is not None
+            pause = self.reconnect_interval_s if degraded else max(self.lease_s / 3, 0.05)
+            if self._stop_heartbeat.wait(pause):
+                return
+            if degraded:
+                if not self._answering.is_set() and self._probe():
+                    self._answering.set()
+                continue
+            if not self._socket_lock.acquire(blocking=False):
+                continue  # a call is in flight: it renews the lease, and waiting ones keep it
+            try:
+                sock = self._socket
+                if sock is not None and self._session and self._down_since is None:
+                    while sock.poll(0):
+                        sock.recv()  # earlier heartbeats' answers (and timed-out calls')
+                    sock.send(p.encode(p.Heartbeat(id=next(ids) | 1 << 62, session=self._session)))
+            except zmq.ZMQError:
+                pass  # a lost daemon shows on the next call
+            finally:
+                self._socket_lock.release()
+
+    def _probe(self) -> bool:
+        """Does the daemon answer ``health``? (its own socket: the caller's is idle)"""
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        ids = itertools.count(1)
         try:
-            while not self._stop_heartbeat.wait(max(self.lease_s / 3, 0.05)):
-                if self._session and self._down_since is None:
-                    sock.send(p.encode(p.Heartbeat(id=next(ids), session=self._session)))
-                while sock.poll(0):
-                    sock.recv()  # answers are not needed: a lost session shows on the next call
+            sock.connect(self.endpoint)
+            sock.send(p.encode(p.Health(id=1)))
+            return bool(sock.poll(int(max(self.timeout_s, 0.05) * 1000)))
+        except zmq.ZMQError:
+            return False
         finally:
             sock.close(linger=0)
 

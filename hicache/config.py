@@ -14,8 +14,9 @@ by :meth:`hicache.daemon.sd_notify.Notifier.from_env`.)
 Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated file)::
 
     [server]   socket, socket_mode, tcp, max_message_bytes, max_tokens, max_sessions,
-               max_batch, lease_s, drain_timeout_s
-    [host]     bytes, ratio
+               max_batch, lease_s, register_within_s, max_unregistered_per_peer,
+               drain_timeout_s
+    [host]     bytes, ratio, max_bytes
     [disk]     enabled, path, capacity_bytes, sync
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
                prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
@@ -62,10 +63,13 @@ class ServerConfig:
     max_sessions: int = 256
     max_batch: int = 256  # lookups in one batched match
     lease_s: float = 10.0
+    register_within_s: float = 5.0  # a session that has not registered by then is ended
+    max_unregistered_per_peer: int = 8  # sessions one user (ipc://) or address (tcp://) may hold unregistered
     drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s")
+        _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s",
+                  "register_within_s", "max_unregistered_per_peer")
 
     @property
     def socket_path(self) -> Path:
@@ -85,12 +89,21 @@ class ServerConfig:
 class HostConfig:
     bytes: int = 0  # host pool per KV spec; 0 = use ratio
     ratio: float = 2.0  # host pages = ratio x the first registered device pool's pages
+    max_bytes: int = 0  # every spec's host pool together; 0 = 80 % of the machine's memory
 
     def __post_init__(self) -> None:
-        if self.bytes < 0:
-            raise InvalidArgument("[host].bytes must be >= 0")
+        if self.bytes < 0 or self.max_bytes < 0:
+            raise InvalidArgument("[host].bytes and [host].max_bytes must be >= 0")
         if not self.bytes:
             _positive(self, "ratio")
+
+    @property
+    def limit_bytes(self) -> int:
+        """The host tier's ceiling: a registration that would need more is refused, so
+        that an engine's declared pool size cannot make the daemon allocate without end."""
+        if self.max_bytes:
+            return self.max_bytes
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
 
 
 @dataclass(frozen=True, kw_only=True)

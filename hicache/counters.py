@@ -3,7 +3,8 @@
 A load moves a path's pages into the engine's pool layer by layer; the engine starts
 attention on layer *i* as soon as layer *i* has landed. The daemon owns a ring of
 ``num_slots`` slots; each load gets a :class:`Ticket` (slot, generation) and the daemon
-stamps each layer when it is complete. The ring lives in shared memory, int64 words::
+stamps each layer when it is complete. The ring lives in a sealed memfd segment
+(:mod:`hicache.shm`) that the engine maps read-only, int64 words::
 
     slot s:  [ generation | stamp L0 | stamp L1 | ... | stamp L(n-1) ]
 
@@ -40,50 +41,71 @@ class Ticket(NamedTuple):
 
 @dataclass(frozen=True)
 class CountersHandle:
-    shm_name: str
+    """What an engine needs to wait on a pool's loads: the ring's shape, the token its
+    read-only descriptor is fetched by (:func:`hicache.fdpass.fetch`), and in GPU mode
+    the events' IPC handles."""
+
+    token: bytes
     num_slots: int
     num_layers: int
     event_handles: tuple[bytes, ...] = ()  # slot-major, num_slots * num_layers (GPU mode)
     device: int = -1
 
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * (1 + self.num_layers) * 8
+
     def to_dict(self) -> dict[str, Any]:
-        return {"shm_name": self.shm_name, "num_slots": self.num_slots, "num_layers": self.num_layers,
+        return {"token": self.token, "num_slots": self.num_slots, "num_layers": self.num_layers,
                 "event_handles": list(self.event_handles), "device": self.device}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CountersHandle":
         try:
-            return cls(data["shm_name"], data["num_slots"], data["num_layers"],
-                       tuple(data.get("event_handles", ())), data.get("device", -1))
-        except (KeyError, TypeError) as exc:
+            return cls(bytes(data["token"]), int(data["num_slots"]), int(data["num_layers"]),
+                       tuple(data.get("event_handles", ())), int(data.get("device", -1)))
+        except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad counters handle: {exc}") from None
 
 
-def _ring(buffer: torch.Tensor, num_slots: int, num_layers: int) -> np.ndarray:
-    return buffer.numpy().view(np.int64).reshape(num_slots, 1 + num_layers)
+def _ring(buffer: np.ndarray, num_slots: int, num_layers: int) -> np.ndarray:
+    return buffer.view(np.int64).reshape(num_slots, 1 + num_layers)
 
 
 class LayerCounters:
-    """The daemon's side: hands out tickets and stamps layers."""
+    """The daemon's side: hands out tickets and stamps layers.
+
+    The shared ring is write-only for the daemon: the engine's mapping is read-only
+    (and the segment sealed against new writers), but what lives in shared memory is
+    never trusted all the same, so every decision — is this ticket live, are its layers
+    all stamped — is taken on a private copy (``_words``) that each stamp goes to first."""
 
     def __init__(self, num_slots: int, num_layers: int, *, cuda_device: int | None = None) -> None:
         if num_slots <= 0 or num_layers <= 0:
             raise InvalidArgument("a counters ring needs at least one slot and one layer")
         self.num_slots = num_slots
         self.num_layers = num_layers
-        self._shared = SharedBuffer.create(num_slots * (1 + num_layers) * 8, prefix="hicache-layers")
-        self._words = _ring(self._shared.tensor, num_slots, num_layers)
-        self._words[:] = 0
+        self.shared = SharedBuffer.create(num_slots * (1 + num_layers) * 8, name="hicache-layers",
+                                          others_read_only=True)
+        self._ring = _ring(self.shared.array, num_slots, num_layers)
+        self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)
         self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
         self._next_generation = 1
         self.events = CudaLayerEvents.create(num_slots, num_layers, cuda_device) if cuda_device is not None else None
 
-    @property
-    def handle(self) -> CountersHandle:
+    def handle(self, token: bytes = b"") -> CountersHandle:
+        """The engine's handle, with the token its reader descriptor was published under."""
         if self.events is None:
-            return CountersHandle(self._shared.name, self.num_slots, self.num_layers)
-        return CountersHandle(self._shared.name, self.num_slots, self.num_layers,
-                              self.events.ipc_handles(), self.events.device)
+            return CountersHandle(token, self.num_slots, self.num_layers)
+        return CountersHandle(token, self.num_slots, self.num_layers, self.events.ipc_handles(), self.events.device)
+
+    def reader_fd(self) -> int:
+        """A read-only descriptor of the ring, for the engine (the caller hands it on)."""
+        return self.shared.reader_fd()
+
+    def waiter(self) -> "LayerWaiter":
+        """A waiter over this ring in this process (tests, in-process engines)."""
+        return LayerWaiter(self.handle(), self.reader_fd())
 
     @property
     def num_free_slots(self) -> int:
@@ -96,20 +118,21 @@ class LayerCounters:
         slot = self._free.popleft()
         ticket = Ticket(slot, self._next_generation)
         self._next_generation += 1
-        self._words[slot, 0] = ticket.generation
+        self._stamp(slot, 0, ticket.generation)
         return ticket
 
     def complete_layer(self, ticket: Ticket, layer: int) -> None:
         self._check(ticket)
         if not 0 <= layer < self.num_layers:
             raise InvalidArgument(f"layer {layer} outside [0, {self.num_layers})")
-        self._words[ticket.slot, 1 + layer] = ticket.generation
+        self._stamp(ticket.slot, 1 + layer, ticket.generation)
 
     def fail(self, ticket: Ticket) -> None:
         """Mark every layer not yet complete as failed."""
         self._check(ticket)
         stamps = self._words[ticket.slot, 1:]
-        stamps[stamps != ticket.generation] = -ticket.generation
+        for layer in np.flatnonzero(stamps != ticket.generation).tolist():
+            self._stamp(ticket.slot, 1 + layer, -ticket.generation)
 
     def finish(self, ticket: Ticket) -> None:
         """Give the slot back; every layer must be complete or failed."""
@@ -119,22 +142,27 @@ class LayerCounters:
             raise InvalidArgument(f"ticket {ticket} still has layers in flight")
         self._free.append(ticket.slot)
 
+    def _stamp(self, slot: int, word: int, value: int) -> None:
+        self._words[slot, word] = value
+        self._ring[slot, word] = value  # after the KV bytes: one aligned 8-byte store
+
     def _check(self, ticket: Ticket) -> None:
         if not 0 <= ticket.slot < self.num_slots or self._words[ticket.slot, 0] != ticket.generation:
             raise InvalidArgument(f"{ticket} is not a live ticket of this ring")
 
     def close(self) -> None:
-        self._words = None  # type: ignore[assignment]
-        self._shared.close()
+        self._ring = None  # type: ignore[assignment]
+        self.shared.close()
 
 
 class LayerWaiter:
-    """The engine's side: waits for layers of a ticket."""
+    """The engine's side: waits for layers of a ticket, on a read-only mapping of the
+    ring (``fd``, taken over: closed here)."""
 
-    def __init__(self, handle: CountersHandle) -> None:
+    def __init__(self, handle: CountersHandle, fd: int) -> None:
         self.handle = handle
-        self._shared = SharedBuffer.attach(handle.shm_name, handle.num_slots * (1 + handle.num_layers) * 8)
-        self._words = _ring(self._shared.tensor, handle.num_slots, handle.num_layers)
+        self._shared = SharedBuffer.attach(fd, handle.nbytes, writable=False)
+        self._words = _ring(self._shared.array, handle.num_slots, handle.num_layers)
         self.events = CudaLayerEvents.open(handle) if handle.event_handles else None
 
     def is_done(self, ticket: Ticket, layer: int) -> bool:

@@ -10,16 +10,17 @@ For MLA the token region of a layer is one ``kv`` buffer ``[(P+1)*ps, 1, rank+ro
 fp8 is stored as uint8. A token slot is ``page * page_size + offset``, so device page
 ``p`` of a region is the ``p``-th run of ``page_bytes`` bytes of that region.
 
-The engine creates the buffer (:func:`hicache.engine.kv_pool.export_kv_pool`) in POSIX
-shared memory (CPU mode) or in CUDA memory it exports with an IPC handle, and sends a
-:class:`PoolHandle`; the daemon maps it with :meth:`DevicePool.attach`.
+The engine creates the buffer (:func:`hicache.engine.kv_pool.export_kv_pool`) in a sealed
+memfd segment (CPU mode, :mod:`hicache.shm`) that it hands over as a descriptor, or in
+CUDA memory it exports with an IPC handle, and sends a :class:`PoolHandle`; the daemon
+maps it with :meth:`DevicePool.attach`.
 
 Host pool, page-first: host page ``h`` is ``host_page_bytes`` contiguous bytes holding
 that page for every rank and layer (:meth:`hicache.spec.KVSpec.host_page_layout`), so one
 host page is one disk record as is. Recurrent-state slots follow the pages region, one
 ``tp_size * state_bytes`` record per slot. On CUDA machines the buffer is page-locked
-(anonymous mmap, ``cudaHostRegister`` in chunks, unregistered on close); elsewhere it is
-shared memory.
+(``cudaHostRegister`` in chunks, unregistered on close). Either way it is private
+anonymous memory: no other process can map it.
 
 :func:`page_segments` and :func:`state_segments` describe, for the copy kernels, which
 bytes of a device pool go where in a host page or host state slot.
@@ -29,18 +30,18 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hicache.errors import InvalidArgument, SpecMismatch
 from hicache.kernels.page_copy import Segments
-from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec, torch_dtype
 
 ALIGN_BYTES = 256
 PIN_CHUNK_BYTES = 1 << 30
+MAX_POOL_PAGES = 1 << 31  # page ids are int32
 
 
 def _align(n: int) -> int:
@@ -100,6 +101,16 @@ class DeviceLayout:
     def to_dict(self) -> dict[str, Any]:
         return {"spec": self.spec.to_dict(), "num_pages": self.num_pages, "num_state_slots": self.num_state_slots}
 
+    @classmethod
+    def from_dict(cls, data: Any) -> "DeviceLayout":
+        if not isinstance(data, dict) or set(data) - {"spec", "num_pages", "num_state_slots"}:
+            raise InvalidArgument("a pool layout is a mapping of spec, num_pages, num_state_slots")
+        num_pages, num_state_slots = data.get("num_pages"), data.get("num_state_slots", 0)
+        for name, value in (("num_pages", num_pages), ("num_state_slots", num_state_slots)):
+            if type(value) is not int or not 0 <= value <= MAX_POOL_PAGES:
+                raise InvalidArgument(f"layout.{name} must be an int in [0, {MAX_POOL_PAGES}]")
+        return cls.build(KVSpec.from_dict(data.get("spec")), num_pages, num_state_slots)
+
 
 def page_segments(layout: DeviceLayout, rank: int = 0) -> Segments:
     """Device -> host copy of one page, every layer, for ``rank``'s pool (in layer order)."""
@@ -140,27 +151,43 @@ def state_segments(layout: DeviceLayout, rank: int = 0) -> Segments:
 
 @dataclass(frozen=True)
 class PoolHandle:
-    """What an engine sends the daemon so that it can map one rank's device pool."""
+    """What an engine sends the daemon so that it can map one rank's device pool.
 
-    kind: str  # "shm" or "cuda_ipc"
+    ``kind`` is ``"memfd"`` (CPU: a sealed memfd segment handed over on the
+    descriptor socket, named by ``token``) or ``"cuda_ipc"``. ``fd`` is the segment's
+    descriptor in the engine's own process: it never travels (``to_dict`` leaves it
+    out, ``from_dict`` never sets it)."""
+
+    kind: str
     layout: dict[str, Any]  # DeviceLayout.to_dict()
     nbytes: int
     rank: int = 0
-    shm_name: str = ""
+    token: bytes = b""
     cuda_ipc: dict[str, Any] | None = None
+    fd: int = field(default=-1, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind, "layout": self.layout, "nbytes": self.nbytes, "rank": self.rank,
-            "shm_name": self.shm_name, "cuda_ipc": self.cuda_ipc,
+            "token": self.token, "cuda_ipc": self.cuda_ipc,
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PoolHandle":
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise InvalidArgument(f"bad pool handle: {exc}") from None
+    def from_dict(cls, data: Any) -> "PoolHandle":
+        """A handle from the wire, every field checked for its type."""
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"a pool handle is a mapping, got {type(data).__name__}")
+        types = {"kind": str, "layout": dict, "nbytes": int, "rank": int, "token": bytes, "cuda_ipc": (dict, type(None))}
+        unknown = [k for k in data if k not in types]
+        if unknown:
+            raise InvalidArgument(f"bad pool handle: unknown fields {sorted(map(str, unknown))}")
+        for name in ("kind", "layout", "nbytes"):
+            if name not in data:
+                raise InvalidArgument(f"bad pool handle: no {name!r}")
+        for name, value in data.items():
+            if not isinstance(value, types[name]) or isinstance(value, bool):
+                raise InvalidArgument(f"bad pool handle: {name} has type {type(value).__name__}")
+        return cls(**data)
 
 
 class DevicePool:
@@ -174,6 +201,9 @@ class DevicePool:
         self.rank = rank
         self.buffer = buffer[: layout.nbytes]
         self._owner = owner  # keeps the shared memory / IPC mapping alive
+        # What tells this pool's memory from another's (a memfd's device and inode, a
+        # CUDA allocation's IPC handle): one memory is never registered as two pools.
+        self.segment_id: Any = getattr(owner, "segment_id", None)
         self._views = {(r.layer, r.component): self._view(r) for r in (*layout.token_regions, *layout.state_regions)}
 
     def _view(self, region: Region) -> torch.Tensor:
@@ -205,23 +235,33 @@ class DevicePool:
         return self.buffer_of(layer, "kv")
 
     @classmethod
-    def attach(cls, handle: PoolHandle, *, expected: KVSpec | None = None) -> "DevicePool":
-        """Map a pool an engine exported (daemon side)."""
-        layout = DeviceLayout.build(
-            KVSpec.from_dict(handle.layout.get("spec")), handle.layout.get("num_pages"),
-            handle.layout.get("num_state_slots", 0),
-        )
+    def attach(cls, handle: PoolHandle, *, expected: KVSpec | None = None,
+               segment: Callable[[PoolHandle], Any] | None = None) -> "DevicePool":
+        """Map a pool an engine exported (daemon side). ``segment(handle)`` maps a
+        ``memfd`` handle's segment and returns its owner: an object with ``tensor``
+        and ``close()`` (the daemon's checks of who offered it live there)."""
+        layout = DeviceLayout.from_dict(handle.layout)
         if expected is not None and layout.spec.fingerprint != expected.fingerprint:
             raise SpecMismatch("the pool's KV spec differs from the registered one")
         if handle.nbytes != layout.nbytes:
             raise InvalidArgument(f"handle says {handle.nbytes} bytes, the layout needs {layout.nbytes}")
-        if handle.kind == "shm":
-            shared = SharedBuffer.attach(handle.shm_name, handle.nbytes)
-            return cls(layout, shared.tensor, rank=handle.rank, owner=shared)
+        if not 0 <= handle.rank < layout.spec.tp_size:
+            raise InvalidArgument(f"rank {handle.rank} outside TP size {layout.spec.tp_size}")
+        if handle.kind == "memfd":
+            if segment is None:
+                raise InvalidArgument("memfd pools are mapped from a descriptor the engine offered")
+            owner = segment(handle)
+            try:
+                return cls(layout, owner.tensor, rank=handle.rank, owner=owner)
+            except BaseException:
+                owner.close()
+                raise
         if handle.kind == "cuda_ipc":
-            from hicache.cuda_ipc import open_tensor
+            from hicache.cuda_ipc import open_tensor, segment_id
 
-            return cls(layout, open_tensor(handle.cuda_ipc, handle.nbytes), rank=handle.rank)
+            pool = cls(layout, open_tensor(handle.cuda_ipc, handle.nbytes), rank=handle.rank)
+            pool.segment_id = segment_id(handle.cuda_ipc)
+            return pool
         raise InvalidArgument(f"unknown pool handle kind {handle.kind!r}")
 
     def close(self) -> None:
@@ -254,15 +294,12 @@ class HostPool:
             pinned = torch.cuda.is_available()
         self.pinned = pinned
         self._registered: list[int] = []
+        # Private anonymous memory: no process but the daemon maps it, and nothing of
+        # it survives the daemon.
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         if pinned:
-            self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
             self._register(progress)
-            self._shared = None
-        else:
-            self._map = None
-            self._shared = SharedBuffer.create(self.nbytes, prefix="hicache-host")
-            self.buffer = self._shared.tensor
         self.pages = self.buffer[: self.pages_nbytes]
         self.states = self.buffer[self.pages_nbytes :]
 
@@ -314,12 +351,9 @@ class HostPool:
         self.pages = self.states = self.buffer = None  # type: ignore[assignment]
         if self.pinned:
             self._unregister()
-            if self._map is not None:
-                try:
-                    self._map.close()
-                except BufferError:
-                    pass
-                self._map = None
-        elif self._shared is not None:
-            self._shared.close()
-            self._shared = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view still holds it: unmapped when the last view goes
+            self._map = None

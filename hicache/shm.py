@@ -1,97 +1,164 @@
-"""Named POSIX shared memory, mapped into torch tensors.
+"""Shared memory between an engine and the daemon: sealed memfd segments.
 
-CPU-mode KV pools, host pools and layer-counter rings live in files under ``/dev/shm``
-that one process creates and others map by name. We open the files directly rather than
-through ``multiprocessing.shared_memory``: on Python < 3.13 that module registers
-every segment a process *attaches* with its resource tracker, which unlinks the
-creator's segment when the attaching process exits.
+CPU-mode KV pools and layer-counter rings are anonymous memory files
+(``memfd_create``) that one process creates and hands to the other as a file descriptor
+(:mod:`hicache.fdpass`). Nothing has a name under ``/dev/shm``, so nothing outlives
+the processes that map it: a segment is freed when its last descriptor and mapping are
+gone, a crash included.
 
-The creator owns the name: it unlinks the file when it closes its buffer (or when the
-buffer is garbage collected). Attachers only unmap.
+A segment is *sealed* at creation (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``):
+neither side can change its size, so the other can never fault (SIGBUS) on a page that
+a truncation took away. A process mapping a segment it did not create checks the seals
+first (:func:`check_segment`) and refuses one that could shrink.
+
+The daemon maps an engine's pool read-write (it loads pages into it) and hands the
+engine its counter ring as a read-only descriptor (:meth:`SharedBuffer.reader_fd`) of
+a segment sealed against any writer but the daemon's own mapping.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import secrets
+import stat
 import weakref
-from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hicache.errors import InvalidArgument
 
-SHM_DIR = Path("/dev/shm")
-_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | _FUTURE_WRITE
 
 
-def unique_name(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+class SegmentId(NamedTuple):
+    """What makes two descriptors the same memory: the file's device and inode."""
+
+    dev: int
+    ino: int
+
+
+def check_segment(fd: int, nbytes: int, *, uid: int | None = None, writable: bool = True) -> SegmentId:
+    """Refuse a descriptor that is not a sealed memory file of at least ``nbytes``
+    bytes (owned by ``uid``, when given). Everything an engine hands over goes through
+    this before it is mapped."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise InvalidArgument(f"bad segment descriptor: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument("a segment must be a memory file (memfd_create), not this kind of file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise InvalidArgument("a segment must be a memory file (memfd_create with sealing)") from None
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise InvalidArgument("a segment must be sealed against shrinking (F_SEAL_SHRINK | F_SEAL_SEAL)")
+    if writable and seals & _WRITE_SEALS:
+        raise InvalidArgument("a segment the daemon writes into must not be write-sealed")
+    if st.st_size < nbytes:
+        raise InvalidArgument(f"the segment holds {st.st_size} bytes, expected {nbytes}")
+    if uid is not None and st.st_uid != uid:
+        raise InvalidArgument(f"the segment belongs to uid {st.st_uid}, not to the registering uid {uid}")
+    return SegmentId(st.st_dev, st.st_ino)
 
 
 class SharedBuffer:
-    """A named shared-memory segment and a flat uint8 tensor over it."""
+    """A mapped memfd segment: ``array`` (numpy bytes) and, when writable, ``tensor``
+    (a flat uint8 torch tensor) over it. ``fd`` stays open while the buffer does, for
+    handing the segment on; -1 once the caller said it need not (``keep_fd=False``)."""
 
-    def __init__(self, name: str, nbytes: int, *, create: bool, mode: int = 0o600, directory: Path = SHM_DIR):
-        if not name or set(name) - _NAME_CHARS or name.startswith("."):
-            raise InvalidArgument(f"bad shared-memory name {name!r}")
+    def __init__(self, fd: int, nbytes: int, *, writable: bool = True, keep_fd: bool = True) -> None:
         if nbytes <= 0:
             raise InvalidArgument(f"shared-memory size must be positive, got {nbytes}")
-        self.name = name
         self.nbytes = nbytes
-        self.owner = create
-        self.path = directory / name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.writable = writable
         try:
-            fd = os.open(self.path, flags, mode)
-        except FileNotFoundError:
-            raise InvalidArgument(f"no shared-memory segment {name!r}") from None
-        except FileExistsError:
-            raise InvalidArgument(f"shared-memory segment {name!r} already exists") from None
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise InvalidArgument(f"bad segment descriptor: {exc.strerror}") from None
+        self.segment_id = SegmentId(st.st_dev, st.st_ino)
+        # ACCESS_READ, not PROT_READ: a buffer over a read-only mapping must say so, or a
+        # write through it would fault instead of raising.
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            elif os.fstat(fd).st_size < nbytes:
-                raise InvalidArgument(
-                    f"shared-memory segment {name!r} holds {os.fstat(fd).st_size} bytes, expected {nbytes}"
-                )
-            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            if create:
-                os.unlink(self.path)
-            raise
-        finally:
+            self._map = mmap.mmap(fd, nbytes, access=access)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot map the segment: {exc}") from None
+        if not keep_fd:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._finalizer = weakref.finalize(self, _release, self._map, self.path if create else None)
+            fd = -1
+        self.fd = fd
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array) if writable else None
+        self._finalizer = weakref.finalize(self, _release, self._map, fd)
 
     @classmethod
-    def create(cls, nbytes: int, *, prefix: str = "hicache", mode: int = 0o600, directory: Path = SHM_DIR):
-        return cls(unique_name(prefix), nbytes, create=True, mode=mode, directory=directory)
+    def create(cls, nbytes: int, *, name: str = "hicache", others_read_only: bool = False) -> "SharedBuffer":
+        """A new zeroed, sealed segment of ``nbytes`` bytes (``name`` shows in
+        ``/proc/<pid>/maps`` as ``/memfd:<name>``). With ``others_read_only`` only this
+        buffer's own mapping can write it (``F_SEAL_FUTURE_WRITE``): a descriptor
+        handed on maps read-only, even reopened through ``/proc``."""
+        if nbytes <= 0:
+            raise InvalidArgument(f"shared-memory size must be positive, got {nbytes}")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS & ~fcntl.F_SEAL_SEAL)
+            buffer = cls(fd, nbytes)
+            seals = fcntl.F_SEAL_SEAL | (_FUTURE_WRITE if others_read_only else 0)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)  # after our own writable mapping exists
+            return buffer
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def attach(cls, name: str, nbytes: int, *, directory: Path = SHM_DIR):
-        return cls(name, nbytes, create=False, directory=directory)
+    def attach(cls, fd: int, nbytes: int, *, uid: int | None = None, writable: bool = True) -> "SharedBuffer":
+        """Map a segment another process handed over (taking ``fd``, which is closed
+        here either way), after :func:`check_segment`."""
+        try:
+            check_segment(fd, nbytes, uid=uid, writable=writable)
+            return cls(fd, nbytes, writable=writable, keep_fd=False)
+        except BaseException:
+            _close_quietly(fd)
+            raise
+
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of this segment (the caller closes it): whoever
+        gets it can map the segment for reading, but not write, grow or shrink it."""
+        if self.fd < 0:
+            raise InvalidArgument("this buffer kept no descriptor")
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Unmap (and unlink, for the creator). Tensors over the buffer must be gone."""
-        self.tensor = None  # type: ignore[assignment]
+        """Unmap and close. Views over the buffer (``array``, ``tensor`` and any taken
+        from them) must be gone, or the mapping lives until they are."""
+        self.tensor = self.array = None  # type: ignore[assignment]
         self._finalizer()
 
 
-def _release(mapping: mmap.mmap, path: Path | None) -> None:
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _release(mapping: mmap.mmap, fd: int) -> None:
     try:
         mapping.close()
     except BufferError:
-        # A tensor still views the mapping; the memory goes when the process exits.
+        # A view still holds the mapping: it is unmapped when the last view goes.
         pass
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    if fd >= 0:
+        _close_quietly(fd)

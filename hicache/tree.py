@@ -600,6 +600,10 @@ class HiRadixTree:
         except KeyError:
             raise UnknownNode(f"no node {node_id}") from None
 
+    def find(self, node_id: int) -> Node | None:
+        """The live node with this id, if any (ids are never reused)."""
+        return self._nodes.get(node_id)
+
     def nodes(self) -> Iterator[Node]:
         """Every live non-root node."""
         return (n for n in self._nodes.values() if n.parent is not None)

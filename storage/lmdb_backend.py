@@ -344,6 +344,8 @@ class LmdbBackend:
         if max_batch_records <= 0 or max_batch_bytes <= 0:
             raise InvalidArgument("max_batch_records and max_batch_bytes must be positive")
         self._path = os.fspath(path)
+        # 0700: lmdb would create it with the files' mode (0600), which nobody can enter.
+        os.makedirs(self._path, mode=0o700, exist_ok=True)
         self._capacity_bytes = capacity_bytes
         self._initial_map_size = map_size_bytes or default_map_size(capacity_bytes)
         self._sync = sync
@@ -713,6 +715,8 @@ class LmdbBackend:
                 writemap=self._writemap,
                 max_readers=self._max_readers,
                 lock=True,
+                # data.mdb and lock.mdb: the daemon's user only (cached prompts' KV and tokens)
+                mode=0o600,
             )
         except lmdb.Error as exc:
             raise StorageUnavailable(f"cannot open storage {self._path}: {exc}") from exc

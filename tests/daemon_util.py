@@ -10,10 +10,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import zmq
 
+from hicache import fdpass
 from hicache.client import CacheClient
+from hicache.daemon import protocol as p
 from hicache.errors import Unavailable
-from hicache.keys import namespace_id
+from hicache.keys import key_self_test, namespace_id
+from hicache.spec import KVSpec
 from tiers_util import SPEC, Engine
 
 HICACHE = str(Path(sys.executable).parent / "hicache")
@@ -136,3 +140,62 @@ class ClientEngine:
     def close(self) -> None:
         self.client.close()
         self.engine.close()
+
+
+class RawPeer:
+    """A bare DEALER connection to the daemon, for messages the client library would
+    never send. ``session()`` says hello (and registers an engine's pool) on it."""
+
+    def __init__(self, endpoint: str, context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self._context = context or zmq.Context()
+        self._own_context = context is None
+        self.sock = self._context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._ids = 1 << 40
+
+    @property
+    def fd_socket(self) -> str:
+        return str(fdpass.socket_path_for(self.endpoint[len("ipc://"):]))
+
+    def send(self, payload: bytes) -> None:
+        self.sock.send(payload)
+
+    def recv(self, timeout_s: float = 10.0) -> p.Reply:
+        assert self.sock.poll(int(timeout_s * 1000)), "the daemon stopped answering"
+        return p.decode_reply(self.sock.recv())
+
+    def call(self, message) -> p.Reply:
+        self._ids += 1
+        message.id = self._ids
+        self.send(p.encode(message))
+        reply = self.recv()
+        assert reply.id == message.id, (reply, message)
+        return reply
+
+    def hello(self) -> int:
+        reply = self.call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client="raw"))
+        assert isinstance(reply, p.HelloReply), reply
+        return reply.session
+
+    def register(self, session: int, pools: list[dict], spec: KVSpec = SPEC, in_use: bytes = b"") -> p.Reply:
+        return self.call(p.Register(id=0, session=session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
+                                    key_check=key_self_test(spec.fingerprint, spec.page_size), pools=pools,
+                                    in_use=in_use))
+
+    def offer(self, fd: int) -> bytes:
+        return fdpass.offer(self.fd_socket, fd)
+
+    def session(self, engine: Engine) -> int:
+        """hello + register ``engine``'s pool on this connection; the session id."""
+        session = self.hello()
+        handle = engine.exported.handle
+        reply = self.register(session, [handle.to_dict() | {"token": self.offer(handle.fd)}])
+        assert isinstance(reply, p.RegisterReply), reply
+        return session
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._own_context:
+            self._context.term()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicache import fdpass
 from hicache.counters import LayerWaiter
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.keys import page_keys
@@ -24,14 +25,21 @@ def expected_page(key: bytes, spec: KVSpec = SPEC) -> bytes:
     return rng.integers(0, 256, spec.rank_page_bytes, dtype=np.uint8).tobytes()
 
 
+def offered(daemon, exported) -> dict:
+    """An exported pool's handle for a Register to a daemon without sockets: its memfd
+    offered on the daemon's descriptor exchange, as the client library does."""
+    token = fdpass.offer(daemon.fds.path, exported.handle.fd)
+    return exported.handle.to_dict() | {"token": token}
+
+
 class Engine:
-    """One engine rank with a shared-memory KV pool."""
+    """One engine rank with a shared-memory (memfd) KV pool."""
 
     def __init__(self, num_pages: int, spec: KVSpec = SPEC) -> None:
         self.spec = spec
         self.exported = export_kv_pool(spec, num_pages)
         self.pool = self.exported.pool
-        self.waiters: dict[str, LayerWaiter] = {}
+        self.waiters: dict[int, LayerWaiter] = {}
         self._regions = self.pool.layout.token_regions
 
     def write(self, page: int, key: bytes) -> None:
@@ -60,14 +68,17 @@ class Engine:
         for i, page in enumerate(pages):
             assert self.read(int(page)) == expected_page(keys[i], self.spec), f"page {i} (id {page}) holds other bytes"
 
-    def waiter(self, counters_handle) -> LayerWaiter:
-        name = counters_handle.shm_name
-        if name not in self.waiters:
-            self.waiters[name] = LayerWaiter(counters_handle)
-        return self.waiters[name]
+    def offered(self, daemon) -> dict:
+        return offered(daemon, self.exported)
 
-    def wait(self, counters_handle, tickets) -> None:
-        waiter = self.waiter(counters_handle)
+    def waiter(self, counters) -> LayerWaiter:
+        """A waiter on a pool's ring (the tier manager's LayerCounters, in this process)."""
+        if id(counters) not in self.waiters:
+            self.waiters[id(counters)] = counters.waiter()
+        return self.waiters[id(counters)]
+
+    def wait(self, counters, tickets) -> None:
+        waiter = self.waiter(counters)
         for ticket in tickets:
             for layer in range(self.spec.num_layers):
                 waiter.wait_layer(ticket, layer, timeout_s=30)

@@ -4,8 +4,10 @@ The engine allocates its whole KV pool (every layer, plus recurrent-state slots)
 flat buffer laid out by :class:`hicache.pools.DeviceLayout`, uses the typed views of
 :class:`hicache.pools.DevicePool` for its forward pass, and sends the
 :class:`hicache.pools.PoolHandle` to the daemon at registration. CPU engines get the
-buffer in POSIX shared memory; CUDA engines in device memory shared by a CUDA IPC
-handle.
+buffer in a sealed memfd segment (:mod:`hicache.shm`), which the client library hands
+to the daemon as a descriptor: it has no name, so it is gone when the engine and the
+daemon have both let go of it (a crash included). CUDA engines get device memory shared
+by a CUDA IPC handle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from hicache.spec import KVSpec
 
 class ExportedKVPool:
     """The engine's side of an exported pool: ``pool`` for compute, ``handle`` for the
-    daemon. Close it when the engine is done (the shared memory is unlinked)."""
+    daemon (``client.register(spec, [exported.handle])``). Close it when the engine is
+    done."""
 
     def __init__(self, pool: DevicePool, handle: PoolHandle) -> None:
         self.pool = pool
@@ -37,17 +40,15 @@ def export_kv_pool(
     num_state_slots: int = 0,
     device: str | torch.device = "cpu",
     rank: int = 0,
-    shm_mode: int = 0o600,
 ) -> ExportedKVPool:
     """Allocate a zeroed KV pool of ``num_pages`` pages (plus the padding page) and
-    describe it for the daemon. ``shm_mode`` sets the permissions of a CPU pool's
-    shared-memory file (0o660 lets a daemon in the same group map it)."""
+    describe it for the daemon."""
     layout = DeviceLayout.build(spec, num_pages, num_state_slots)
     device = torch.device(device)
     if device.type == "cpu":
-        shared = SharedBuffer.create(layout.nbytes, prefix="hicache-kv", mode=shm_mode)
+        shared = SharedBuffer.create(layout.nbytes, name=f"hicache-kv-rank{rank}")
         pool = DevicePool(layout, shared.tensor, rank=rank, owner=shared)
-        handle = PoolHandle("shm", layout.to_dict(), layout.nbytes, rank, shm_name=shared.name)
+        handle = PoolHandle("memfd", layout.to_dict(), layout.nbytes, rank, fd=shared.fd)
     elif device.type == "cuda":
         from hicache.cuda_ipc import export_tensor
 

@@ -6,6 +6,8 @@ kernel compiled for real against its torch reference, interprocess layer events.
 """
 
 import multiprocessing
+import multiprocessing.reduction
+import os
 import traceback
 
 import pytest
@@ -37,7 +39,7 @@ def _engine(conn) -> None:
         conn.send(("pool", exported.handle.to_dict(), exported.pool.buffer.sum(dtype=torch.int64).item()))
         kind, counters = conn.recv()
         assert kind == "events"
-        waiter = LayerWaiter(CountersHandle.from_dict(counters))
+        waiter = LayerWaiter(CountersHandle.from_dict(counters), multiprocessing.reduction.recv_handle(conn))
         conn.send(("ready", None))
         kind, ticket, src, dst = conn.recv()
         ticket = Ticket(*ticket)
@@ -92,7 +94,10 @@ def test_cuda_ipc_pool_pinned_host_and_layer_events_across_processes():
                 b = h * SPEC.host_page_bytes + seg[0].offset
                 assert torch.equal(pool.buffer[a : a + region.unit_bytes].cpu(), host.pages[b : b + region.unit_bytes])
         counters = LayerCounters(num_slots=2, num_layers=SPEC.num_layers, cuda_device=pool.device.index or 0)
-        parent.send(("events", counters.handle.to_dict()))
+        parent.send(("events", counters.handle().to_dict()))
+        ring_fd = counters.reader_fd()
+        multiprocessing.reduction.send_handle(parent, ring_fd, engine.pid)
+        os.close(ring_fd)
         _expect(parent, "ready")
         ticket = counters.begin()
         with torch.cuda.stream(stream):

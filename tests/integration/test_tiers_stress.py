@@ -36,7 +36,7 @@ def test_steps_racing_transfers(tmp_path, write_policy, disk_policy):
                      config=TierConfig(write_policy=write_policy, disk_policy=disk_policy))
     for ns in NAMESPACES:
         tm.add_namespace(ns)
-    driver = Driver(tm, engine, tm.register_pool(0, [engine.pool]).handle)
+    driver = Driver(tm, engine, tm.register_pool(0, [engine.pool]))
     try:
         for _ in range(STEPS):
             op = rng.random()

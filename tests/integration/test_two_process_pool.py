@@ -1,7 +1,7 @@
 """Two processes: an engine that owns a CPU shared-memory KV pool, and the daemon side.
 
-The engine process exports its pool and fills it; this process (playing the daemon)
-maps the pool through hicache.pools, backs pages up to a host pool, and loads them back
+The engine process exports its pool, fills it and offers it on a descriptor socket;
+this process (playing the daemon) maps the pool through hicache.pools, backs pages up to a host pool, and loads them back
 into other pages layer by layer, stamping the layer counters. The engine waits on each
 layer with ``wait_layer`` — always *before* the daemon copies it (the copier is the slow
 side) — and checks the bytes of that layer, and that the next layer is not yet there.
@@ -9,14 +9,18 @@ Nothing is ordered by sleeping: each step waits for the other side's message.
 """
 
 import multiprocessing
+import os
 import traceback
 
 import numpy as np
 import torch
 
+from hicache import fdpass
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
 from hicache.engine.kv_pool import export_kv_pool
+from hicache.fdpass import FdExchange
 from hicache.pools import DevicePool, HostPool, PoolHandle
+from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec, MHALayer, MLALayer
 from hicache.transfer import PageMover
 
@@ -40,17 +44,19 @@ def page_bytes(pool: DevicePool, layer: int, page: int) -> bytes:
     )
 
 
-def engine_main(conn) -> None:
+def engine_main(conn, fd_socket) -> None:
     try:
         exported = export_kv_pool(SPEC, NUM_PAGES)
         pool = exported.pool
         rng = np.random.default_rng(1234)
         pool.buffer.copy_(torch.from_numpy(rng.integers(0, 256, pool.buffer.numel(), dtype=np.uint8)))
         before = pool.buffer.clone()
-        conn.send(("pool", exported.handle.to_dict()))
+        token = fdpass.offer(fd_socket, exported.handle.fd)
+        conn.send(("pool", exported.handle.to_dict() | {"token": token}))
         kind, counters_handle, ticket = conn.recv()
         assert kind == "load"
-        waiter = LayerWaiter(CountersHandle.from_dict(counters_handle))
+        counters_handle = CountersHandle.from_dict(counters_handle)
+        waiter = LayerWaiter(counters_handle, fdpass.fetch(fd_socket, counters_handle.token))
         ticket = Ticket(*ticket)
         originals = {(layer, page): page_bytes(pool, layer, page)
                      for layer in range(SPEC.num_layers) for page in SRC_PAGES}
@@ -90,20 +96,26 @@ def expect(conn, kind):
     return value
 
 
-def test_engine_and_daemon_share_a_pool_layer_by_layer():
+def test_engine_and_daemon_share_a_pool_layer_by_layer(tmp_path):
+    """The pool and the ring travel as descriptors on a real descriptor socket."""
+    exchange = FdExchange(tmp_path / "fds")
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    engine = ctx.Process(target=engine_main, args=(child,))
+    engine = ctx.Process(target=engine_main, args=(child, str(exchange.path)))
     engine.start()
     try:
         handle = PoolHandle.from_dict(expect(parent, "pool"))
-        pool = DevicePool.attach(handle, expected=SPEC)
+        offer = exchange.take(handle.token)
+        assert offer.pid == engine.pid and offer.uid == os.getuid()
+        pool = DevicePool.attach(handle, expected=SPEC,
+                                 segment=lambda h: SharedBuffer.attach(offer.fd, h.nbytes, uid=offer.uid))
         host = HostPool(SPEC, 6, pinned=False)
         mover = PageMover(pool, host)
         mover.backup(SRC_PAGES, HOST_PAGES)
         counters = LayerCounters(num_slots=4, num_layers=SPEC.num_layers)
         ticket = counters.begin()
-        parent.send(("load", counters.handle.to_dict(), tuple(ticket)))
+        token = exchange.publish(counters.reader_fd(), uid=os.getuid())
+        parent.send(("load", counters.handle(token).to_dict(), tuple(ticket)))
         for layer in range(SPEC.num_layers):
             assert expect(parent, "waiting") == layer
             mover.load_layer(HOST_PAGES, DST_PAGES, layer)
@@ -118,5 +130,6 @@ def test_engine_and_daemon_share_a_pool_layer_by_layer():
         host.close()
         counters.close()
     finally:
+        exchange.close()
         if engine.is_alive():
             engine.kill()

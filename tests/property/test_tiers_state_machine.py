@@ -57,7 +57,7 @@ class TiersMachine(RuleBasedStateMachine):
         self.tm = TierManager(SPEC, host_pages=HOST_PAGES, storage=self.storage, config=self.config)
         for ns in NAMESPACES:
             self.tm.add_namespace(ns)
-        handle = self.tm.register_pool(0, [self.engine.pool]).handle
+        handle = self.tm.register_pool(0, [self.engine.pool])
         self.tm.rebuild_from_storage()
         seen = self.driver.seen if getattr(self, "driver", None) else []
         self.driver = Driver(self.tm, self.engine, handle)

@@ -7,7 +7,7 @@ from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
 @pytest.fixture
 def ring():
     counters = LayerCounters(num_slots=2, num_layers=3)
-    waiter = LayerWaiter(CountersHandle.from_dict(counters.handle.to_dict()))
+    waiter = LayerWaiter(CountersHandle.from_dict(counters.handle(b"t").to_dict()), counters.reader_fd())
     yield counters, waiter
     waiter.close()
     counters.close()

@@ -10,11 +10,12 @@ import pytest
 from hicache.config import DaemonConfig
 from hicache.daemon import protocol as p
 from hicache.daemon.service import Daemon
+from hicache.fdpass import FdExchange
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.errors import ErrorCode
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
-from tiers_util import SPEC, Engine
+from tiers_util import SPEC, Engine, offered
 
 PS = SPEC.page_size
 
@@ -31,7 +32,7 @@ def make_daemon(tmp_path, clock=None, **overrides):
     values = {"disk.enabled": False, "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0,
               "server.lease_s": 5.0}
     values.update(overrides)
-    return Daemon(DaemonConfig.load(overrides=values), clock=clock or Clock())
+    return Daemon(DaemonConfig.load(overrides=values), clock=clock or Clock(), fds=FdExchange(tmp_path / "fds"))
 
 
 def ok(reply):
@@ -61,7 +62,7 @@ def register(daemon, session_id, spec, handles, request_id=2):
 
 def session(daemon, engine=None, spec=SPEC, pools=None):
     hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test")))
-    handles = pools if pools is not None else [engine.exported.handle.to_dict()]
+    handles = pools if pools is not None else [engine.offered(daemon)]
     ok(answered(daemon, register(daemon, hello.session, spec, handles)))
     return hello.session
 
@@ -85,7 +86,7 @@ def test_hello_and_register_are_checked(tmp_path, engines):
     error(daemon.handle(p.Hello(id=1, version=99)), ErrorCode.VERSION_MISMATCH)
     hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
     good = dict(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
-                key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.exported.handle.to_dict()])
+                key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
     error(daemon.handle(p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
     error(daemon.handle(p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
     error(daemon.handle(p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
@@ -111,8 +112,17 @@ def test_sessions_cannot_touch_each_others_locks_and_pages(tmp_path, engines):
     tokens = np.arange(3 * PS, dtype="<i4").tobytes()
     inserted = ok(daemon.handle(p.Insert(id=2, session=sa, tokens=tokens, pages=pages)))
     ok(daemon.handle(p.Lock(id=3, session=sa, node=inserted.node)))
-    error(daemon.handle(p.Unlock(id=4, session=sb, node=inserted.node)), ErrorCode.LOCK_UNDERFLOW)
-    error(daemon.handle(p.Load(id=5, session=sb, node=inserted.node)), ErrorCode.INVALID_ARGUMENT)
+    # A handle is its session's: another session naming it names nothing.
+    for op in (p.Lock, p.Unlock, p.Load):
+        error(daemon.handle(op(id=4, session=sb, node=inserted.node)), ErrorCode.UNKNOWN_NODE)
+    # The same node through b's own match (once backed up to host) has b's own handle,
+    # on which b holds no lock.
+    ok(answered(daemon, daemon.handle(p.Flush(id=5))))
+    theirs = ok(daemon.handle(p.Match(id=5, session=sb, tokens=tokens))).node
+    assert theirs not in (inserted.node, -1)
+    error(daemon.handle(p.Unlock(id=5, session=sb, node=theirs)), ErrorCode.LOCK_UNDERFLOW)
+    error(daemon.handle(p.Load(id=5, session=sb, node=theirs)), ErrorCode.INVALID_ARGUMENT)
+    error(daemon.handle(p.Lock(id=5, session=sa, node=theirs)), ErrorCode.UNKNOWN_NODE)
     mine = ok(daemon.handle(p.Alloc(id=6, session=sa, num_pages=2))).pages
     error(daemon.handle(p.Release(id=7, session=sb, pages=mine)), ErrorCode.INVALID_ARGUMENT)
     error(daemon.handle(p.Insert(id=8, session=sb, tokens=tokens[: 2 * PS * 4], pages=mine)),
@@ -192,7 +202,7 @@ def test_a_tp_group_registers_once_and_host_pages_hold_every_rank(tmp_path):
     ranks = [export_kv_pool(spec, 8, rank=r) for r in range(2)]
     daemon = make_daemon(tmp_path)
     try:
-        sid = session(daemon, spec=spec, pools=[r.handle.to_dict() for r in ranks])
+        sid = session(daemon, spec=spec, pools=[offered(daemon, r) for r in ranks])
         pages = np.frombuffer(ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=2))).pages, "<i4")
         for rank, exported in enumerate(ranks):  # each rank computes its own heads
             for region in exported.pool.layout.token_regions:
@@ -324,11 +334,12 @@ def test_a_long_rebuild_on_the_loop_keeps_the_watchdog_fed(tmp_path):
         for interval_s, pings in ((3600.0, 1), (0.0, 3)):  # the first is due at once
             daemon = make_daemon(tmp_path)
             notifier = Recorder(interval_s)
-            Server(daemon.config, daemon=daemon, notifier=notifier, context=context)
+            server = Server(daemon.config, daemon=daemon, notifier=notifier, context=context)
             for done in (16384, 32768, 49152):
                 daemon.keepalive(done)
             assert notifier.pings == pings
             daemon.close()
+            server.close()
     finally:
         context.destroy(linger=0)
 
@@ -454,10 +465,10 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     a2 = engines()
     sa2 = ok(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION, client="restarted"))).session
     assert gc.isenabled()
-    pending = register(daemon, sa2, SPEC, [a2.exported.handle.to_dict()], request_id=6)
+    pending = register(daemon, sa2, SPEC, [a2.offered(daemon)], request_id=6)
     assert isinstance(pending, Future) and not pending.done()
     assert not gc.isenabled()  # no full collection walks the rebuild's records meanwhile
-    error(register(daemon, sa2, SPEC, [a2.exported.handle.to_dict()], request_id=7), ErrorCode.INVALID_ARGUMENT)
+    error(register(daemon, sa2, SPEC, [a2.offered(daemon)], request_id=7), ErrorCode.INVALID_ARGUMENT)
     slices = 0
     while not pending.done():
         assert ok(daemon.handle(p.Match(id=8, session=sb, tokens=tokens_b))).node >= 0  # b is served
@@ -485,7 +496,7 @@ def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, e
     other_spec = dataclasses.replace(SPEC, model="other-model")
     session(daemon, engines(spec=other_spec), spec=other_spec)
     sid = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))).session
-    pending = register(daemon, sid, SPEC, [engines().exported.handle.to_dict()])
+    pending = register(daemon, sid, SPEC, [engines().offered(daemon)])
     assert isinstance(pending, Future) and not pending.done()
     daemon.close()
     assert isinstance(pending.result(), p.Error) and pending.result().code == ErrorCode.DRAINING

@@ -7,6 +7,7 @@ from hicache.config import DaemonConfig
 from hicache.counters import LayerWaiter
 from hicache.daemon import protocol as p
 from hicache.daemon.service import Daemon
+from hicache.fdpass import FdExchange
 from hicache.errors import LoadFailed
 from hicache.keys import key_self_test, namespace_id
 from hicache.metrics import DIRECTIONS, MISS_REASONS, OPS, TIERS, Metrics
@@ -92,7 +93,7 @@ def test_tier_manager_transfers_and_evictions(engine, tmp_path):
     store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
     tm = TierManager(SPEC, host_pages=8, storage=store, metrics=metrics)
     tm.add_namespace(NS)
-    handle = tm.register_pool(0, [engine.pool]).handle
+    handle = tm.register_pool(0, [engine.pool])
     tokens = list(range(100, 100 + 3 * PS))
     pages = tm.alloc(0, 3)
     engine.compute(NS, tokens, pages)
@@ -129,7 +130,7 @@ def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
     metrics = Metrics()
     tm = TierManager(SPEC, host_pages=8, metrics=metrics, config=TierConfig(copy_threads=1))
     tm.add_namespace(NS)
-    handle = tm.register_pool(0, [engine.pool]).handle
+    handle = tm.register_pool(0, [engine.pool])
     tokens = list(range(100, 100 + 2 * PS))
     pages = tm.alloc(0, 2)
     tm.insert(NS, tokens, 0, pages)
@@ -143,7 +144,7 @@ def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
     node = tm.match(NS, tokens, 0).match.node
     tm.lock(node, 0)
     loaded = tm.wait(tm.load(node, 0))
-    waiter = LayerWaiter(handle)
+    waiter = handle.waiter()
     with pytest.raises(LoadFailed):
         waiter.wait_layer(loaded.wait[0], 0, timeout_s=30)
     tm.flush()
@@ -159,13 +160,13 @@ def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
 def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
     config = DaemonConfig.load(overrides={"disk.enabled": False, "server.socket": str(tmp_path / "s"),
                                           "host.ratio": 1.0})
-    daemon = Daemon(config)
+    daemon = Daemon(config, fds=FdExchange(tmp_path / "fds"))
     metrics = daemon.metrics
     hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))
     sid = hello.session
     daemon.handle(p.Register(id=2, session=sid, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                              key_check=key_self_test(SPEC.fingerprint, PS),
-                             pools=[engine.exported.handle.to_dict()]))
+                             pools=[engine.offered(daemon)]))
     tokens = np.arange(100, 100 + 3 * PS, dtype="<i4").tobytes()
     # Nothing of this namespace was ever inserted.
     daemon.handle(p.Match(id=3, session=sid, tokens=tokens, extra_key="nobody"))
@@ -202,7 +203,7 @@ def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
 def test_disk_figures(tmp_path):
     config = DaemonConfig.load(overrides={"disk.path": str(tmp_path / "db"), "server.socket": str(tmp_path / "s"),
                                           "disk.capacity_bytes": 1 << 20})
-    daemon = Daemon(config)
+    daemon = Daemon(config, fds=FdExchange(tmp_path / "fds"))
     daemon.refresh_snapshot()
     metrics = daemon.metrics
     assert value(metrics, "hicache_disk_capacity_bytes") == 1 << 20

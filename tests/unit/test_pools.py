@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -30,20 +32,27 @@ def test_layout_regions_are_aligned_and_disjoint():
         DeviceLayout.build(SPEC, num_pages=0)
 
 
+def _segment(exported):
+    """How the daemon maps a memfd handle: from a copy of the engine's descriptor."""
+    return lambda handle: SharedBuffer.attach(os.dup(exported.handle.fd), handle.nbytes, uid=os.getuid())
+
+
 def test_export_and_attach_share_the_same_bytes():
     exported = export_kv_pool(SPEC, num_pages=5)
     handle = PoolHandle.from_dict(exported.handle.to_dict())
-    attached = DevicePool.attach(handle, expected=SPEC)
+    assert handle.kind == "memfd" and handle.fd == -1  # the descriptor never travels
+    attached = DevicePool.attach(handle, expected=SPEC, segment=_segment(exported))
     try:
+        assert attached.segment_id == exported.pool.segment_id is not None
         exported.pool.v_buffer(2)[4:8] = 3.0  # page 1 of layer 2's V, from the engine
         assert bool((attached.v_buffer(2)[4:8] == 3.0).all())
         attached.k_buffer(0)[0:4] = -1.0  # the daemon writes the padding page
         assert bool((exported.pool.k_buffer(0)[0:4] == -1.0).all())
+        with pytest.raises(PermissionError):  # sealed: nobody can shrink it under the other
+            os.ftruncate(exported.handle.fd, 0)
     finally:
         attached.close()
         exported.close()
-    with pytest.raises(InvalidArgument):
-        SharedBuffer.attach(handle.shm_name, handle.nbytes)  # the engine unlinked it
 
 
 def test_attach_refuses_other_specs_and_bad_handles():
@@ -57,10 +66,22 @@ def test_attach_refuses_other_specs_and_bad_handles():
             DevicePool.attach(PoolHandle.from_dict(bad))
         with pytest.raises(InvalidArgument):
             DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict() | {"kind": "rdma"}))
+        with pytest.raises(InvalidArgument):  # a memfd pool is mapped only from an offered descriptor
+            DevicePool.attach(exported.handle)
+        for extra in ({"shm_name": "../etc/passwd"}, {"fd": 0}, {"rank": True}, {"token": "text"},
+                      {"layout": []}, {"cuda_ipc": 3}):
+            with pytest.raises(InvalidArgument):  # a descriptor number never comes from the wire
+                PoolHandle.from_dict(exported.handle.to_dict() | extra)
+        for bad_layout in ({"num_pages": -1}, {"num_pages": 2**40}, {"num_pages": "2"}, {"extra": 1}):
+            with pytest.raises(InvalidArgument):
+                DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict()
+                                                       | {"layout": exported.handle.layout | bad_layout}))
         with pytest.raises(InvalidArgument):
-            DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict() | {"shm_name": "../etc/passwd"}))
-        with pytest.raises(InvalidArgument):
-            PoolHandle.from_dict({"kind": "shm"})
+            DevicePool.attach(PoolHandle.from_dict(exported.handle.to_dict() | {"rank": 1}),
+                              segment=_segment(exported))  # outside the spec's TP size
+        for data in ({"kind": "memfd"}, [], None):
+            with pytest.raises(InvalidArgument):
+                PoolHandle.from_dict(data)
     finally:
         exported.close()
 

@@ -30,7 +30,7 @@ def make_tm(engine, *, host_pages=12, storage=None, **config):
     tm = TierManager(SPEC, host_pages=host_pages, storage=storage, config=TierConfig(**config))
     tm.add_namespace(NS)
     counters = tm.register_pool(0, [engine.pool])
-    return tm, counters.handle
+    return tm, counters
 
 
 def prefill(tm, engine, toks, pool=0):
@@ -439,7 +439,7 @@ def test_warm_restart_hits_what_was_persisted(engine, tmp_path):
 
     store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
     restarted = TierManager(SPEC, host_pages=12, storage=store)
-    _, handle = None, restarted.register_pool(0, [engine.pool]).handle
+    _, handle = None, restarted.register_pool(0, [engine.pool])
     assert restarted.rebuild_from_storage() == 5
     assert foreign_ns not in restarted.tree.namespaces()
     restarted.check_invariants()

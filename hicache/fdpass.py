@@ -1,0 +1,300 @@
+"""Handing shared-memory descriptors between engines and the daemon (SCM_RIGHTS).
+
+ZeroMQ carries bytes only, so the daemon also listens on a Unix ``SOCK_SEQPACKET``
+socket next to its own, ``<socket>.fds`` (same directory, same mode). A descriptor
+travels with a random 16-byte token; the ZeroMQ message that uses it names the token::
+
+    engine                      <socket>.fds (daemon thread)          daemon loop
+    offer(fd) ─── "P"+token+fd ──> kept under token (uid, pid) ──> take(token) at register
+    fetch(token) <── "K" + fd ──── kept under token  <──────────── publish(ring fd, uid)
+
+Every exchange is one datagram each way on a fresh connection. ``"P"`` offers one
+descriptor (the daemon answers ``"K"`` or ``"E"`` + a reason); ``"G"``
+fetches the descriptor the daemon published under a token (answered ``"K"`` with it,
+or ``"E"``). The kernel tells the daemon who sent an offer (``SO_PEERCRED``), which is
+what a registration checks against: an offer is usable once, only by a registration of
+the same user, and expires after :data:`OFFER_TTL_S`; each user may keep at most
+:data:`MAX_OFFERS_PER_UID` offers waiting. A descriptor handed to a process is that
+process's to keep: handing one over grants access, whatever the file modes say.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicache.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BYTES = 16
+OFFER_TTL_S = 60.0
+MAX_OFFERS_PER_UID = 64
+MAX_OFFERS = 1024
+_CONNECTION_S = 2.0  # a connection that has not sent its request by then is closed
+_MAX_CONNECTIONS = 64
+_REQUEST_BYTES = 1 + TOKEN_BYTES
+_MAX_FDS_READ = 4  # room to see (and refuse) a request with more descriptors than one
+_INT = struct.calcsize("i")
+
+
+def socket_path_for(zmq_socket: str | os.PathLike) -> Path:
+    """The descriptor socket of the daemon whose ipc socket is ``zmq_socket``."""
+    path = Path(zmq_socket)
+    return path.with_name(path.name + ".fds")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A descriptor an engine offered, and who offered it."""
+
+    fd: int
+    uid: int
+    gid: int
+    pid: int
+
+
+def _connect(path: str | os.PathLike, timeout_s: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(os.fspath(path))
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot reach the daemon's descriptor socket {path}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _answer(data: bytes) -> None:
+    if data[:1] == b"K":
+        return
+    if data[:1] == b"E":
+        raise InvalidArgument(data[1:].decode("utf-8", "replace"))
+    raise Unavailable("no answer on the descriptor socket")
+
+
+def offer(path: str | os.PathLike, fd: int, *, timeout_s: float = 5.0) -> bytes:
+    """Hand ``fd`` to the daemon (a copy: ``fd`` stays yours); returns the token a
+    registration names it by."""
+    token = secrets.token_bytes(TOKEN_BYTES)
+    with _connect(path, timeout_s) as sock:
+        try:
+            socket.send_fds(sock, [b"P" + token], [fd])
+            _answer(sock.recv(256))
+        except OSError as exc:
+            raise Unavailable(f"descriptor socket {path}: {exc}") from None
+    return token
+
+
+def fetch(path: str | os.PathLike, token: bytes, *, timeout_s: float = 5.0) -> int:
+    """The descriptor the daemon published under ``token`` (yours to close)."""
+    with _connect(path, timeout_s) as sock:
+        try:
+            sock.send(b"G" + bytes(token))
+            data, fds, _, _ = socket.recv_fds(sock, 256, 1)
+        except OSError as exc:
+            raise Unavailable(f"descriptor socket {path}: {exc}") from None
+    if data[:1] == b"K" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    _answer(data or b"")
+    raise Unavailable("the daemon answered without a descriptor")
+
+
+class FdExchange:
+    """The daemon's side: a thread that keeps offered descriptors until a registration
+    takes them, and hands out the ones the daemon published. ``take`` and
+    ``publish`` are for the daemon's loop; everything else runs on the thread."""
+
+    def __init__(self, path: str | os.PathLike, *, mode: int = 0o660,
+                 clock=time.monotonic) -> None:
+        self.path = Path(path)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._offers: dict[bytes, tuple[Offer, float]] = {}
+        self._published: dict[bytes, tuple[int, int | None, float]] = {}  # token -> fd, uid allowed, expiry
+        self._stop = False
+        if self.path.is_socket():
+            self.path.unlink()  # a stale one (the caller holds the daemon's lock)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind(os.fspath(self.path))
+        os.chmod(self.path, mode)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._run, name="hicache-fds", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def take(self, token: bytes) -> Offer | None:
+        """The offer under ``token``, removed (the caller owns its descriptors now)."""
+        with self._lock:
+            entry = self._offers.pop(bytes(token), None)
+        return None if entry is None else entry[0]
+
+    def publish(self, fd: int, *, uid: int | None = None) -> bytes:
+        """Keep ``fd`` (taken over) for one fetch by ``uid`` (anyone when ``None``)."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        with self._lock:
+            self._published[token] = (fd, uid, self._clock() + OFFER_TTL_S)
+        return token
+
+    def close(self) -> None:
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        self._listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with self._lock:
+            for offer_, _ in self._offers.values():
+                _close_all((offer_.fd,))
+            for fd, _, _ in self._published.values():
+                _close_all((fd,))
+            self._offers.clear()
+            self._published.clear()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        deadlines: dict[socket.socket, float] = {}
+        try:
+            while not self._stop:
+                now = self._clock()
+                timeout = min([d - now for d in deadlines.values()] + [1.0])
+                for key, _ in selector.select(max(0.0, timeout)):
+                    if key.fileobj is self._listener:
+                        self._accept(selector, deadlines)
+                    elif key.fileobj in deadlines:
+                        conn = key.fileobj
+                        selector.unregister(conn)
+                        del deadlines[conn]
+                        self._serve(conn)
+                now = self._clock()
+                for conn in [c for c, d in deadlines.items() if d <= now]:
+                    selector.unregister(conn)
+                    del deadlines[conn]
+                    conn.close()
+                self._expire(now)
+        except Exception:  # a bug: descriptors stop flowing, the daemon keeps serving
+            logger.exception("descriptor exchange stopped")
+        finally:
+            for conn in deadlines:
+                conn.close()
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector, deadlines: dict) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: try again on the next turn
+                logger.warning("descriptor socket: accept failed: %s", exc)
+                return
+            if len(deadlines) >= _MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ, None)
+            deadlines[conn] = self._clock() + _CONNECTION_S
+
+    def _serve(self, conn: socket.socket) -> None:
+        received: list[int] = []
+        try:
+            data, received = self._receive(conn)
+            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 3 * _INT))
+            kind, token = data[:1], data[1:]
+            if len(data) != _REQUEST_BYTES or kind not in (b"P", b"G"):
+                raise InvalidArgument("a request is 'P' or 'G' and a 16-byte token")
+            if kind == b"P":
+                if len(received) != 1:
+                    raise InvalidArgument("an offer carries exactly one descriptor")
+                self._keep(token, Offer(received[0], uid, gid, pid))
+                received = []
+                conn.send(b"K")
+                return
+            fd = self._hand_out(token, uid)
+            try:
+                socket.send_fds(conn, [b"K"], [fd])
+            finally:
+                os.close(fd)
+        except InvalidArgument as exc:
+            self._refuse(conn, exc.message)
+        except ResourceExhausted as exc:
+            self._refuse(conn, exc.message)
+        except OSError:
+            pass  # the peer went away
+        finally:
+            _close_all(received)
+            conn.close()
+
+    @staticmethod
+    def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
+        fds = array.array("i")
+        data, ancillary, flags, _ = conn.recvmsg(_REQUEST_BYTES + 1, socket.CMSG_SPACE(_MAX_FDS_READ * _INT))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % _INT])
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            _close_all(fds)
+            raise InvalidArgument(f"one descriptor and {_REQUEST_BYTES} bytes in a request")
+        return data, list(fds)
+
+    def _keep(self, token: bytes, offer_: Offer) -> None:
+        with self._lock:
+            if token in self._offers:
+                raise InvalidArgument("this token is taken")
+            if len(self._offers) >= MAX_OFFERS or \
+                    sum(o.uid == offer_.uid for o, _ in self._offers.values()) >= MAX_OFFERS_PER_UID:
+                raise ResourceExhausted("too many descriptors offered and not yet registered")
+            self._offers[token] = (offer_, self._clock() + OFFER_TTL_S)
+
+    def _hand_out(self, token: bytes, uid: int) -> int:
+        with self._lock:
+            entry = self._published.get(token)
+            if entry is None or (entry[1] is not None and entry[1] != uid):
+                raise InvalidArgument("nothing published under this token for this user")
+            del self._published[token]
+        return entry[0]
+
+    @staticmethod
+    def _refuse(conn: socket.socket, message: str) -> None:
+        try:
+            conn.send(b"E" + message.encode()[:200])
+        except OSError:
+            pass
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            for token in [t for t, (_, expiry) in self._offers.items() if expiry <= now]:
+                offer_, _ = self._offers.pop(token)
+                _close_all((offer_.fd,))
+            for token in [t for t, (_, _, expiry) in self._published.items() if expiry <= now]:
+                _close_all((self._published.pop(token)[0],))
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -141,7 +141,13 @@ class FdExchange:
         """The offer under ``token``, removed (the caller owns its descriptors now)."""
         with self._lock:
             entry = self._offers.pop(bytes(token), None)
-        return None if entry is None else entry[0]
+        if entry is None:
+            return None
+        offer_, expiry = entry
+        if expiry <= self._clock():  # (the thread would have dropped it on its next turn)
+            _close_all((offer_.fd,))
+            return None
+        return offer_
 
     def publish(self, fd: int, *, uid: int | None = None) -> bytes:
         """Keep ``fd`` (taken over) for one fetch by ``uid`` (anyone when ``None``)."""
@@ -260,6 +266,7 @@ class FdExchange:
         return data, list(fds)
 
     def _keep(self, token: bytes, offer_: Offer) -> None:
+        self._expire(self._clock())
         with self._lock:
             if token in self._offers:
                 raise InvalidArgument("this token is taken")
@@ -269,6 +276,7 @@ class FdExchange:
             self._offers[token] = (offer_, self._clock() + OFFER_TTL_S)
 
     def _hand_out(self, token: bytes, uid: int) -> int:
+        self._expire(self._clock())
         with self._lock:
             entry = self._published.get(token)
             if entry is None or (entry[1] is not None and entry[1] != uid):

@@ -122,8 +122,8 @@ def test_unit_execstart_names_the_console_script(service):
 def test_unit_sandbox_leaves_engines_and_gpus_reachable(service):
     assert _one(service, "ProtectSystem") == "strict"
     assert _one(service, "NoNewPrivileges") == "yes"
-    # Engines' files in /dev/shm keep their group bits, and the host's /dev and IPC
-    # namespace stay ours.
+    # Nothing the daemon makes is world-readable; the host's /dev, IPC namespace and user
+    # ids stay ours (GPUs, CUDA IPC, the pool ownership checks).
     assert _one(service, "UMask") == "0007"
     for absent in ("PrivateDevices", "PrivateIPC", "RemoveIPC", "DynamicUser", "ProcSubset",
                    "MemoryDenyWriteExecute"):

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
@@ -88,3 +89,25 @@ def test_ring_exhaustion_and_misuse(ring):
         waiter.wait_layer(a, 0, timeout_s=0)
     with pytest.raises(InvalidArgument):
         LayerCounters(0, 3)
+
+
+def test_the_daemon_never_reads_the_shared_ring_back(ring):
+    """Whatever lands in the shared words (an engine is untrusted input), the daemon's
+    tickets, stamps and slot reuse go on from its own copy."""
+    counters, waiter = ring
+    ticket = counters.begin()
+    counters.shared.array[:] = np.random.default_rng(3).integers(0, 256, counters.shared.nbytes, dtype=np.uint8)
+    for layer in range(3):
+        counters.complete_layer(ticket, layer)  # still a live ticket
+    counters.finish(ticket)
+    second = counters.begin()
+    counters.shared.array[:] = 0xFF
+    counters.fail(second)
+    counters.finish(second)
+    third = counters.begin()
+    assert third.slot == ticket.slot and third.generation == second.generation + 1
+    assert waiter.is_done(third, 0) is False  # the stamps it writes are right again
+    counters.complete_layer(third, 0)
+    assert waiter.is_done(third, 0)
+    with pytest.raises(InvalidArgument):
+        counters.complete_layer(ticket, 0)  # the old ticket is not live, whatever the ring says

@@ -9,7 +9,8 @@ import pytest
 
 from hicache.config import DaemonConfig
 from hicache.daemon import protocol as p
-from hicache.daemon.service import Daemon
+from hicache.daemon import service
+from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.fdpass import FdExchange
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.errors import ErrorCode
@@ -159,6 +160,96 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     assert manager.accounting()["host"].cached_protected == 0
     error(daemon.handle(p.Match(id=4, session=sid, tokens=tokens)), ErrorCode.UNKNOWN_SESSION)
     ok(daemon.handle(p.Check(id=5)))
+    daemon.close()
+
+
+def test_a_session_answers_only_on_the_connection_that_said_hello(tmp_path, engines):
+    daemon = make_daemon(tmp_path)
+    hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION), peer=b"conn-a"))
+    engine = engines()
+    reg = p.Register(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                     key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
+    error(daemon.handle(reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
+    ok(daemon.handle(reg, peer=b"conn-a"))
+    for request in (p.Alloc(id=3, session=hello.session, num_pages=1), p.Heartbeat(id=3, session=hello.session),
+                    p.Bye(id=3, session=hello.session)):
+        error(daemon.handle(request, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
+    assert hello.session in daemon.sessions  # a foreign bye ended nothing
+    ok(daemon.handle(p.Bye(id=4, session=hello.session), peer=b"conn-a"))
+    assert hello.session not in daemon.sessions
+    daemon.close()
+
+
+def test_unregistered_sessions_lapse_and_count_against_their_peer(tmp_path, engines):
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock, **{"server.max_unregistered_per_peer": 2, "server.register_within_s": 1.0})
+    first = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))).session
+    ok(daemon.handle(p.Hello(id=2, version=p.PROTOCOL_VERSION)))
+    error(daemon.handle(p.Hello(id=3, version=p.PROTOCOL_VERSION)), ErrorCode.RESOURCE_EXHAUSTED)
+    # Another peer is not held back by this one.
+    daemon.peer_creds = lambda peer: PeerCreds.parse("localhost:1234:1234:99" if peer == b"other" else "")
+    ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION), peer=b"other"))
+    daemon.peer_creds = lambda peer: LOCAL
+    # A registration makes room; heartbeats do not keep an unregistered session.
+    ok(answered(daemon, register(daemon, first, SPEC, [engines().offered(daemon)])))
+    third = ok(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION))).session
+    for _ in range(3):
+        clock.now += 0.5
+        ok(daemon.handle(p.Heartbeat(id=6, session=first)))
+        daemon.handle(p.Heartbeat(id=6, session=third))
+        daemon.poll()
+    assert first in daemon.sessions and third not in daemon.sessions
+    assert len(daemon.sessions) == 1 and not daemon._unregistered  # every unregistered one lapsed
+    ok(daemon.handle(p.Hello(id=7, version=p.PROTOCOL_VERSION)))
+    daemon.close()
+
+
+def test_peer_addresses():
+    assert PeerCreds.parse("localhost:1000:100:4242") == PeerCreds(1000, 100, 4242, "uid:1000")
+    for address in ("127.0.0.1", "::1", "2001:db8::1:2:3", "", "localhost", "localhost:a:b:c", "host:1:2:3"):
+        creds = PeerCreds.parse(address)
+        assert creds.uid is None and creds.key == address
+
+
+def test_a_session_waiting_for_an_answer_keeps_its_lease(tmp_path, engines):
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock)
+    sid = session(daemon, engines())
+    waiting = Future()  # a load of this session waiting for disk, say
+    chained = daemon._chain(waiting, 2, "load", 0.0, daemon.sessions[sid])
+    clock.now += 60
+    daemon.poll()
+    assert sid in daemon.sessions  # its engine waits on us, not the other way round
+    waiting.set_result(p.Ok(id=0))
+    assert chained.result().id == 2
+    clock.now += 4.9
+    daemon.poll()
+    assert sid in daemon.sessions  # the answer renewed it
+    clock.now += 1.0
+    daemon.poll()
+    assert sid not in daemon.sessions
+    daemon.close()
+
+
+def test_a_session_forgets_its_oldest_unlocked_handles(tmp_path, engines, monkeypatch):
+    monkeypatch.setattr(service, "_MAX_HANDLES", 8)
+    daemon = make_daemon(tmp_path)
+    sid = session(daemon, engines(num_pages=64))
+    handles = []
+    for i in range(12):
+        pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=1))).pages
+        tokens = np.arange(1000 * i, 1000 * i + PS, dtype="<i4").tobytes()
+        handles.append(ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages))).node)
+        if i == 0:
+            ok(daemon.handle(p.Lock(id=3, session=sid, node=handles[0])))
+    assert len(set(handles)) == 12 and len(daemon.sessions[sid].handles) <= 8
+    ok(daemon.handle(p.Unlock(id=4, session=sid, node=handles[0])))  # locked: kept
+    error(daemon.handle(p.Lock(id=5, session=sid, node=handles[1])), ErrorCode.UNKNOWN_NODE)  # forgotten
+    ok(daemon.handle(p.Lock(id=6, session=sid, node=handles[-1])))
+    tokens = np.arange(1000, 1000 + PS, dtype="<i4").tobytes()
+    again = ok(daemon.handle(p.Match(id=7, session=sid, tokens=tokens))).node  # a new handle for it
+    assert again not in (-1, handles[1])
+    ok(daemon.handle(p.Check(id=8)))
     daemon.close()
 
 

@@ -97,7 +97,6 @@ class Server:
         self.daemon.keepalive = self._keepalive
         self._peers: dict[bytes, PeerCreds] = {}  # routing id -> who is at the other end
         self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER)
-        self.dropped = 0  # messages whose handling failed outside the daemon's own fence
         self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
@@ -197,8 +196,8 @@ class Server:
         try:
             return step(router, *args)
         except Exception:
-            self.dropped += 1
             logger.exception("the loop dropped what it was doing (%s)", step.__name__)
+            self.daemon.dropped()
             return False
 
     def _catch_up(self, router: zmq.Socket) -> None:

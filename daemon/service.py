@@ -85,7 +85,7 @@ from hicache.keys import (
     key_self_test,
     namespace_id,
 )
-from hicache.pages import PAGE_ID_DTYPE, as_page_ids
+from hicache.pages import PAGE_ID_DTYPE, distinct_page_ids
 from hicache.pools import DevicePool, HostPool, PoolHandle
 from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec
@@ -145,10 +145,6 @@ class Session:
     handles: dict[int, int] = field(default_factory=dict)  # handle -> node id, oldest first
     handle_of: dict[int, int] = field(default_factory=dict)  # node id -> handle
     waiting: int = 0  # requests answered later (a load from disk): the engine is alive
-
-    @property
-    def registered(self) -> bool:
-        return self.manager is not None
 
 
 @dataclass(eq=False)
@@ -329,6 +325,11 @@ class Daemon:
         self.counts[(op, status)] += 1
         self.metrics.request(op, status, seconds)
 
+    def dropped(self) -> None:
+        """The loop dropped what it was doing (a bug it survived): counted like a request
+        of op ``loop`` and status ``DROPPED`` (``stats`` and the requests metric)."""
+        self._count("loop", "DROPPED", 0.0)
+
     def error_reply(self, request_id: int, exc: HicacheError) -> p.Error:
         self._count("decode", exc.code.name, 0.0)
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)
@@ -416,7 +417,7 @@ class Daemon:
             for handle in handles:
                 ranks.append(DevicePool.attach(handle, expected=spec, segment=lambda h: self._segment(session, h)))
                 self._refuse_mapped_twice(ranks)
-            in_use = self._in_use(m.in_use, ranks[0].num_pages)
+            in_use = distinct_page_ids(m.in_use, ranks[0].num_pages)  # pages a re-registering engine uses
             manager = self._manager_for(spec, ranks[0].num_pages)
         except BaseException:
             for rank in ranks:
@@ -475,17 +476,6 @@ class Daemon:
 
     def _all_managers(self) -> list[TierManager]:
         return [*self.managers.values(), *(rebuild.manager for rebuild in self._rebuilds.values())]
-
-    @staticmethod
-    def _in_use(data: bytes, num_pages: int) -> np.ndarray:
-        """The pages a re-registering engine still uses, checked: in the pool, once each."""
-        in_use = as_page_ids(data)
-        if in_use.size:
-            if int(in_use.min()) < 1 or int(in_use.max()) > num_pages:
-                raise InvalidArgument(f"in_use page ids must be in [1, {num_pages}]")
-            if len(np.unique(in_use)) != len(in_use):
-                raise InvalidArgument("a page id appears twice in in_use")
-        return in_use
 
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
                 in_use: np.ndarray, manager: TierManager) -> p.RegisterReply:

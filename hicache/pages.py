@@ -62,6 +62,18 @@ def as_page_ids(pages: PageIdsLike) -> PageIds:
     return arr
 
 
+def distinct_page_ids(pages: PageIdsLike, capacity: int) -> PageIds:
+    """``pages`` as ids of a pool of ``capacity`` pages (page 0 is padding): each in
+    ``[1, capacity]``, none twice. An engine's request names pages this way."""
+    ids = as_page_ids(pages)
+    if ids.size:
+        if int(ids.min()) < 1 or int(ids.max()) > capacity:
+            raise InvalidArgument(f"page ids must be in [1, {capacity}]")
+        if len(np.unique(ids)) != len(ids):
+            raise InvalidArgument("a page id appears twice")
+    return ids
+
+
 class PageAllocator:
     """Free-list allocator of ``capacity`` page ids starting at ``first_page_id``.
 

@@ -54,7 +54,7 @@ from hicache.jobs import Completions, Workers
 from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, NamespaceId, Tokens, pack_tokens
 from hicache.kernels.page_copy import CpuCopyWorkers
 from hicache.metrics import NullMetrics
-from hicache.pages import PAGE_ID_DTYPE, PageAllocator, PageIds, PageIdsLike, as_page_ids
+from hicache.pages import PAGE_ID_DTYPE, PageAllocator, PageIds, PageIdsLike, distinct_page_ids
 from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
 from hicache.storage.base import PageMeta, PageRecord, StorageBackend
@@ -365,14 +365,9 @@ class TierManager:
         """``pages`` as ids, checked: in the pool's range, none repeated."""
         return self._checked_ids(self._pool(pool_id), pages)
 
-    def _checked_ids(self, pool: _Pool, pages: PageIdsLike) -> PageIds:
-        ids = as_page_ids(pages)
-        if ids.size:
-            if int(ids.min()) < 1 or int(ids.max()) > pool.allocator.capacity:
-                raise InvalidArgument(f"page ids must be in [1, {pool.allocator.capacity}]")
-            if len(np.unique(ids)) != len(ids):
-                raise InvalidArgument("a page id appears twice")
-        return ids
+    @staticmethod
+    def _checked_ids(pool: _Pool, pages: PageIdsLike) -> PageIds:
+        return distinct_page_ids(pages, pool.allocator.capacity)
 
     # ------------------------------------------------------------------ match / insert / locks
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from hicache.config import DaemonConfig
-from hicache.counters import LayerWaiter
 from hicache.daemon import protocol as p
 from hicache.daemon.service import Daemon
 from hicache.fdpass import FdExchange

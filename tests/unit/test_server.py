@@ -1,0 +1,72 @@
+"""The server loop in a thread over a real ipc:// socket: what it survives."""
+
+import threading
+
+import pytest
+import zmq
+
+from hicache.config import DaemonConfig
+from hicache.daemon import protocol as p
+from hicache.daemon.server import Server
+from hicache.daemon.statelock import AlreadyRunning
+
+
+@pytest.fixture
+def served(tmp_path):
+    config = DaemonConfig.load(overrides={"server.socket": str(tmp_path / "hicache.sock"), "disk.enabled": False,
+                                          "metrics.enabled": False})
+    server = Server(config)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{tmp_path / 'hicache.sock'}")
+    yield server, sock
+    sock.close()
+    context.term()
+    server.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def ask(sock, message, timeout_ms=10_000):
+    sock.send(p.encode(message))
+    assert sock.poll(timeout_ms), "no answer"
+    return p.decode_reply(sock.recv())
+
+
+def test_the_loop_survives_a_failure_outside_the_daemons_fence(served, monkeypatch):
+    server, sock = served
+    assert isinstance(ask(sock, p.Health(id=1)), p.HealthReply)
+    failures = {"answer": 1, "poll": 1}
+    daemon = server.daemon
+    real_answer, real_poll = daemon.answer, daemon.poll
+
+    def answer(request, peer=b""):
+        if failures["answer"]:
+            failures["answer"] -= 1
+            raise RuntimeError("a bug in the handling")
+        return real_answer(request, peer)
+
+    def poll(timeout_s=0.0):
+        if failures["poll"]:
+            failures["poll"] -= 1
+            raise RuntimeError("a bug in the catch-up")
+        return real_poll(timeout_s)
+
+    monkeypatch.setattr(daemon, "answer", answer)
+    monkeypatch.setattr(daemon, "poll", poll)
+    sock.send(p.encode(p.Health(id=2)))  # dropped: its handling raised
+    reply = ask(sock, p.Health(id=3))
+    assert isinstance(reply, p.HealthReply) and reply.id == 3
+    stats = ask(sock, p.Stats(id=4)).stats
+    assert stats["requests"]["loop/DROPPED"] == 2 and failures == {"answer": 0, "poll": 0}
+
+
+def test_a_second_server_on_the_same_socket_is_refused(served, tmp_path):
+    server, sock = served
+    with pytest.raises(AlreadyRunning):
+        Server(server.config)
+    assert isinstance(ask(sock, p.Health(id=1)), p.HealthReply)

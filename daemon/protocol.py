@@ -26,7 +26,7 @@ import zmq.backend
 
 from hicache.errors import ErrorCode, HicacheError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: memfd pools over the descriptor socket, per-session node handles
 
 
 class ProtocolError(HicacheError, ValueError):

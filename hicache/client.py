@@ -482,9 +482,11 @@ class CacheClient:
                 if sock is not None and self._session and self._down_since is None:
                     while sock.poll(0):
                         sock.recv()  # earlier heartbeats' answers (and timed-out calls')
-                    sock.send(p.encode(p.Heartbeat(id=next(ids) | 1 << 62, session=self._session)))
+                    # Never blocking, with the caller's lock held: a daemon gone long
+                    # enough fills the queue, and the next call finds out.
+                    sock.send(p.encode(p.Heartbeat(id=next(ids) | 1 << 62, session=self._session)), zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass  # a lost daemon shows on the next call
+                pass  # a full queue, a closed socket: a lost daemon shows on the next call
             finally:
                 self._socket_lock.release()
 

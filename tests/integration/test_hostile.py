@@ -380,7 +380,9 @@ def test_a_refused_register_leaves_the_session_unregistered(daemon, victim, raw)
         engine.close()
 
 
-def test_a_cuda_ipc_handle_with_zeroed_fields_is_invalid(daemon, victim, raw):
+def test_pool_handles_naming_memory_are_invalid(daemon, victim, raw):
+    """A CUDA IPC handle with zeroed fields, and the old way of naming a pool by a file
+    under /dev/shm (over-long, or another's): INVALID_ARGUMENT, never INTERNAL."""
     fields = ("size", "stride", "offset", "device", "handle", "storage_size_bytes", "storage_offset_bytes",
               "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
     layout = DeviceLayout.build(SPEC, 8)  # a CUDA pool's description: no memory needed here
@@ -388,6 +390,9 @@ def test_a_cuda_ipc_handle_with_zeroed_fields_is_invalid(daemon, victim, raw):
                         {**{k: 0 for k in fields}, "size": [layout.nbytes], "stride": [1], "handle": b"\0" * 64,
                          "ref_counter_handle": b"", "event_handle": b"", "event_sync_required": False}):
         pool = {"kind": "cuda_ipc", "layout": layout.to_dict(), "nbytes": layout.nbytes, "cuda_ipc": description}
+        error(raw.register(raw.hello(), [pool]), ErrorCode.INVALID_ARGUMENT)
+    for name in ("x" * 300, "hicache-host-1", "../../etc/passwd"):
+        pool = {"kind": "shm", "shm_name": name, "layout": layout.to_dict(), "nbytes": layout.nbytes}
         error(raw.register(raw.hello(), [pool]), ErrorCode.INVALID_ARGUMENT)
 
 

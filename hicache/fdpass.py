@@ -227,7 +227,8 @@ class FdExchange:
         received: list[int] = []
         try:
             data, received = self._receive(conn)
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 3 * _INT))
+            ucred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 3 * _INT)
+            pid, uid, gid = struct.unpack("iII", ucred)  # pid_t, uid_t, gid_t
             kind, token = data[:1], data[1:]
             if len(data) != _REQUEST_BYTES or kind not in (b"P", b"G"):
                 raise InvalidArgument("a request is 'P' or 'G' and a 16-byte token")

@@ -177,7 +177,8 @@ class PoolHandle:
         """A handle from the wire, every field checked for its type."""
         if not isinstance(data, dict):
             raise InvalidArgument(f"a pool handle is a mapping, got {type(data).__name__}")
-        types = {"kind": str, "layout": dict, "nbytes": int, "rank": int, "token": bytes, "cuda_ipc": (dict, type(None))}
+        types = {"kind": str, "layout": dict, "nbytes": int, "rank": int, "token": bytes,
+                 "cuda_ipc": (dict, type(None))}
         unknown = [k for k in data if k not in types]
         if unknown:
             raise InvalidArgument(f"bad pool handle: unknown fields {sorted(map(str, unknown))}")

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 SPEC_FORMAT_VERSION = 1
 FINGERPRINT_BYTES = 16
+MAX_LAYERS = 4096  # far above any model's; bounds what a registration makes the daemon build
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def torch_dtype(name: str) -> "torch.dtype":
 def _lookup_dtype(name: str) -> _DType:
     try:
         return DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: not even hashable (a spec off the wire)
         raise InvalidArgument(
             f"unsupported dtype {name!r}; supported: {', '.join(sorted(DTYPES))}"
         ) from None
@@ -341,6 +342,8 @@ class KVSpec:
         layers = data.get("layers")
         if not isinstance(layers, list):
             raise InvalidArgument("spec.layers must be a list")
+        if len(layers) > MAX_LAYERS:  # (building each costs the daemon's loop time)
+            raise InvalidArgument(f"a spec has at most {MAX_LAYERS} layers, got {len(layers)}")
         return cls(
             page_size=data.get("page_size"),
             tp_size=data.get("tp_size", 1),
@@ -358,7 +361,7 @@ def _layer_from_dict(data: Any) -> Layer:
     if not isinstance(data, dict):
         raise InvalidArgument(f"layer must be a mapping, got {type(data).__name__}")
     kind = data.get("kind")
-    cls = LAYER_KINDS.get(kind)
+    cls = LAYER_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise InvalidArgument(f"unknown layer kind {kind!r}; known: {sorted(LAYER_KINDS)}")
     params = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "kind"}

@@ -74,6 +74,16 @@ class Hostile:
         self.fresh = 0  # a session of ours that has said hello and not registered
         self.next_id = 1
 
+    def mutated_spec(self) -> dict:
+        """The test spec with a field or two (of its own or of a layer's) made junk."""
+        rng = self.rng
+        spec = SPEC.to_dict()
+        for _ in range(rng.randint(1, 2)):
+            layers = [x for x in spec["layers"] if isinstance(x, dict)] if isinstance(spec["layers"], list) else []
+            target = rng.choice(layers) if layers and rng.random() < 0.6 else spec
+            target[rng.choice([*target, "extra"])] = junk(rng)
+        return spec
+
     def rid(self) -> int:
         self.next_id += 1
         return self.next_id
@@ -155,7 +165,8 @@ class Hostile:
             rid = self.rid()
             msg = rng.choice([
                 p.Match(id=rid, session=rng.randrange(2**63), tokens=b""),
-                p.Hello(id=rid, version=rng.choice([0, 2, 99, -1, 2**63 - 1]), client="fuzz"),
+                p.Hello(id=rid, client="fuzz",
+                        version=rng.choice([0, p.PROTOCOL_VERSION - 1, p.PROTOCOL_VERSION + 1, -1, 2**63 - 1])),
                 p.Register(id=rid, session=rng.randrange(2**63), spec={}, fingerprint=b"", key_check=b"",
                            pools=[]),
             ])
@@ -169,7 +180,7 @@ class Hostile:
                   "cuda_ipc": {k: 0 for k in ("size", "stride", "handle")}}],
                 [{"kind": "shm", "shm_name": "../../etc/passwd", "layout": {}, "nbytes": 8}],
             ]) if victims is None else [victims]
-            spec = SPEC.to_dict() if victims is not None or rng.random() < 0.5 else {"x": junk(rng)}
+            spec = SPEC.to_dict() if victims is not None or rng.random() < 0.3 else self.mutated_spec()
             key_check = key_self_test(SPEC.fingerprint, PS) if victims is not None else rng.randbytes(32)
             msg = p.Register(id=rid, session=rng.choice([self.fresh, self.me]) if self.fresh else self.me,
                              spec=spec, fingerprint=SPEC.fingerprint, key_check=key_check, pools=pools)

@@ -192,8 +192,8 @@ def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
     assert value(metrics, "hicache_sessions") == 1
     assert value(metrics, "hicache_pages", tier="device", state="free") == 12
     assert value(metrics, "hicache_pages", tier="host", state="free") == 12
-    assert value(metrics, "hicache_build_info", version=hello.daemon.split()[1], protocol_version=str(p.PROTOCOL_VERSION),
-                 mode="cpu") == 1
+    assert value(metrics, "hicache_build_info", version=hello.daemon.split()[1],
+                 protocol_version=str(p.PROTOCOL_VERSION), mode="cpu") == 1
     daemon.handle(p.Bye(id=10, session=sid))
     assert value(metrics, "hicache_sessions_ended_total", reason="bye") == 1
     daemon.close()

@@ -145,3 +145,18 @@ def test_specs_are_frozen():
     spec = llama_like()
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.page_size = 32  # type: ignore[misc]
+
+
+def test_a_spec_off_the_wire_is_refused_whatever_its_fields_hold():
+    """Unhashable kinds and dtypes, and more layers than any model has, are bad
+    arguments (a registration must never fail as a bug)."""
+    from hicache.spec import MAX_LAYERS
+
+    base = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4).to_dict()
+    layer = base["layers"][0]
+    for bad in ({"layers": [layer | {"kind": ["mha"]}]}, {"layers": [layer | {"dtype": {"a": 1}}]},
+                {"layers": [layer | {"dtype": ["float16"]}]}, {"layers": [layer] * (MAX_LAYERS + 1)},
+                {"layers": [layer | {"num_kv_heads": [2]}]}, {"page_size": "4"}, {"tp_size": None}):
+        with pytest.raises(InvalidArgument):
+            KVSpec.from_dict(base | bad)
+    assert KVSpec.from_dict(base | {"layers": [layer] * MAX_LAYERS}).num_layers == MAX_LAYERS

@@ -5,9 +5,12 @@
     python as_user.py UID GID GROUPS UMASK offer ENDPOINT
 
 Started as root: everything it will need is imported first (the interpreter and the
-checkout may live where the target user cannot look, e.g. under /root), then it drops
-to UID / GID / GROUPS (comma-separated, may be empty) with UMASK, the way systemd's
-User= / Group= / SupplementaryGroups= / UMask= start the unit, and runs its role.
+checkout may live where the target user cannot look, e.g. under /root or in a 0700
+temporary directory), then it drops to UID / GID / GROUPS (comma-separated, may be
+empty) with UMASK, the way systemd's User= / Group= / SupplementaryGroups= / UMask=
+start the unit, and runs its role. What the roles import only once running was listed
+by running them with AS_USER_IMPORTS=<file> (an audit hook writes each import made
+after the drop there): keep the list below in step with it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
+
+import lmdb._envid  # noqa: E402,F401  (imported by lmdb.open)
+import numpy.ma  # noqa: E402,F401
+import numpy.random  # noqa: E402,F401  (the test engine's page bytes)
 
 import hicache.client  # noqa: E402,F401
 import hicache.daemon.cli  # noqa: E402
@@ -76,6 +83,11 @@ def register_foreign(endpoint: str, token_hex: str) -> dict:
 def main() -> int:
     uid, gid, groups, umask, role, *args = sys.argv[1:]
     drop(int(uid), int(gid), [int(g) for g in groups.split(",") if g], int(umask, 8))
+    if os.environ.get("AS_USER_IMPORTS"):
+        import atexit
+        seen = []
+        sys.addaudithook(lambda event, a: event == "import" and a[0] not in sys.modules and seen.append(a[0]))
+        atexit.register(lambda: open(os.environ["AS_USER_IMPORTS"], "a").write("\n".join(seen) + "\n"))
     if role == "daemon":
         return hicache.daemon.cli.main(["--log-level", "INFO", "serve", "--config", args[0]])
     result = {"engine": engine, "offer": offer, "register_foreign": register_foreign}[role](*args)

@@ -399,7 +399,20 @@ class Daemon:
 
     def _register(self, m: p.Register) -> p.RegisterReply | Future:
         """Everything is checked and mapped before the session changes: a refused
-        registration leaves it unregistered, as it was (and free to try again)."""
+        registration leaves it unregistered, as it was (and free to try again), and
+        drops the descriptors it named (the engine offers them again with its retry)."""
+        try:
+            return self._register_checked(m)
+        except BaseException:
+            if self.fds is not None:
+                for handle in m.pools:
+                    token = handle.get("token") if isinstance(handle, dict) else None
+                    offer = self.fds.take(token) if isinstance(token, bytes) else None
+                    if offer is not None:
+                        os.close(offer.fd)
+            raise
+
+    def _register_checked(self, m: p.Register) -> p.RegisterReply | Future:
         session = self._session(m.session, registered=False)
         if session.manager is not None or session.registering:
             raise InvalidArgument("this session has registered its pool already")

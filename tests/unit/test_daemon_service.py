@@ -88,7 +88,10 @@ def test_hello_and_register_are_checked(tmp_path, engines):
     hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
     good = dict(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                 key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
+    # A refused registration drops the descriptors it named: the engine offers again.
     error(daemon.handle(p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
+    assert daemon.fds.take(good["pools"][0]["token"]) is None
+    good["pools"] = [engine.offered(daemon)]
     error(daemon.handle(p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
     error(daemon.handle(p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
     error(daemon.handle(p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
@@ -98,6 +101,7 @@ def test_hello_and_register_are_checked(tmp_path, engines):
           ErrorCode.SPEC_MISMATCH)  # the pool was made for SPEC
     error(daemon.handle(p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
     error(daemon.handle(p.Alloc(id=3, session=hello.session, num_pages=1)), ErrorCode.INVALID_ARGUMENT)
+    good["pools"] = [engine.offered(daemon)]
     ok(daemon.handle(p.Register(**good)))
     error(daemon.handle(p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
     ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION)))
@@ -170,6 +174,7 @@ def test_a_session_answers_only_on_the_connection_that_said_hello(tmp_path, engi
     reg = p.Register(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                      key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
     error(daemon.handle(reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
+    reg.pools = [engine.offered(daemon)]  # (the refused one dropped its descriptor)
     ok(daemon.handle(reg, peer=b"conn-a"))
     for request in (p.Alloc(id=3, session=hello.session, num_pages=1), p.Heartbeat(id=3, session=hello.session),
                     p.Bye(id=3, session=hello.session)):

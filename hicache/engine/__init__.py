@@ -2,7 +2,7 @@
 
 The request-row table, paged slot assignment for extend and decode, the CSR
 ``kv_indices`` an attention backend reads, and exporting the engine's KV pool to the
-daemon (POSIX shared memory in CPU mode, CUDA IPC handles on GPUs).
+daemon (a sealed memfd handed over as a descriptor in CPU mode, CUDA IPC handles on GPUs).
 """
 
 from hicache.engine.kv_pool import ExportedKVPool, export_kv_pool

@@ -53,7 +53,7 @@ class CountersHandle:
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * (1 + self.num_layers) * 8
+        return ring_bytes(self.num_slots, self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
         return {"token": self.token, "num_slots": self.num_slots, "num_layers": self.num_layers,
@@ -66,6 +66,11 @@ class CountersHandle:
                        tuple(data.get("event_handles", ())), int(data.get("device", -1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad counters handle: {exc}") from None
+
+
+def ring_bytes(num_slots: int, num_layers: int) -> int:
+    """Bytes of a ring: one generation word and one stamp per layer, per slot."""
+    return num_slots * (1 + num_layers) * 8
 
 
 def _ring(buffer: np.ndarray, num_slots: int, num_layers: int) -> np.ndarray:
@@ -85,7 +90,7 @@ class LayerCounters:
             raise InvalidArgument("a counters ring needs at least one slot and one layer")
         self.num_slots = num_slots
         self.num_layers = num_layers
-        self.shared = SharedBuffer.create(num_slots * (1 + num_layers) * 8, name="hicache-layers",
+        self.shared = SharedBuffer.create(ring_bytes(num_slots, num_layers), name="hicache-layers",
                                           others_read_only=True)
         self._ring = _ring(self.shared.array, num_slots, num_layers)
         self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicache.errors import InvalidArgument, ResourceExhausted, Unavailable
+from hicache.shm import close_all
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class FdExchange:
             return None
         offer_, expiry = entry
         if expiry <= self._clock():  # (the thread would have dropped it on its next turn)
-            _close_all((offer_.fd,))
+            close_all((offer_.fd,))
             return None
         return offer_
 
@@ -165,9 +166,9 @@ class FdExchange:
         os.close(self._wake_w)
         with self._lock:
             for offer_, _ in self._offers.values():
-                _close_all((offer_.fd,))
+                close_all((offer_.fd,))
             for fd, _, _ in self._published.values():
-                _close_all((fd,))
+                close_all((fd,))
             self._offers.clear()
             self._published.clear()
         try:
@@ -244,14 +245,12 @@ class FdExchange:
                 socket.send_fds(conn, [b"K"], [fd])
             finally:
                 os.close(fd)
-        except InvalidArgument as exc:
-            self._refuse(conn, exc.message)
-        except ResourceExhausted as exc:
+        except (InvalidArgument, ResourceExhausted) as exc:
             self._refuse(conn, exc.message)
         except OSError:
             pass  # the peer went away
         finally:
-            _close_all(received)
+            close_all(received)
             conn.close()
 
     @staticmethod
@@ -262,7 +261,7 @@ class FdExchange:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % _INT])
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            _close_all(fds)
+            close_all(fds)
             raise InvalidArgument(f"one descriptor and {_REQUEST_BYTES} bytes in a request")
         return data, list(fds)
 
@@ -296,14 +295,6 @@ class FdExchange:
         with self._lock:
             for token in [t for t, (_, expiry) in self._offers.items() if expiry <= now]:
                 offer_, _ = self._offers.pop(token)
-                _close_all((offer_.fd,))
+                close_all((offer_.fd,))
             for token in [t for t, (_, _, expiry) in self._published.items() if expiry <= now]:
-                _close_all((self._published.pop(token)[0],))
-
-
-def _close_all(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+                close_all((self._published.pop(token)[0],))

@@ -126,7 +126,7 @@ class SharedBuffer:
             check_segment(fd, nbytes, uid=uid, writable=writable)
             return cls(fd, nbytes, writable=writable, keep_fd=False)
         except BaseException:
-            _close_quietly(fd)
+            close_all((fd,))
             raise
 
     def reader_fd(self) -> int:
@@ -147,11 +147,13 @@ class SharedBuffer:
         self._finalizer()
 
 
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def close_all(fds) -> None:
+    """Close every descriptor of ``fds``, whatever state each is in."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _release(mapping: mmap.mmap, fd: int) -> None:
@@ -161,4 +163,4 @@ def _release(mapping: mmap.mmap, fd: int) -> None:
         # A view still holds the mapping: it is unmapped when the last view goes.
         pass
     if fd >= 0:
-        _close_quietly(fd)
+        close_all((fd,))

@@ -6,7 +6,7 @@ In one run, over ``ipc://`` on this machine:
   size of a 2,000-token match request; and next to it a DEALER/ROUTER echo in Python
   (read and written frame by frame, as hicache's server does), the least a server that
   answers many clients on one socket does; and the REQ/REP echo again with both ends on
-  hicache's transport settings (``protocol.new_context``: ZeroMQ's I/O threads
+  hicache's transport settings (``transport.new_context``: ZeroMQ's I/O threads
   ``SCHED_BATCH``), which speed up any round trip on this VM — the like-for-like floor;
 * hicache — ``hicache serve`` in its own process (default configuration, metrics on, on
   a free port; disk off); an engine registers a shared-memory
@@ -58,10 +58,10 @@ def echo_server(endpoint: str, router: bool = False, tuned: bool = False) -> Non
     ``RCVMORE`` check, one send per frame) — the least any Python server that answers
     many clients on one socket does. (With ``recv_multipart`` / ``send_multipart`` it
     took ~17 us longer a round trip on the 2-core VM of the README.) With ``tuned`` the
-    REP echo runs on hicache's transport settings (``protocol.new_context``: batch I/O
+    REP echo runs on hicache's transport settings (``transport.new_context``: batch I/O
     threads), the like-for-like floor for what hicache's sockets do."""
     if tuned:
-        from hicache.daemon.protocol import new_context
+        from hicache.transport import new_context
 
         ctx = new_context()
     else:
@@ -96,7 +96,7 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
     (or, with ``echo_endpoints``, take turns: a match, a REQ/REP echo, a DEALER/ROUTER
     echo and a REQ/REP echo on hicache's transport settings, each timed)."""
     from hicache.client import CacheClient
-    from hicache.daemon.protocol import new_context
+    from hicache.transport import new_context
     from hicache.engine.kv_pool import export_kv_pool
 
     kv = spec()
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from hicache.daemon import protocol as p
+    from hicache import protocol as p
     from hicache.daemon.spawn import start_daemon
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-rpc-"))

@@ -55,7 +55,7 @@ from pathlib import Path
 import zmq
 
 from hicache.config import DaemonConfig
-from hicache.daemon import protocol as p
+from hicache import protocol as p, transport
 from hicache.daemon.sd_notify import Notifier
 from hicache.daemon.service import Daemon, PeerCreds
 from hicache.daemon.statelock import StateLock
@@ -82,7 +82,7 @@ class Server:
                  context: zmq.Context | None = None, daemon: Daemon | None = None) -> None:
         self.config = config
         self._state_lock = StateLock.for_config(config)  # before the store is opened
-        self._context = context or p.new_context()
+        self._context = context or transport.new_context()
         self._own_context = context is None
         self._wake_endpoint = f"inproc://hicache-wake-{id(self)}"
         self._wake_sockets = threading.local()
@@ -302,8 +302,8 @@ class Server:
             # Frame by frame (see _recv); a multipart message is queued whole or not at
             # all, so only the first frame can meet a full queue.
             for frame in envelope:
-                p.send_frame(router, frame, _SEND_MORE)
-            p.send_frame(router, data, _NOBLOCK)
+                transport.send_frame(router, frame, _SEND_MORE)
+            transport.send_frame(router, data, _NOBLOCK)
         except zmq.Again:
             logger.warning("dropping a reply: the client's queue is full")
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from hicache import __version__
 from hicache.config import DaemonConfig
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.errors import (
     Draining,
     ErrorCode,

@@ -48,7 +48,7 @@ import zmq
 
 from hicache import fdpass
 from hicache.counters import CountersHandle, LayerWaiter, Ticket
-from hicache.daemon import protocol as p
+from hicache import protocol as p, transport
 from hicache.errors import ErrorCode, HicacheError, InvalidArgument, Unavailable
 from hicache.keys import Tokens, key_self_test, pack_tokens
 from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
@@ -133,7 +133,7 @@ class CacheClient:
         self.load_timeout_s = load_timeout_s
         self.name = name or f"pid{os.getpid()}"
         self.reconnect_interval_s = reconnect_interval_s
-        self._context = context or p.new_context()
+        self._context = context or transport.new_context()
         self._own_context = context is None
         self._socket: zmq.Socket | None = None
         self._socket_lock = threading.Lock()  # the caller's calls and the heartbeats share the socket
@@ -185,7 +185,7 @@ class CacheClient:
     def _call_locked(self, message: p._Request, timeout_s: float | None) -> p.Reply:
         message.id = request_id = next(self._ids)
         sock = self._socket or self._connect()
-        p.send_frame(sock, p.encode(message), 0)
+        transport.send_frame(sock, p.encode(message), 0)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:

@@ -14,7 +14,7 @@ import zmq
 
 from hicache import fdpass
 from hicache.client import CacheClient
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.errors import Unavailable
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec

@@ -243,7 +243,7 @@ def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path)
         seq = tokens(0, 4)
         m, _, _ = busy.prefill(seq)
         assert busy.client.stats()["sessions"] == 2
-        # both ends on hicache's transport settings (protocol.new_context)
+        # both ends on hicache's transport settings (transport.new_context)
         assert list(io_threads(proc.proc.pid).values()) == [os.SCHED_BATCH]
         assert os.SCHED_BATCH in io_threads().values()
         start = time.monotonic()

@@ -11,7 +11,7 @@ import numpy as np
 import zmq
 
 from daemon_util import ClientEngine, DaemonProcess, RawPeer
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.errors import ErrorCode
 from hicache.keys import key_self_test
 from tiers_util import SPEC, Engine, expected_page

@@ -21,7 +21,7 @@ import pytest
 from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer
 from hicache import fdpass
 from hicache.client import CacheClient
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.errors import ErrorCode
 from hicache.pools import DeviceLayout
 from hicache.shm import SharedBuffer

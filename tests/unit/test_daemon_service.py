@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hicache.config import DaemonConfig
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.daemon import service
 from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.fdpass import FdExchange

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hicache.config import DaemonConfig
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.daemon.service import Daemon
 from hicache.fdpass import FdExchange
 from hicache.errors import LoadFailed

@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from hicache.config import DaemonConfig
-from hicache.daemon import protocol as p
+from hicache import protocol as p
 from hicache.daemon.server import Server
 from hicache.daemon.statelock import AlreadyRunning
 

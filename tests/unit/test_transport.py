@@ -1,4 +1,4 @@
-"""hicache's ZeroMQ transport settings (``protocol.new_context``): the I/O thread of the
+"""hicache's ZeroMQ transport settings (``transport.new_context``): the I/O thread of the
 daemon's and the client's contexts runs SCHED_BATCH, unless the process was given a
 policy of its own or may not use that one."""
 
@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from daemon_util import io_threads
-from hicache.daemon import protocol as p
+from hicache import transport
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 
@@ -34,7 +34,7 @@ def new_io_thread_policies(context: zmq.Context, endpoint: str) -> tuple[zmq.Soc
 
 def test_new_context_runs_its_io_thread_batch_and_nothing_else(tmp_path):
     endpoint = f"ipc://{tmp_path / 'transport.sock'}"
-    ours, plain = p.new_context(), zmq.Context()
+    ours, plain = transport.new_context(), zmq.Context()
     try:
         sock, policies = new_io_thread_policies(ours, endpoint)
         assert policies == [os.SCHED_BATCH]
@@ -54,9 +54,9 @@ import os, sys
 sys.path[:0] = {sys.path!r}
 sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-from hicache.daemon import protocol as p
+from hicache import transport
 from test_transport import new_io_thread_policies
-context = p.new_context()
+context = transport.new_context()
 sock, policies = new_io_thread_policies(context, "ipc://{tmp_path / 'transport.sock'}")
 print(policies)
 sock.close(linger=0)
@@ -73,9 +73,9 @@ def test_a_process_not_allowed_batch_keeps_the_default(tmp_path, monkeypatch):
     def forbidden(*args):
         raise PermissionError(1, "Operation not permitted")
 
-    p._batch_allowed.cache_clear()
+    transport._batch_allowed.cache_clear()
     monkeypatch.setattr(os, "sched_setscheduler", forbidden)
-    context = p.new_context()
+    context = transport.new_context()
     try:
         sock, policies = new_io_thread_policies(context, f"ipc://{tmp_path / 'transport.sock'}")
         assert policies == [os.SCHED_OTHER]
@@ -83,5 +83,5 @@ def test_a_process_not_allowed_batch_keeps_the_default(tmp_path, monkeypatch):
     finally:
         context.destroy(linger=0)
         monkeypatch.undo()
-        p._batch_allowed.cache_clear()
-    assert p._batch_allowed()
+        transport._batch_allowed.cache_clear()
+    assert transport._batch_allowed()

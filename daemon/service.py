@@ -77,11 +77,8 @@ from hicache.fdpass import FdExchange
 from hicache.jobs import Completions
 from hicache.metrics import Metrics, NullMetrics
 from hicache.keys import (
-    PAGE_KEY_BYTES,
-    ROOT_PARENT_KEY,
     TOKEN_BYTES,
     NamespaceId,
-    chain_page_keys,
     key_self_test,
     namespace_id,
 )
@@ -90,7 +87,7 @@ from hicache.pools import DevicePool, HostPool, PoolHandle
 from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec
 from hicache.tiers import Hit, TierAccount, TierManager
-from hicache.tree import Node
+from hicache.tree import Node, Place
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +167,7 @@ class RadixSharing:
     """Prefix sharing through the tree (the normal case)."""
 
     def match(self, manager, namespace, tokens, pool):
-        if manager.config.prefetch_policy == "best_effort":
-            return manager.match(namespace, tokens, pool)
-        return manager.match_async(namespace, tokens, pool)
+        return manager.lookup(namespace, tokens, pool)
 
     def insert(self, daemon, session, namespace, tokens, pages):
         manager = session.manager
@@ -691,13 +686,7 @@ class Daemon:
         missing = num_tokens - m.num_tokens
         if not missing:
             return
-        reason = "never_stored"
-        if missing >= ps:
-            node = m.node
-            parent = node.page_keys[-PAGE_KEY_BYTES:] if node.num_pages else ROOT_PARENT_KEY
-            start = m.num_tokens * TOKEN_BYTES
-            first = chain_page_keys(namespace, parent, tokens[start : start + ps * TOKEN_BYTES], ps)
-            reason = session.manager.miss_reason(first)
+        reason = session.manager.why_missed(namespace, tokens, m)
         self.metrics.missed(reason, missing)
 
     def _match_reply(self, session: Session, hit: Hit | None) -> p.MatchReply:
@@ -892,7 +881,7 @@ class Daemon:
         }
         for fingerprint, manager in self.managers.items():
             out["specs"][fingerprint.hex()] = {
-                tier: account._asdict() for tier, account in manager.accounting().items()
+                str(place): account._asdict() for place, account in manager.accounting().items()
             } | {"nodes": len(manager.tree)}
         if self.storage is not None:
             out["storage"] = self.storage.stats()._asdict()
@@ -917,7 +906,7 @@ class Daemon:
             self.storage.check_invariants()
         for session in self.sessions.values():
             if session.manager is not None:
-                account = session.manager.accounting()[f"device:{session.pool_id}"]
+                account = session.manager.accounting()[Place.device(session.pool_id)]
                 assert account.private == len(session.private), (session.session_id, account, len(session.private))
         return p.Ok(id=m.id)
 
@@ -934,8 +923,8 @@ class Daemon:
         pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
                                             for tier in ("device", "host", "disk")}
         for manager in self.managers.values():
-            for name, account in manager.accounting().items():
-                tier = pages["device" if name.startswith("device:") else name]
+            for place, account in manager.accounting().items():
+                tier = pages[place.tier.label]
                 for state, value in account._asdict().items():
                     tier[state] += value
         storage = self.storage.stats()._asdict() if self.storage is not None else None

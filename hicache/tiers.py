@@ -51,7 +51,9 @@ import torch
 from hicache.counters import LayerCounters, Ticket
 from hicache.errors import InvalidArgument, SpecMismatch, UnknownNode
 from hicache.jobs import Completions, Workers
-from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, NamespaceId, Tokens, pack_tokens
+from hicache.keys import (
+    PAGE_KEY_BYTES, ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId, Tokens, chain_page_keys, pack_tokens,
+)
 from hicache.kernels.page_copy import CpuCopyWorkers
 from hicache.metrics import NullMetrics
 from hicache.pages import PAGE_ID_DTYPE, PageAllocator, PageIds, PageIdsLike, distinct_page_ids
@@ -59,7 +61,7 @@ from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
 from hicache.storage.base import PageMeta, PageRecord, StorageBackend
 from hicache.transfer import PageMover
-from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Tier
+from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Place, PoolId, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +300,18 @@ class TierManager:
             raise InvalidArgument(f"pool {pool_id} has been unregistered")
         return pool
 
+    def find(self, node_id: int) -> Node | None:
+        """The live node with this id, if any."""
+        return self.tree.find(node_id)
+
+    def num_private(self, pool_id: PoolId) -> int:
+        """The pool's private pages (its engine's, allocated and not inserted)."""
+        return self._pool(pool_id).num_private
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_pool.nbytes
+
     def device_pools(self) -> list[DevicePool]:
         """Every registered rank pool (for reporting)."""
         return [rank for pool in self._pools.values() for rank in pool.ranks]
@@ -391,6 +405,13 @@ class TierManager:
             self._prefetch(result.node)
         # (no transfer in flight, the common case: not even the call)
         return Hit(result, self._tickets_on(result.last_device_node, pool_id) if self._by_node else ())
+
+    def lookup(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit | Future:
+        """:meth:`match` when the prefetch policy answers at once, else
+        :meth:`match_async`'s future."""
+        if self.config.prefetch_policy == "best_effort":
+            return self.match(namespace, tokens, pool_id)
+        return self.match_async(namespace, tokens, pool_id)
 
     def match_async(self, namespace: NamespaceId, tokens: Tokens, pool_id: int) -> Future:
         """:meth:`match` under the prefetch policy: ``best_effort`` answers now;
@@ -1146,6 +1167,16 @@ class TierManager:
             evicted.popitem(last=False)
         self.metrics.evicted(tier, node.num_pages)
 
+    def why_missed(self, namespace: NamespaceId, tokens: bytes, match: MatchResult) -> str:
+        """Why the first page after ``match`` (a match of ``tokens``, packed) is not
+        cached: :meth:`miss_reason` of its page key; ``never_stored`` for a partial page."""
+        ps = match.page_size
+        start = match.num_tokens * TOKEN_BYTES
+        page = tokens[start : start + ps * TOKEN_BYTES]
+        if len(page) < ps * TOKEN_BYTES or match.node is None:
+            return "never_stored"
+        return self.miss_reason(chain_page_keys(namespace, match.node.last_page_key, page, ps))
+
     def miss_reason(self, page_key: bytes) -> str:
         """Why the page with this key is not cached: ``evicted_<tier>`` if it was
         evicted recently (from the tier it left last), else ``never_stored``."""
@@ -1168,22 +1199,22 @@ class TierManager:
             transfer.split(upper, lower)
         self._by_node[upper.node_id] = list(transfers)
 
-    def accounting(self) -> dict[str, TierAccount]:
-        """Pages per tier and state; ``device:<pool>``, ``host`` and ``disk``."""
+    def accounting(self) -> dict[Place, TierAccount]:
+        """Pages per place (each device pool, host, disk) and state."""
         out = {}
         for pool_id, pool in self._pools.items():
             sizes = self.tree.sizes(Tier.DEVICE, pool_id)
             landing = sum(len(e.dst) for ts in self._by_node.values() for t in set(ts)
                           if t.kind == "load" and t.pool == pool_id for e in t.entries) if self._by_node else 0
-            out[f"device:{pool_id}"] = TierAccount(
+            out[Place.device(pool_id)] = TierAccount(
                 pool.allocator.num_free, pool.num_private, sizes.evictable,
                 sizes.protected - landing, pool.staging + landing,
             )
         sizes = self.tree.sizes(Tier.HOST)
-        out["host"] = TierAccount(self.host_alloc.num_free, 0, sizes.evictable, sizes.protected, self._host_staging)
+        out[Place(Tier.HOST)] = TierAccount(self.host_alloc.num_free, 0, sizes.evictable, sizes.protected, self._host_staging)
         sizes = self.tree.sizes(Tier.DISK)
         free = max(0, self.disk_capacity_pages - sizes.cached - self._disk_pending)
-        out["disk"] = TierAccount(free, 0, sizes.evictable, sizes.protected, self._disk_pending)
+        out[Place(Tier.DISK)] = TierAccount(free, 0, sizes.evictable, sizes.protected, self._disk_pending)
         return out
 
     def check_invariants(self) -> None:
@@ -1204,8 +1235,8 @@ class TierManager:
             for transfer in transfers:
                 assert any(e.node is node for e in transfer.entries), (node, transfer.kind)
         accounts = self.accounting()
-        for name, account in accounts.items():
-            if name.startswith("device:"):
-                assert account.total == self._pools[int(name[7:])].allocator.capacity, (name, account)
-        assert accounts["host"].total == self.host_alloc.capacity, accounts["host"]
+        for place, account in accounts.items():
+            if place.tier == Tier.DEVICE:
+                assert account.total == self._pools[place.pool].allocator.capacity, (place, account)
+        assert accounts[Place(Tier.HOST)].total == self.host_alloc.capacity, accounts[Place(Tier.HOST)]
 

@@ -39,7 +39,7 @@ import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple, Union
+from typing import NamedTuple, NewType, Union
 
 import numpy as np
 
@@ -64,7 +64,7 @@ from hicache.keys import (
 )
 from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
 
-PoolId = int
+PoolId = NewType("PoolId", int)  # a registered device pool (one engine's, in one tier manager)
 
 HOST_SLOT = -1
 DISK_SLOT = -2
@@ -80,6 +80,27 @@ class Tier(IntEnum):
     DEVICE = 0
     HOST = 1
     DISK = 2
+
+    @property
+    def label(self) -> str:
+        """The tier's name in stats, metrics labels and logs: ``device``, ``host``, ``disk``."""
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where pages live: a tier, and for the device tier the pool. ``str()`` is its name
+    in ``stats``: ``device:<pool>``, ``host``, ``disk``."""
+
+    tier: Tier
+    pool: PoolId | None = None
+
+    @classmethod
+    def device(cls, pool: PoolId) -> "Place":
+        return cls(Tier.DEVICE, pool)
+
+    def __str__(self) -> str:
+        return f"device:{self.pool}" if self.tier == Tier.DEVICE else self.tier.label
 
 
 Residency = Union[bytes, bool]  # packed page ids, or True for "on disk"
@@ -127,6 +148,16 @@ class Node:
 
     def page_key_list(self) -> list[PageKey]:
         return split_page_keys(self.page_keys)
+
+    def page_key(self, i: int) -> PageKey:
+        """The key of the node's ``i``-th page."""
+        return PageKey(self.page_keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES])
+
+    @property
+    def last_page_key(self) -> PageKey:
+        """The key a page right below this node chains from: its last page's key (the
+        namespace's root key for a root)."""
+        return PageKey(self.page_keys[-PAGE_KEY_BYTES:]) if self.num_pages else ROOT_PARENT_KEY
 
     def __repr__(self) -> str:
         return (
@@ -689,7 +720,7 @@ class HiRadixTree:
         while pos < end:
             child = node.children.get(key[pos : pos + page_bytes])
             if child is None:
-                parent_key = node.page_keys[-PAGE_KEY_BYTES:] if node.num_pages else ROOT_PARENT_KEY
+                parent_key = node.last_page_key
                 tail = key[pos:]
                 child = self._make_node(
                     node.namespace,
@@ -924,7 +955,7 @@ class HiRadixTree:
         assert node.namespace == parent.namespace, node
         assert node.num_pages > 0 and len(node.key) == node.num_pages * page_bytes, node
         assert len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
-        parent_key = parent.page_keys[-PAGE_KEY_BYTES:] if parent.num_pages else ROOT_PARENT_KEY
+        parent_key = parent.last_page_key
         assert node.page_keys == chain_page_keys(node.namespace, parent_key, node.key, entry.page_size), (
             f"page keys of node {node.node_id} do not chain from its parent")
         for first, child in node.children.items():

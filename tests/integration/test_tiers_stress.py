@@ -13,7 +13,7 @@ import pytest
 from hicache.keys import namespace_id
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
-from hicache.tree import Tier
+from hicache.tree import Place, Tier
 from tiers_util import SPEC, Driver, Engine
 
 PS = SPEC.page_size
@@ -70,8 +70,8 @@ def test_steps_racing_transfers(tmp_path, write_policy, disk_policy):
         driver.release_everything()
         driver.check_every_tier()
         accounts = tm.accounting()
-        assert accounts["device:0"].private == 0 and accounts["device:0"].cached_protected == 0
-        assert accounts["host"].staging == 0 and accounts["host"].cached_protected == 0
+        assert accounts[Place.device(0)].private == 0 and accounts[Place.device(0)].cached_protected == 0
+        assert accounts[Place(Tier.HOST)].staging == 0 and accounts[Place(Tier.HOST)].cached_protected == 0
     finally:
         tm.close()
         store.close()

@@ -16,6 +16,7 @@ from hicache.engine.kv_pool import export_kv_pool
 from hicache.errors import ErrorCode
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
+from hicache.tree import Place, Tier
 from tiers_util import SPEC, Engine, offered
 
 PS = SPEC.page_size
@@ -151,7 +152,7 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     ok(daemon.handle(p.Lock(id=3, session=sid, node=node)))
     (manager,) = daemon.managers.values()
     manager.flush()
-    assert manager.accounting()["host"].cached_protected == 2  # the lock keeps the host copy
+    assert manager.accounting()[Place(Tier.HOST)].cached_protected == 2  # the lock keeps the host copy
     clock.now += 4.9
     daemon.poll()
     assert sid in daemon.sessions
@@ -160,8 +161,8 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     assert sid not in daemon.sessions
     manager.flush()
     manager.poll()
-    assert not any(name.startswith("device:") for name in manager.accounting())  # the pool is gone
-    assert manager.accounting()["host"].cached_protected == 0
+    assert not any(place.tier == Tier.DEVICE for place in manager.accounting())  # the pool is gone
+    assert manager.accounting()[Place(Tier.HOST)].cached_protected == 0
     error(daemon.handle(p.Match(id=4, session=sid, tokens=tokens)), ErrorCode.UNKNOWN_SESSION)
     ok(daemon.handle(p.Check(id=5)))
     daemon.close()
@@ -270,7 +271,7 @@ def test_sharing_off_for_the_daemon_or_one_extra_key(tmp_path, engines):
         miss = ok(daemon.handle(p.Match(id=3, session=sid, tokens=tokens, extra_key=key)))
         assert miss.node == -1 and miss.device_pages == b""
         (manager,) = daemon.managers.values()
-        assert manager.accounting()[f"device:{daemon.sessions[sid].pool_id}"].free == 16
+        assert manager.accounting()[Place.device(daemon.sessions[sid].pool_id)].free == 16
         if key:  # other keys still share
             pages = ok(daemon.handle(p.Alloc(id=4, session=sid, num_pages=3))).pages
             ok(daemon.handle(p.Insert(id=5, session=sid, tokens=tokens, pages=pages)))

@@ -13,7 +13,7 @@ from hicache.metrics import DIRECTIONS, MISS_REASONS, OPS, TIERS, Metrics
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
 from hicache.transfer import PageMover
-from hicache.tree import Tier
+from hicache.tree import Place, Tier
 from tiers_util import SPEC, Engine
 
 PS = SPEC.page_size
@@ -150,7 +150,7 @@ def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
     assert node.device_pages(0) is None, "a failed load's pages are not handed out again as cached"
     assert value(metrics, "hicache_missed_tokens_total", reason="load_failed") == 2 * PS
     tm.unlock(node, 0)
-    assert tm.accounting()["device:0"].free == 12
+    assert tm.accounting()[Place.device(0)].free == 12
     tm.check_invariants()
     waiter.close()
     tm.close()

@@ -8,7 +8,7 @@ import pytest
 from hicache.errors import InvalidArgument
 from hicache.keys import namespace_id
 from hicache.tiers import TierConfig, TierManager
-from hicache.tree import Tier
+from hicache.tree import Place, Tier
 from tiers_util import SPEC, Engine
 
 NS = namespace_id(SPEC.fingerprint, "tiers")
@@ -167,7 +167,7 @@ def test_host_pressure_drops_host_copies_of_device_resident_nodes(engine):
 def test_private_pages_accounting_and_errors(engine):
     tm, _ = make_tm(engine)
     pages = tm.alloc(0, 4)
-    acct = tm.accounting()["device:0"]
+    acct = tm.accounting()[Place.device(0)]
     assert acct.private == 4 and acct.free == 12 and acct.total == 16
     with pytest.raises(InvalidArgument):
         tm.release(0, [pages[0], pages[0]])
@@ -178,7 +178,7 @@ def test_private_pages_accounting_and_errors(engine):
     with pytest.raises(InvalidArgument):
         tm.alloc(3, 1)  # unknown pool
     tm.release(0, pages)
-    assert tm.accounting()["device:0"].private == 0
+    assert tm.accounting()[Place.device(0)].private == 0
     tm.check_invariants()
     with pytest.raises(InvalidArgument):
         TierConfig(write_policy="sometimes")
@@ -195,7 +195,7 @@ def test_duplicates_from_a_concurrent_prefill_are_freed(engine):
     tm.insert(NS, toks, 0, a)
     second = tm.insert(NS, toks, 0, b)
     assert second.duplicate_pages.tolist() == b.tolist()
-    acct = tm.accounting()["device:0"]
+    acct = tm.accounting()[Place.device(0)]
     assert acct.private == 0 and acct.free == 13
     tm.check_invariants()
     tm.close()
@@ -316,7 +316,7 @@ def test_concurrent_loads_of_the_same_node_share_one_transfer(engine, store):
     assert reads == [4]
     assert a.device_pages.tolist() == b.device_pages.tolist()
     assert b.num_loaded_pages == 0 and set(a.wait) == set(b.wait)
-    assert tm.accounting()["device:0"].total == 16
+    assert tm.accounting()[Place.device(0)].total == 16
     engine.wait(handle, a.wait)
     engine.check(NS, toks, a.device_pages)
     tm.unlock(node, 0)
@@ -356,8 +356,8 @@ def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
     hit = tm.match(NS, toks, 0).match
     assert hit.num_pages == 2, "the pages from the corrupt one on are forgotten"
     accounts = tm.accounting()
-    assert accounts["device:0"].free + accounts["device:0"].cached_evictable == 16
-    assert accounts["host"].staging == 0 and tm.host_alloc.num_free + accounts["host"].cached_evictable == 8
+    assert accounts[Place.device(0)].free + accounts[Place.device(0)].cached_evictable == 16
+    assert accounts[Place(Tier.HOST)].staging == 0 and tm.host_alloc.num_free + accounts[Place(Tier.HOST)].cached_evictable == 8
     tm.close()
 
 

@@ -5,7 +5,7 @@ prefills ``--pages`` pages (write-through to host and to LMDB in a temporary dir
 on this machine's disk), then the device copies are evicted and the sequence is loaded
 back: once from host memory, once (after the host copies are evicted too) from disk.
 For each load it measures, from the request: the answer, the moments the copy threads
-stamp layer 0 and the last layer complete (``TierManager.load_timings``), and when a
+stamp layer 0 and the last layer complete (``TierManager.on_load_timing``), and when a
 separate engine process polling the layer counters (``wait_layer``) sees them; and a
 plain ``copy_`` of the same bytes between preallocated buffers as the floor. (Times are
 CLOCK_MONOTONIC, shared by both processes.)
@@ -59,6 +59,8 @@ def engine_waiter(conn, handle: dict, num_layers: int) -> None:
 
 
 def timed_load(tm: TierManager, engine, ns: bytes, tokens: np.ndarray) -> dict:
+    timings = []
+    tm.on_load_timing = timings.append
     hit = tm.match(ns, tokens, 0).match
     tm.lock(hit.node, 0)
     start = time.perf_counter()
@@ -71,7 +73,8 @@ def timed_load(tm: TierManager, engine, ns: bytes, tokens: np.ndarray) -> dict:
     first, full = engine.recv()
     tm.unlock(hit.node, 0)
     tm.flush()
-    copies = tm.load_timings[-1]
+    tm.on_load_timing = None
+    copies = timings[-1]
     return {
         "pages": loaded.num_loaded_pages,
         "answer_s": answered - start,

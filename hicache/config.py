@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hicache.errors import InvalidArgument
-from hicache.tiers import TierConfig
+from hicache.tiers.config import TierConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -359,7 +359,7 @@ def test_the_loop_sleeps_until_the_next_deadline_and_never_busy_polls(tmp_path, 
 
         manager = next(iter(daemon.managers.values()))
         fired = []
-        manager._add_timer(0.01, lambda: fired.append(clock.now))
+        manager.add_timer(0.01, lambda: fired.append(clock.now))
         assert daemon.next_deadline() == pytest.approx(clock.now + 0.01)
         clock.now += 0.01
         assert server._timeout_ms() == 0

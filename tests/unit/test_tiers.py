@@ -209,7 +209,7 @@ def test_layer_wise_load_releases_early_layers_first(engine):
     settle(tm)
     tm.evict(Tier.DEVICE, 16, 0)
     settle(tm)
-    counters = tm._pools[0].counters
+    counters = tm.pools[0].counters
     stamp = counters.complete_layer
     gate = threading.Event()
 
@@ -394,9 +394,9 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
 
     tm = TierManager(SPEC, host_pages=4, storage=store)
     tm.register_pool(0, [engine.pool])
-    import hicache.tiers
+    import hicache.tiers.manager
 
-    monkeypatch.setattr(hicache.tiers, "REBUILD_PROGRESS_EVERY", 2)
+    monkeypatch.setattr(hicache.tiers.manager, "REBUILD_PROGRESS_EVERY", 2)
     progress = []
     assert tm.rebuild_from_storage(progress=progress.append) == 2 + 3 + 1 + 1
     # Reading the 11 records, indexing them by parent, walking the 7 reachable ones,

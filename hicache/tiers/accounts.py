@@ -1,0 +1,50 @@
+"""Page accounting across a tier manager's places, and the invariants that tie the tree,
+the allocators and the transfers in flight together."""
+
+from __future__ import annotations
+
+from hicache.tiers.core import Core
+from hicache.tiers.devices import DevicePools
+from hicache.tiers.disk import DiskTier
+from hicache.tiers.results import TierAccount
+from hicache.tree import Place, Tier
+
+
+def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, TierAccount]:
+    """Pages per place (each device pool, host, disk) and state."""
+    tree = core.tree
+    out = {}
+    for pool in pools:
+        sizes = tree.sizes(Tier.DEVICE, pool.pool_id)
+        landing = core.inflight.landing(pool.pool_id)
+        out[Place.device(pool.pool_id)] = TierAccount(
+            pool.allocator.num_free, pool.num_private, sizes.evictable,
+            sizes.protected - landing, pool.staging + landing,
+        )
+    sizes = tree.sizes(Tier.HOST)
+    out[Place(Tier.HOST)] = TierAccount(core.host_alloc.num_free, 0, sizes.evictable, sizes.protected,
+                                        core.host_staging)
+    sizes = tree.sizes(Tier.DISK)
+    pending = disk.pending
+    free = max(0, disk.capacity_pages - sizes.cached - pending)
+    out[Place(Tier.DISK)] = TierAccount(free, 0, sizes.evictable, sizes.protected, pending)
+    return out
+
+
+def check_invariants(core: Core, pools: DevicePools, disk: DiskTier) -> None:
+    """The tree's and allocators' own checks, plus the accounting between them
+    (``AssertionError`` names the first that fails)."""
+    tree, host_alloc = core.tree, core.host_alloc
+    tree.check_invariants()
+    host_alloc.check_invariants()
+    host_cached = tree.sizes(Tier.HOST).cached
+    assert host_alloc.num_allocated == host_cached + core.host_staging, (
+        host_alloc.num_allocated, host_cached, core.host_staging)
+    for pool in pools:
+        pool.check(tree.sizes(Tier.DEVICE, pool.pool_id).cached)
+    core.inflight.check(tree)
+    for place, account in accounting(core, pools, disk).items():
+        if place.tier == Tier.DEVICE:
+            assert account.total == pools[place.pool].allocator.capacity, (place, account)
+        elif place.tier == Tier.HOST:
+            assert account.total == host_alloc.capacity, account

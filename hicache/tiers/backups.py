@@ -1,0 +1,93 @@
+"""Device -> host: backing up a node's device pages (and its ancestors' that lack a host
+copy) into host pages, per the write policy; once on host, on to disk per the disk
+policy."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from hicache.tiers.core import Core
+from hicache.tiers.devices import DevicePoolState, DevicePools
+from hicache.tiers.disk import DiskTier
+from hicache.tiers.policies import DiskPolicy
+from hicache.tiers.transfers import Entry, Kind, Transfer, concat
+from hicache.tree import Node, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class Backups:
+    def __init__(self, core: Core, pools: DevicePools, disk: DiskTier, disk_policy: DiskPolicy) -> None:
+        self.core = core
+        self.pools = pools
+        self.disk = disk
+        self.disk_policy = disk_policy
+
+    def backup(self, pool: DevicePoolState, node: Node, *, then_drop: bool = False) -> bool:
+        """Copy ``node`` and its ancestors that lack one to host; False if not now.
+        ``then_drop``: drop ``node``'s device copy once it is on host (a write-back)."""
+        core = self.core
+        tree = core.tree
+        path = [n for n in tree.path(node) if n.host_pages is None and not core.inflight.busy(n, Kind.BACKUP)]
+        if not path or (then_drop and path[-1] is not node):
+            return False
+        total = sum(n.num_pages for n in path)
+        host_pages = core.alloc_host(total)
+        if host_pages is None:
+            return False
+        entries = []
+        offset = 0
+        for n in path:
+            src = n.device_pages(pool.pool_id)
+            if src is None:  # cannot happen: device residency is closed under ancestors
+                raise AssertionError(f"{n} has no pages in pool {pool.pool_id}")
+            entries.append(Entry(n, src.astype(np.int64), host_pages[offset : offset + n.num_pages].astype(np.int64)))
+            offset += n.num_pages
+        hold = path[-1]
+        tree.lock(hold, pool.pool_id)
+        transfer = Transfer(Kind.BACKUP, pool.pool_id, entries, hold)
+        if then_drop:
+            transfer.then_drop.add(node.node_id)
+        core.inflight.add(transfer)
+        core.host_staging += total
+        src_all = concat(e.src for e in entries)
+        dst_all = concat(e.dst for e in entries)
+        movers = pool.movers
+
+        def enqueue() -> None:
+            for mover in movers:
+                mover.backup(src_all, dst_all)
+
+        pool.copy.run(enqueue, lambda error: self._done(transfer, error))
+        return True
+
+    def _done(self, transfer: Transfer, error: BaseException | None) -> None:
+        core = self.core
+        tree = core.tree
+        core.inflight.remove(transfer)
+        core.host_staging -= transfer.num_pages
+        if error is None:
+            core.report(transfer)
+        pool = self.pools[transfer.pool]
+        tree.unlock(transfer.hold, transfer.pool)
+        if error is not None:
+            logger.error("backup from pool %s failed: %s", transfer.pool, error)
+        added = []
+        for entry in transfer.entries:
+            node = entry.node
+            ok = (error is None and tree.is_live(node) and node.host_pages is None
+                  and (node.parent.is_root or node.parent.host_pages is not None))
+            if not ok:
+                core.host_alloc.free(entry.dst)
+                continue
+            tree.add_host(node, entry.dst)
+            added.append(node)
+        if added and self.disk_policy.write_on_host:
+            self.disk.write(added[-1])
+        for entry in transfer.entries:
+            node = entry.node
+            if (node.node_id in transfer.then_drop and tree.is_live(node)
+                    and tree.is_evictable(node, Tier.DEVICE, pool.pool_id)):
+                pool.allocator.free(tree.drop(node, Tier.DEVICE, pool.pool_id))

@@ -1,0 +1,45 @@
+"""The tier manager's settings (``[tiers]`` in the daemon's config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hicache.errors import InvalidArgument
+from hicache.tiers.policies import (
+    DiskPolicy,
+    PrefetchPolicy,
+    WritePolicy,
+    disk_policy,
+    prefetch_policy,
+    write_policy,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    write_policy: str = "write_through"
+    write_threshold: int = 1  # hits before a write_through_selective backup
+    disk_policy: str = "write_through"
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 0.05
+    prefetch_min_pages: int = 1
+    counter_slots: int = 64  # concurrent loads per pool
+    eviction: str = "lru"
+    copy_threads: int = 2  # CPU copy threads inside a transfer
+    io_threads: int = 2  # storage readers
+
+    def __post_init__(self) -> None:
+        self.writes(), self.disk(), self.prefetch()  # each names a registered policy
+        if self.write_threshold < 1 or self.prefetch_min_pages < 1 or self.counter_slots < 1:
+            raise InvalidArgument("write_threshold, prefetch_min_pages and counter_slots must be >= 1")
+        if self.prefetch_timeout_s < 0:
+            raise InvalidArgument("prefetch_timeout_s must be >= 0")
+
+    def writes(self) -> WritePolicy:
+        return write_policy(self.write_policy, self.write_threshold)
+
+    def disk(self) -> DiskPolicy:
+        return disk_policy(self.disk_policy)
+
+    def prefetch(self) -> PrefetchPolicy:
+        return prefetch_policy(self.prefetch_policy, self.prefetch_timeout_s)

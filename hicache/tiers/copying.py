@@ -1,0 +1,97 @@
+"""The copy-engine port: how a transfer's page copies run for one device pool.
+
+* :class:`CpuCopy` — a CPU pool: the copies run on a transfer thread (itself spreading
+  pages over the CPU copy threads); a load's layer is complete when its copies are done,
+  and its counter is stamped right then.
+* :class:`CudaCopy` — a CUDA pool: the copies are enqueued at once, on this thread and
+  the manager's stream for the device (so every layer's CUDA event is recorded before
+  the caller replies); a transfer thread waits for the end, and the layer counters are
+  stamped complete only then (the events were the engine's signal meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from hicache.counters import LayerCounters, Ticket
+from hicache.jobs import Completions, Workers
+
+Done = Callable[[BaseException | None], None]
+
+
+class CopyEngine(Protocol):
+    timed: bool  # layer completions are stamped as they happen (first-layer latency is measurable)
+
+    def run(self, enqueue: Callable[[], None], done: Done) -> None:
+        """Run ``enqueue`` (which issues the copies) and call ``done(error)`` on the
+        owner thread once they have all landed, or failed."""
+
+    def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
+        """``enqueue`` issued the last copy of ``layer`` for the load ``ticket``."""
+
+    def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
+        """Every copy of the load landed."""
+
+
+class CpuCopy:
+    timed = True
+
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
+
+    def run(self, enqueue: Callable[[], None], done: Done) -> None:
+        self._workers.copy(enqueue, lambda _, error: done(error))
+
+    def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
+        counters.complete_layer(ticket, layer)
+
+    def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
+        pass
+
+
+class CudaCopy:
+    timed = False
+
+    def __init__(self, workers: Workers, completions: Completions, device: torch.device) -> None:
+        self._workers = workers
+        self._completions = completions
+        self._stream = torch.cuda.Stream(device)
+
+    def run(self, enqueue: Callable[[], None], done: Done) -> None:
+        try:
+            with torch.cuda.stream(self._stream):
+                enqueue()
+                finished = torch.cuda.Event()
+                finished.record(self._stream)
+        except BaseException as exc:  # noqa: BLE001 - reported through done()
+            failure = exc
+            self._completions.post(lambda: done(failure))
+            return
+        self._workers.copy(finished.synchronize, lambda _, error: done(error))
+
+    def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
+        counters.events.record(ticket, layer, torch.cuda.current_stream())
+
+    def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
+        for layer in range(num_layers):
+            counters.complete_layer(ticket, layer)
+
+
+class CopyEngines:
+    """One copy engine per device: the CPU one, and a CUDA one per GPU (one stream each)."""
+
+    def __init__(self, workers: Workers, completions: Completions) -> None:
+        self._workers = workers
+        self._completions = completions
+        self._cpu = CpuCopy(workers)
+        self._cuda: dict[torch.device, CudaCopy] = {}
+
+    def for_device(self, device: torch.device) -> CopyEngine:
+        if device.type != "cuda":
+            return self._cpu
+        if device not in self._cuda:
+            self._cuda[device] = CudaCopy(self._workers, self._completions, device)
+        return self._cuda[device]

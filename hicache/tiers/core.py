@@ -1,0 +1,51 @@
+"""What the tier manager's parts share: the tree, the host pool and its allocator, the
+transfers in flight, miss reasons, metrics, and the threads transfers run on.
+
+The eviction cascade belongs to :class:`hicache.tiers.manager.TierManager`; a part that
+needs host pages calls :attr:`Core.alloc_host`, which the manager sets to its own
+evicting allocation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.jobs import Completions, Workers
+from hicache.pages import PageAllocator, PageIds
+from hicache.pools import HostPool
+from hicache.spec import KVSpec
+from hicache.tiers.misses import MissReasons
+from hicache.tiers.transfers import InFlight, Transfer
+from hicache.tree import HiRadixTree, Node, Tier
+
+
+def _no_eviction(num_pages: int) -> PageIds | None:
+    raise RuntimeError("Core.alloc_host is set by the tier manager")
+
+
+@dataclass(eq=False)
+class Core:
+    spec: KVSpec
+    tree: HiRadixTree
+    host_pool: HostPool
+    host_alloc: PageAllocator
+    metrics: object
+    completions: Completions
+    workers: Workers
+    inflight: InFlight
+    misses: MissReasons
+    host_staging: int = 0  # host pages reserved by transfers still landing
+    alloc_host: Callable[[int], PageIds | None] = _no_eviction
+
+    def report(self, transfer: Transfer, num_pages: int | None = None) -> None:
+        """A transfer's bytes and time, in the transfer metrics."""
+        pages = transfer.num_pages if num_pages is None else num_pages
+        seconds = time.perf_counter() - transfer.timing["submitted"]
+        self.metrics.transfer(transfer.kind.value, pages * self.spec.host_page_bytes, seconds)
+
+    def drop_host_if_evictable(self, node: Node) -> None:
+        """Drop ``node``'s host copy if it may go now (a write-back that finished)."""
+        if self.tree.is_live(node) and self.tree.is_evictable(node, Tier.HOST):
+            self.host_alloc.free(self.tree.drop(node, Tier.HOST))

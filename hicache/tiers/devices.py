@@ -1,0 +1,146 @@
+"""The device-pool registry: the engines' pools a tier manager has adopted.
+
+Each :class:`DevicePoolState` is one registered pool (one :class:`DevicePool` per TP
+rank): its page allocator, which pages are private to its engine (allocated and not
+inserted), its layer counters, the page movers between each rank and the host pool, and
+the copy engine its transfers use. A pool is retired when its engine goes; it is reaped
+(pages forgotten, memory unmapped) once no transfer uses it any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.counters import LayerCounters
+from hicache.errors import InvalidArgument, SpecMismatch
+from hicache.kernels.copy_plan import CpuCopyWorkers
+from hicache.pages import PageAllocator, PageIds, PageIdsLike, distinct_page_ids
+from hicache.pools import DevicePool, HostPool
+from hicache.spec import KVSpec
+from hicache.tiers.copying import CopyEngine, CopyEngines
+from hicache.transfer import PageMover
+from hicache.tree import HiRadixTree, PoolId
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class DevicePoolState:
+    pool_id: PoolId
+    ranks: list[DevicePool]
+    movers: list[PageMover]
+    allocator: PageAllocator
+    private: np.ndarray  # bool per page id
+    counters: LayerCounters
+    copy: CopyEngine
+    num_private: int = 0
+    staging: int = 0  # pages reserved by loads still waiting for disk reads
+    retired: bool = False
+
+    def checked_ids(self, pages: PageIdsLike) -> PageIds:
+        """``pages`` as ids, checked: in the pool's range, none repeated."""
+        return distinct_page_ids(pages, self.allocator.capacity)
+
+    def make_private(self, ids: PageIds) -> None:
+        self.private[ids] = True
+        self.num_private += len(ids)
+
+    def unmake_private(self, ids: PageIds) -> None:
+        self.private[ids] = False
+        self.num_private -= len(ids)
+
+    def release(self, ids: PageIds) -> None:
+        """Give back private pages."""
+        if not self.private[ids].all():
+            raise InvalidArgument("only private pages can be released")
+        self.unmake_private(ids)
+        self.allocator.free(ids)
+
+    def close(self) -> None:
+        self.counters.close()
+        for rank in self.ranks:
+            rank.close()
+
+    def check(self, cached: int) -> None:
+        self.allocator.check_invariants()
+        assert self.num_private == int(self.private.sum())
+        assert self.allocator.num_allocated == self.num_private + cached + self.staging, (
+            self.pool_id, self.allocator.num_allocated, self.num_private, cached, self.staging)
+
+
+class DevicePools:
+    """See the module docstring. Owner thread only."""
+
+    def __init__(self, spec: KVSpec, host_pool: HostPool, engines: CopyEngines, *, counter_slots: int,
+                 copy_workers: CpuCopyWorkers | None) -> None:
+        self.spec = spec
+        self._host_pool = host_pool
+        self._engines = engines
+        self._counter_slots = counter_slots
+        self._copy_workers = copy_workers
+        self._pools: dict[PoolId, DevicePoolState] = {}
+
+    def register(self, pool_id: PoolId, ranks: list[DevicePool]) -> DevicePoolState:
+        if pool_id in self._pools:
+            raise InvalidArgument(f"pool {pool_id} is already registered")
+        if len(ranks) != self.spec.tp_size:
+            raise InvalidArgument(f"the spec has TP size {self.spec.tp_size}, got {len(ranks)} rank pools")
+        num_pages = ranks[0].num_pages
+        for rank, pool in enumerate(ranks):
+            if pool.spec.fingerprint != self.spec.fingerprint:
+                raise SpecMismatch(f"rank {rank}'s pool has another KV spec")
+            if pool.rank != rank or pool.num_pages != num_pages:
+                raise InvalidArgument("rank pools must be given in rank order with equal page counts")
+        movers = [PageMover(pool, self._host_pool, workers=self._copy_workers) for pool in ranks]
+        device = ranks[0].device
+        counters = LayerCounters(
+            self._counter_slots, self.spec.num_layers,
+            cuda_device=device.index or 0 if device.type == "cuda" else None,
+        )
+        state = DevicePoolState(pool_id, ranks, movers, PageAllocator.for_device(num_pages),
+                                np.zeros(num_pages + 1, dtype=bool), counters, self._engines.for_device(device))
+        self._pools[pool_id] = state
+        return state
+
+    def get(self, pool_id: PoolId) -> DevicePoolState:
+        """A registered pool that still takes work."""
+        try:
+            pool = self._pools[pool_id]
+        except (KeyError, TypeError):
+            raise InvalidArgument(f"pool {pool_id!r} is not registered") from None
+        if pool.retired:
+            raise InvalidArgument(f"pool {pool_id} has been unregistered")
+        return pool
+
+    def any_retired(self) -> bool:
+        return any(pool.retired for pool in self._pools.values())
+
+    def reap(self, busy: set[PoolId | None], tree: HiRadixTree) -> None:
+        """Forget and unmap the retired pools no transfer uses any more."""
+        for pool_id, pool in list(self._pools.items()):
+            if not pool.retired or pool_id in busy:
+                continue
+            pool.allocator.free(tree.discard_pool(pool_id))
+            if pool.num_private:
+                pool.allocator.free(np.flatnonzero(pool.private))
+            del self._pools[pool_id]
+            pool.close()
+            logger.info("pool %s unregistered", pool_id)
+
+    def __iter__(self) -> Iterator[DevicePoolState]:
+        return iter(list(self._pools.values()))
+
+    def __getitem__(self, pool_id: PoolId) -> DevicePoolState:
+        """A registered pool, retired or not (a transfer finishing for it)."""
+        return self._pools[pool_id]
+
+    def ranks(self) -> list[DevicePool]:
+        return [rank for pool in self._pools.values() for rank in pool.ranks]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.counters.close()

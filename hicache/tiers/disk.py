@@ -1,0 +1,192 @@
+"""The disk tier behind the tier manager: a port with two implementations.
+
+* :class:`NoDisk` — the null object for "no disk tier" (no store, or ``disk_policy =
+  "none"``): nothing is written, nothing is read, the tier is always empty;
+* :class:`LocalDisk` — a :class:`~hicache.storage.base.StorageBackend` (LMDB): writes
+  (:mod:`hicache.tiers.disk_writes`), reads (:mod:`hicache.tiers.disk_reads`), the warm
+  restart (:mod:`hicache.tiers.rebuild`), and the tier's own capacity — the tree's disk
+  LRU is evicted (and those records deleted) to keep it under the store's capacity.
+
+Next: a chain of storage tiers (a remote tier below the local disk) behind the same port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+from hicache.storage.base import StorageBackend
+from hicache.tiers.core import Core
+from hicache.tiers.disk_reads import DiskReader
+from hicache.tiers.disk_writes import DiskWriter
+from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY, rebuild_steps
+from hicache.tiers.transfers import Transfer
+from hicache.tree import Node, Tier
+
+
+class DiskTier(Protocol):
+    enabled: bool
+    storage: StorageBackend | None
+    capacity_pages: int
+    on_store_evicted: Callable[[Sequence[bytes]], None]
+
+    @property
+    def pending(self) -> int:
+        """Pages being written (not yet committed)."""
+
+    def write(self, node: Node, *, then_drop_host: bool = False) -> bool: ...
+
+    def read(self, nodes: list[Node]) -> list[Transfer]: ...
+
+    def prefetch(self, node: Node) -> None: ...
+
+    def evict(self, num_pages: int) -> int: ...
+
+    def forget_keys(self, keys: Iterable[bytes]) -> None: ...
+
+    def persist(self) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]: ...
+
+
+class NoDisk:
+    enabled = False
+    storage = None
+    capacity_pages = 0
+    pending = 0
+
+    def __init__(self) -> None:
+        self.on_store_evicted: Callable[[Sequence[bytes]], None] = self.forget_keys
+
+    def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
+        return False
+
+    def read(self, nodes: list[Node]) -> list[Transfer]:
+        return []
+
+    def prefetch(self, node: Node) -> None:
+        pass
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    def forget_keys(self, keys: Iterable[bytes]) -> None:
+        pass
+
+    def persist(self) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+        yield from ()
+        return 0
+
+
+class LocalDisk:
+    enabled = True
+
+    def __init__(self, core: Core, storage: StorageBackend) -> None:
+        self.core = core
+        self.storage = storage
+        self.capacity_pages = storage.stats().capacity_bytes // core.spec.host_page_bytes
+        self._writer = DiskWriter(core, storage, self)
+        self._reader = DiskReader(core, storage, self)
+        # Told the keys the store evicted to make room for this tree's writes. A store
+        # shared by several managers (one per KV spec) needs them all told: the owner
+        # replaces this with a function that calls every manager's forget_disk_keys.
+        self.on_store_evicted: Callable[[Sequence[bytes]], None] = self.forget_keys
+
+    @property
+    def pending(self) -> int:
+        return self._writer.pending
+
+    def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
+        return self._writer.write(node, then_drop_host=then_drop_host)
+
+    def read(self, nodes: list[Node]) -> list[Transfer]:
+        return self._reader.read(nodes)
+
+    def prefetch(self, node: Node) -> None:
+        """Start reading the disk-only part of ``node``'s path into host memory."""
+        wanted = [n for n in self.core.tree.path(node) if n.host_pages is None and n.on_disk]
+        if wanted:
+            self._reader.read(wanted)
+
+    def room(self, num_pages: int) -> bool:
+        """Keep the tree's disk tier within capacity: evict its LRU to make room."""
+        if not self.capacity_pages:
+            return True
+        if num_pages > self.capacity_pages:
+            return False
+        used = self.core.tree.sizes(Tier.DISK).cached + self.pending
+        excess = used + num_pages - self.capacity_pages
+        if excess > 0:
+            used -= self.evict(excess)
+        return used + num_pages <= self.capacity_pages
+
+    def evict(self, num_pages: int) -> int:
+        """Evict the tree's disk LRU and delete those records; returns the pages freed."""
+        core = self.core
+        freed = 0
+        for node in core.tree.iter_evictable(Tier.DISK):
+            if freed >= num_pages:
+                break
+            core.misses.evicted(node, Tier.DISK)
+            keys = node.page_key_list()
+            core.tree.drop(node, Tier.DISK)
+            self.storage.delete(keys)
+            freed += len(keys)
+        return freed
+
+    def forget_keys(self, keys: Iterable[bytes]) -> None:
+        """The store dropped these records on its own: forget them (and what hangs
+        below); keys this tree does not hold are ignored."""
+        tree = self.core.tree
+        wanted = set(keys)
+        hit = {id(node): node for key in wanted if (node := tree.disk_node(key)) is not None}
+        for node in hit.values():
+            if tree.is_live(node) and node.on_disk:  # not gone with an ancestor already
+                below = self._subtree_keys(node)
+                tree.discard(node, Tier.DISK)
+                self.storage.delete([k for k in below if k not in wanted])
+
+    def drop_bad_records(self, node: Node) -> None:
+        """A missing or corrupt record: forget ``node`` (and below) on disk, delete."""
+        keys = self._subtree_keys(node)
+        self.core.tree.discard(node, Tier.DISK)
+        self.core.metrics.missed("corrupt_record", len(keys) * self.core.spec.page_size)
+        if keys:
+            self.storage.delete(keys)
+
+    def _subtree_keys(self, node: Node) -> list[bytes]:
+        keys = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.on_disk:
+                keys.extend(n.page_key_list())
+                stack.extend(n.children.values())
+        return keys
+
+    def persist(self) -> int:
+        """Start writing every host page that has no disk record yet; returns the pages
+        queued."""
+        tree = self.core.tree
+        queued = 0
+        for node in list(tree.nodes()):
+            if (tree.is_live(node) and node.host_pages is not None and not node.on_disk
+                    and not any(c.host_pages is not None and not c.on_disk for c in node.children.values())):
+                before = self.pending
+                self.write(node)
+                queued += self.pending - before
+        return queued
+
+    def flush(self) -> None:
+        self.storage.flush()
+
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+        return rebuild_steps(self.core.tree, self.storage, self.core.spec, every)

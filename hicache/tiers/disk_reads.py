@@ -1,0 +1,107 @@
+"""Disk -> host: reading nodes' records into host pages on the I/O threads. A record
+that is missing or fails its checksum cuts the node there: the pages before it stay, the
+rest is forgotten on disk (and deleted)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.storage.base import StorageBackend
+from hicache.tiers.core import Core
+from hicache.tiers.transfers import Entry, Kind, Transfer
+from hicache.tree import Node
+
+if TYPE_CHECKING:
+    from hicache.tiers.disk import LocalDisk
+
+logger = logging.getLogger(__name__)
+
+
+class DiskReader:
+    def __init__(self, core: Core, storage: StorageBackend, disk: "LocalDisk") -> None:
+        self.core = core
+        self.storage = storage
+        self.disk = disk
+
+    def read(self, nodes: list[Node]) -> list[Transfer]:
+        """Bring disk-only ``nodes`` (a top-down run of one path) to host; returns the
+        transfers to wait for (reads already in flight included)."""
+        core = self.core
+        waiting: list[Transfer] = []
+        fresh = []
+        for n in nodes:
+            busy = core.inflight.on(n, Kind.DISK_READ)
+            if busy:
+                waiting.extend(t for t in busy if t not in waiting)
+            elif n.host_pages is None and n.on_disk:
+                fresh.append(n)
+        while fresh:
+            pages = core.alloc_host(sum(n.num_pages for n in fresh))
+            if pages is not None:
+                break
+            fresh.pop()
+        if not fresh:
+            return waiting
+        entries = []
+        offset = 0
+        for n in fresh:
+            dst = pages[offset : offset + n.num_pages].astype(np.int64)
+            entries.append(Entry(n, np.arange(offset, offset + n.num_pages), dst))
+            offset += n.num_pages
+        hold = fresh[-1]
+        core.tree.pin(hold)
+        transfer = Transfer(Kind.DISK_READ, None, entries, hold)
+        core.inflight.add(transfer)
+        core.host_staging += len(pages)
+        keys = [k for n in fresh for k in n.page_key_list()]
+        buffers = [core.host_pool.page(int(h)) for h in pages]
+        storage = self.storage
+        fingerprint = core.spec.fingerprint
+
+        def work() -> list[bool]:
+            return storage.get(keys, buffers, fingerprint=fingerprint)
+
+        core.workers.io(work, lambda found, error: self._done(transfer, found, error))
+        waiting.append(transfer)
+        return waiting
+
+    def _done(self, transfer: Transfer, found: list[bool] | None, error: BaseException | None) -> None:
+        core = self.core
+        tree = core.tree
+        core.inflight.remove(transfer)
+        core.host_staging -= transfer.num_pages
+        if found is not None:
+            core.report(transfer, sum(found))
+        tree.unpin(transfer.hold)
+        if error is not None:
+            logger.error("disk read failed: %s", error)
+        found = found if found is not None else []
+        failed = False
+        offset = 0
+        for entry in transfer.entries:
+            node = entry.node
+            n = len(entry.dst)
+            ok = np.asarray(found[offset : offset + n], dtype=bool) if error is None else np.zeros(n, bool)
+            offset += n
+            usable = (not failed and tree.is_live(node) and node.host_pages is None
+                      and (node.parent.is_root or node.parent.host_pages is not None))
+            good = n if ok.all() else int(np.argmin(ok))
+            if not usable or good == 0:
+                core.host_alloc.free(entry.dst)
+                if usable and node.on_disk:
+                    self.disk.drop_bad_records(node)
+                failed = True
+                continue
+            if good < n:
+                # The first good pages stay: cut the node there, forget the rest.
+                upper = tree.split(node, good)
+                tree.add_host(upper, entry.dst[:good])
+                core.host_alloc.free(entry.dst[good:])
+                self.disk.drop_bad_records(node)
+                failed = True
+                continue
+            tree.add_host(node, entry.dst)
+        transfer.finished()

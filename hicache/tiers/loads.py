@@ -1,0 +1,204 @@
+"""Load orchestration: the host / disk part of a matched path into a device pool.
+
+:meth:`Loads.load` reserves device pages for the part of the path below the pool's
+device part that lives on host or disk (shortening it until the pages fit), reads the
+disk-only nodes to host first, then copies host -> device layer by layer through the
+pool's copy engine, stamping the load's ticket on the layer counters as each layer
+lands. Its future completes as soon as the pages are reserved and the copies started —
+or, with disk pages, once they are in host memory, so that a failed read shortens the
+hit instead of handing out pages that will never be written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.errors import UnknownNode
+from hicache.pages import PAGE_ID_DTYPE, PageIds
+from hicache.tiers.core import Core
+from hicache.tiers.devices import DevicePoolState, DevicePools
+from hicache.tiers.disk import DiskTier
+from hicache.tiers.results import LoadResult, LoadTiming
+from hicache.tiers.transfers import Entry, Kind, Transfer, concat
+from hicache.tree import Node, Tier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Pending:
+    pool: DevicePoolState
+    segment: list[Node]  # nodes to bring to the device (the last one is locked)
+    pages: np.ndarray  # reserved device pages for the segment
+    future: Future
+    reads_left: int = 0
+
+
+class Loads:
+    def __init__(self, core: Core, pools: DevicePools, disk: DiskTier,
+                 alloc_device: Callable[[DevicePoolState, int], PageIds | None]) -> None:
+        self.core = core
+        self.pools = pools
+        self.disk = disk
+        self._alloc_device = alloc_device
+        self.on_timing: Callable[[LoadTiming], None] | None = None  # told of each timed load (benchmarks)
+
+    def load(self, node: Node, pool: DevicePoolState) -> Future:
+        """A future of :class:`LoadResult` (see the module docstring)."""
+        tree = self.core.tree
+        if not tree.is_live(node):
+            raise UnknownNode(f"{node!r} is not a live node")
+        future: Future = Future()
+        path = tree.path(node)
+        device_len = 0
+        while device_len < len(path) and path[device_len].device_pages(pool.pool_id) is not None:
+            device_len += 1
+        segment = []
+        for n in path[device_len:]:
+            if n.host_pages is None and not (n.on_disk and self.disk.enabled):
+                break
+            segment.append(n)
+        pages = None
+        while segment:
+            pages = self._alloc_device(pool, sum(n.num_pages for n in segment))
+            if pages is not None:
+                break
+            segment.pop()
+        if not segment:
+            future.set_result(self._device_only(pool, path[:device_len], node))
+            return future
+        tree.lock(segment[-1], pool.pool_id)
+        pool.staging += len(pages)
+        pending = _Pending(pool, segment, pages, future)
+        from_disk = [n for n in segment if n.host_pages is None]
+        reads = self.disk.read(from_disk) if from_disk else []
+        if not reads:
+            self._start(pending)
+            return future
+        pending.reads_left = len(reads)
+        for transfer in reads:
+            transfer.waiters.append(lambda: self._read_done(pending))
+        return future
+
+    def _read_done(self, pending: _Pending) -> None:
+        pending.reads_left -= 1
+        if pending.reads_left == 0:
+            self._start(pending)
+
+    def _start(self, pending: _Pending) -> None:
+        core = self.core
+        tree = core.tree
+        pool = pending.pool
+        hold = pending.segment[-1]
+        # Look at the path again: reads may have split nodes (a corrupt page keeps the
+        # pages before it) or failed, and another load may have brought some nodes to
+        # the device meanwhile. Load what is on host right below the device part; the
+        # rest shortens the hit.
+        path = tree.path(hold)
+        first = 0
+        while first < len(path) and path[first].device_pages(pool.pool_id) is not None:
+            first += 1
+        keep = first
+        while keep < len(path) and path[keep].host_pages is not None and path[keep].device_pages(pool.pool_id) is None:
+            keep += 1
+        to_load = path[first:keep]
+        used = sum(n.num_pages for n in to_load)
+        if used > len(pending.pages):  # a node split off above the segment: load less
+            while to_load and sum(n.num_pages for n in to_load) > len(pending.pages):
+                to_load.pop()
+                keep -= 1
+            used = sum(n.num_pages for n in to_load)
+        pool.staging -= len(pending.pages)
+        if used < len(pending.pages):
+            pool.allocator.free(pending.pages[used:])
+        ticket = pool.counters.begin() if to_load else None
+        if ticket is None:
+            if to_load:
+                pool.allocator.free(pending.pages[:used])
+            tree.unlock(hold, pool.pool_id)
+            pending.future.set_result(self._device_only(pool, path[:first], hold))
+            return
+        entries = []
+        offset = 0
+        for n in to_load:
+            dst = pending.pages[offset : offset + n.num_pages]
+            offset += n.num_pages
+            tree.add_device(n, pool.pool_id, dst)
+            entries.append(Entry(n, n.host_pages.astype(np.int64), dst.astype(np.int64)))
+        # The lock taken at load() covers the whole segment; the transfer keeps it.
+        transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket)
+        core.inflight.add(transfer)
+        self._copy(pool, transfer)
+        pending.future.set_result(self._result(pool, path[:keep], used, path[keep - 1]))
+
+    def _copy(self, pool: DevicePoolState, transfer: Transfer) -> None:
+        src = concat(e.src for e in transfer.entries)
+        dst = concat(e.dst for e in transfer.entries)
+        counters, movers, engine, ticket = pool.counters, pool.movers, pool.copy, transfer.ticket
+        num_layers = self.core.spec.num_layers
+        timing = transfer.timing
+        timing["start"] = time.perf_counter()
+        last_layer = num_layers - 1
+
+        def on_layer(layer: int) -> None:
+            engine.layer_done(counters, ticket, layer)
+            if engine.timed:
+                if layer == 0:
+                    timing["first"] = time.perf_counter()
+                if layer == last_layer:
+                    timing["last"] = time.perf_counter()
+
+        def enqueue() -> None:
+            try:
+                if len(movers) == 1:
+                    movers[0].load(src, dst, on_layer=on_layer)
+                else:
+                    for layer in range(num_layers):
+                        for mover in movers:
+                            if mover.has_layer(layer):
+                                mover.load_layer(src, dst, layer)
+                        on_layer(layer)
+            except BaseException:
+                counters.fail(ticket)
+                raise
+
+        engine.run(enqueue, lambda error: self._done(transfer, error))
+
+    def _done(self, transfer: Transfer, error: BaseException | None) -> None:
+        core = self.core
+        tree = core.tree
+        core.inflight.remove(transfer)
+        pool = self.pools[transfer.pool]
+        if error is None:
+            pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
+            core.report(transfer)
+        else:
+            logger.error("load into pool %s failed: %s", transfer.pool, error)
+            core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
+            first = transfer.entries[0].node
+            if tree.is_live(first) and first.device_pages(transfer.pool) is not None:
+                pool.allocator.free(tree.discard(first, Tier.DEVICE, transfer.pool))
+        tree.unlock(transfer.hold, transfer.pool)
+        pool.counters.finish(transfer.ticket)
+        timing = transfer.timing
+        if error is None and "last" in timing:
+            core.metrics.first_layer(timing["first"] - timing["start"])
+            if self.on_timing is not None:
+                self.on_timing(LoadTiming(transfer.num_pages, transfer.num_pages * core.spec.host_page_bytes,
+                                          timing["start"], timing["first"], timing["last"]))
+
+    def _device_only(self, pool: DevicePoolState, device: list[Node], node: Node) -> LoadResult:
+        """A load that brought nothing: the device part of ``node``'s path."""
+        last = device[-1] if device else self.core.tree.root(node.namespace)
+        return self._result(pool, device, 0, last)
+
+    def _result(self, pool: DevicePoolState, nodes: list[Node], loaded: int, last: Node) -> LoadResult:
+        parts = [n.device_pages(pool.pool_id) for n in nodes]
+        pages = np.concatenate(parts) if parts else np.empty(0, dtype=PAGE_ID_DTYPE)
+        return LoadResult(last, pages, loaded, self.core.inflight.tickets_on(last, pool.pool_id))

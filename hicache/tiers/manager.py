@@ -1,0 +1,417 @@
+"""The tier manager: one tree, device pools, the host pool and a disk tier, driven as one.
+
+:class:`TierManager` is the facade the daemon (and tests, benchmarks) use, on the owner
+thread — the only thread that touches the tree, the allocators and the registries. It
+wires the parts together and keeps the **eviction cascade**: device pressure drops
+device copies that live elsewhere (or backs them up first under the ``write_back``
+write policy); host pressure drops host copies (writing them to disk first under the
+``write_back`` disk policy); the disk tier keeps itself under the store's capacity. A
+node that lives nowhere leaves the tree. The parts (see ``docs/architecture.md``):
+
+* :mod:`~hicache.tiers.devices` — the engines' pools: allocators, private pages, counters;
+* :mod:`~hicache.tiers.loads` — host / disk -> device, layer by layer;
+* :mod:`~hicache.tiers.backups` — device -> host per the write policy;
+* :mod:`~hicache.tiers.disk` — the disk tier (or none): writes, reads, prefetch, rebuild;
+* :mod:`~hicache.tiers.copying` — CPU and CUDA copy engines;
+* :mod:`~hicache.tiers.transfers` — the transfers in flight, by node;
+* :mod:`~hicache.tiers.misses` — why a page is not cached;
+* :mod:`~hicache.tiers.policies` — write, disk and prefetch policies.
+
+Transfers run on worker threads and report back through :class:`hicache.jobs.Completions`;
+:meth:`TierManager.poll` runs those completions and due timers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from hicache.counters import LayerCounters
+from hicache.errors import InvalidArgument
+from hicache.jobs import Completions, Workers
+from hicache.keys import NamespaceId, PageKey, Tokens, pack_tokens
+from hicache.kernels.copy_plan import CpuCopyWorkers
+from hicache.metrics import NullMetrics
+from hicache.pages import PageAllocator, PageIds, PageIdsLike
+from hicache.pools import DevicePool, HostPool
+from hicache.spec import KVSpec
+from hicache.storage.base import StorageBackend
+from hicache.tiers.accounts import accounting, check_invariants
+from hicache.tiers.backups import Backups
+from hicache.tiers.config import TierConfig
+from hicache.tiers.copying import CopyEngines
+from hicache.tiers.core import Core
+from hicache.tiers.devices import DevicePools, DevicePoolState
+from hicache.tiers.disk import DiskTier, LocalDisk, NoDisk
+from hicache.tiers.loads import Loads
+from hicache.tiers.misses import MissReasons
+from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY
+from hicache.tiers.prefetch import answer_after
+from hicache.tiers.results import Hit, LoadTiming, TierAccount
+from hicache.tiers.timers import Timers
+from hicache.tiers.transfers import InFlight, Kind
+from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Place, PoolId, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class TierManager:
+    """See the module docstring. All methods run on the owner thread."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        host_pages: int,
+        storage: StorageBackend | None = None,
+        config: TierConfig | None = None,
+        completions: Completions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        pinned_host: bool | None = None,
+        metrics=None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """``progress`` is called now and then while the host pool is pinned (seconds
+        for a large one), with the bytes done."""
+        self.spec = spec
+        self.config = config or TierConfig()
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.writes = self.config.writes()
+        self.disk_policy = self.config.disk()
+        self.prefetch = self.config.prefetch()
+        inflight = InFlight()
+        self.tree = HiRadixTree(eviction=self.config.eviction, on_split=inflight.on_split)
+        self.host_pool = HostPool(spec, host_pages, pinned=pinned_host, progress=progress)
+        self.host_alloc = PageAllocator.for_host(host_pages)
+        self.completions = completions or Completions()
+        self.workers = Workers(self.completions, io_threads=self.config.io_threads)
+        self._copy_workers = CpuCopyWorkers(self.config.copy_threads) if self.config.copy_threads > 1 else None
+        self._core = Core(spec, self.tree, self.host_pool, self.host_alloc, self.metrics, self.completions,
+                          self.workers, inflight, MissReasons(self.metrics), alloc_host=self._host_alloc)
+        self._inflight = inflight
+        self.disk: DiskTier = (LocalDisk(self._core, storage) if storage is not None and self.disk_policy.enabled
+                               else NoDisk())
+        self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
+                                 counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
+        self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
+        self._loads = Loads(self._core, self.pools, self.disk, self._device_alloc)
+        self._timers = Timers(clock)
+
+    @property
+    def storage(self) -> StorageBackend | None:
+        return self.disk.storage
+
+    @property
+    def on_store_evicted(self) -> Callable[[Sequence[bytes]], None]:
+        """Told the keys the store evicted to make room for this manager's writes. A
+        store shared by several managers (one per KV spec) needs them all told: the
+        owner sets this to a function that calls every manager's :meth:`forget_disk_keys`."""
+        return self.disk.on_store_evicted
+
+    @on_store_evicted.setter
+    def on_store_evicted(self, fn: Callable[[Sequence[bytes]], None]) -> None:
+        self.disk.on_store_evicted = fn
+
+    @property
+    def on_load_timing(self) -> Callable[[LoadTiming], None] | None:
+        """Told of each finished CPU-mode load's layer timings (benchmarks)."""
+        return self._loads.on_timing
+
+    @on_load_timing.setter
+    def on_load_timing(self, fn: Callable[[LoadTiming], None] | None) -> None:
+        self._loads.on_timing = fn
+
+    @property
+    def disk_capacity_pages(self) -> int:
+        return self.disk.capacity_pages
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_pool.nbytes
+
+    def add_namespace(self, namespace: NamespaceId) -> Node:
+        return self.tree.add_namespace(namespace, self.spec.page_size)
+
+    def find(self, node_id: int) -> Node | None:
+        """The live node with this id, if any."""
+        return self.tree.find(node_id)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tree)
+
+    def register_pool(self, pool_id: PoolId, ranks: list[DevicePool]) -> LayerCounters:
+        """Adopt an engine's device pool (one :class:`DevicePool` per TP rank, in rank
+        order). Returns the pool's layer counters, whose handle goes to the engine."""
+        return self.pools.register(pool_id, ranks).counters
+
+    def retire_pool(self, pool_id: PoolId) -> None:
+        """The engine is gone: refuse new work for its pool, and once no transfer uses
+        the pool any more, forget its pages (private ones included) and unmap it (see
+        :meth:`poll`). The caller has released the session's locks."""
+        self.pools.get(pool_id).retired = True
+        self.pools.reap(self._inflight.pools(), self.tree)
+
+    def device_pools(self) -> list[DevicePool]:
+        """Every registered rank pool (for reporting)."""
+        return self.pools.ranks()
+
+    def num_pages(self, pool_id: PoolId) -> int:
+        return self.pools.get(pool_id).allocator.capacity
+
+    def num_private(self, pool_id: PoolId) -> int:
+        """The pool's private pages (its engine's, allocated and not inserted)."""
+        return self.pools.get(pool_id).num_private
+
+    def page_ids(self, pool_id: PoolId, pages: PageIdsLike) -> PageIds:
+        """``pages`` as ids, checked: in the pool's range, none repeated."""
+        return self.pools.get(pool_id).checked_ids(pages)
+
+    def reserve(self, pool_id: PoolId, pages: PageIdsLike) -> None:
+        """Make specific pages private (an engine re-registering with pages its running
+        requests still use)."""
+        pool = self.pools.get(pool_id)
+        ids = pool.checked_ids(pages)
+        pool.allocator.take(ids)
+        pool.make_private(ids)
+
+    def alloc(self, pool_id: PoolId, num_pages: int) -> PageIds | None:
+        """``num_pages`` private device pages (evicting cached pages if needed), or
+        ``None`` when the pool cannot provide them now."""
+        pool = self.pools.get(pool_id)
+        if num_pages < 0:
+            raise InvalidArgument(f"cannot allocate {num_pages} pages")
+        pages = self._device_alloc(pool, num_pages)
+        if pages is not None:
+            pool.make_private(pages)
+        return pages
+
+    def release(self, pool_id: PoolId, pages: PageIdsLike) -> None:
+        """Give back private pages that were never inserted."""
+        pool = self.pools.get(pool_id)
+        pool.release(pool.checked_ids(pages))
+
+    def match(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit:
+        """Longest cached prefix as seen from the pool; starts a disk prefetch of its disk
+        part, and backs up what the write policy wants backed up after a hit."""
+        pool = self.pools.get(pool_id)
+        result = self.tree.match(namespace, tokens, pool_id)
+        if result.node is None or result.node.parent is None:  # unknown namespace, or nothing matched
+            return Hit(result, ())
+        node = self.writes.after_hit(result)
+        if node is not None:
+            self._backups.backup(pool, node)
+        if result.num_disk_pages >= self.config.prefetch_min_pages:
+            self.disk.prefetch(result.node)
+        return Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id))
+
+    def lookup(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit | Future:
+        """:meth:`match` when the prefetch policy answers at once, else
+        :meth:`match_async`'s future."""
+        if not self.prefetch.waits:
+            return self.match(namespace, tokens, pool_id)
+        return self.match_async(namespace, tokens, pool_id)
+
+    def match_async(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Future:
+        """:meth:`match` under the prefetch policy: ``best_effort`` answers now;
+        ``wait_complete`` once the disk part is in host memory; ``timeout`` then, or
+        after ``prefetch_timeout_s``, whichever comes first."""
+        hit = self.match(namespace, tokens, pool_id)
+        future: Future = Future()
+        if not self.prefetch.waits or not hit.match.num_disk_pages or not self.disk.enabled:
+            future.set_result(hit)
+            return future
+        packed = pack_tokens(tokens)
+
+        def answer() -> None:
+            if not future.done():
+                result = self.tree.match(namespace, packed, pool_id, touch=False)
+                future.set_result(Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id)))
+
+        reads = [t for n in self.tree.path(hit.match.node) for t in self._inflight.on(n, Kind.DISK_READ)]
+        answer_after(reads, answer, self.prefetch, self._timers)
+        return future
+
+    def lock(self, node: Node, pool_id: PoolId) -> None:
+        self.pools.get(pool_id)
+        self.tree.lock(node, pool_id)
+
+    def unlock(self, node: Node, pool_id: PoolId) -> None:
+        self.pools.get(pool_id)
+        self.tree.unlock(node, pool_id)
+
+    def insert(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, pages: PageIdsLike) -> InsertResult:
+        """The tree takes the whole pages of ``tokens``. Each page is either one of the
+        session's private pages or the pool's cached page for that position (from a
+        match); private pages that duplicate cached ones are freed."""
+        pool = self.pools.get(pool_id)
+        ids = pool.checked_ids(pages)
+        packed = pack_tokens(tokens)
+        private = pool.private[ids]
+        if not private.all():
+            cached = self.tree.match(namespace, packed, pool_id, touch=False).device_pages
+            positions = np.flatnonzero(~private)
+            beyond = positions >= len(cached)
+            if beyond.any() or (ids[positions] != cached[positions]).any():
+                raise InvalidArgument("a page is neither private nor the cached page at its position")
+        result = self.tree.insert(namespace, packed, pool_id, ids)
+        pool.unmake_private(ids[private])
+        pool.allocator.free(result.duplicate_pages)
+        node = self.writes.after_insert(result.node)
+        if node is not None:
+            self._backups.backup(pool, node)
+        return result
+
+    def load(self, node: Node, pool_id: PoolId) -> Future:
+        """Bring the host / disk part of ``node``'s path into the pool; a future of
+        :class:`~hicache.tiers.results.LoadResult` (see :mod:`hicache.tiers.loads`)."""
+        return self._loads.load(node, self.pools.get(pool_id))
+
+    def _device_alloc(self, pool: DevicePoolState, num_pages: int) -> PageIds | None:
+        pages = pool.allocator.alloc(num_pages)
+        if pages is None:
+            self._evict_device(pool, num_pages - pool.allocator.num_free)
+            pages = pool.allocator.alloc(num_pages)
+        return pages
+
+    def _host_alloc(self, num_pages: int) -> PageIds | None:
+        pages = self.host_alloc.alloc(num_pages)
+        if pages is None:
+            self._evict_host(num_pages - self.host_alloc.num_free)
+            pages = self.host_alloc.alloc(num_pages)
+        return pages
+
+    def _evict_device(self, pool: DevicePoolState, num_pages: int) -> int:
+        """Free at least ``num_pages`` device pages if possible (write-backs started
+        here free theirs later). Returns the pages freed now."""
+        freed = 0
+        back_up = self.writes.backup_before_evict
+        for node in self.tree.iter_evictable(Tier.DEVICE, pool.pool_id):
+            if freed >= num_pages:
+                break
+            if back_up and node.host_pages is None and not node.on_disk:
+                self._backups.backup(pool, node, then_drop=True)
+                continue
+            self._core.misses.evicted(node, Tier.DEVICE)
+            pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
+            pool.allocator.free(pages)
+            freed += len(pages)
+        return freed
+
+    def _evict_host(self, num_pages: int) -> int:
+        freed = 0
+        write_first = self.disk_policy.write_before_drop and self.disk.enabled
+        for node in self.tree.iter_evictable(Tier.HOST):
+            if freed >= num_pages:
+                break
+            if write_first and not node.on_disk and not node.device_pools:
+                self.disk.write(node, then_drop_host=True)
+                continue
+            self._core.misses.evicted(node, Tier.HOST)
+            pages = self.tree.drop(node, Tier.HOST)
+            self.host_alloc.free(pages)
+            freed += len(pages)
+        return freed
+
+    def evict(self, tier: Tier, num_pages: int, pool_id: PoolId | None = None) -> int:
+        """Evict from one tier on request; returns the pages freed now."""
+        if tier == Tier.DEVICE:
+            return self._evict_device(self.pools.get(pool_id), num_pages)
+        if tier == Tier.HOST:
+            return self._evict_host(num_pages)
+        return self.disk.evict(num_pages)
+
+    def forget_disk_keys(self, keys: Iterable[bytes]) -> None:
+        """The store dropped these records on its own: forget them (and what hangs
+        below); keys this tree does not hold are ignored."""
+        self.disk.forget_keys(keys)
+
+    def miss_reason(self, page_key: PageKey) -> str:
+        """Why the page with this key is not cached: ``evicted_<tier>`` if it was
+        evicted recently (from the tier it left last), else ``never_stored``."""
+        return self._core.misses.reason(page_key)
+
+    def why_missed(self, namespace: NamespaceId, tokens: bytes, match: MatchResult) -> str:
+        """:meth:`miss_reason` of the first page after ``match`` (a match of the packed
+        ``tokens``); ``never_stored`` for a partial page."""
+        return self._core.misses.after(namespace, tokens, match)
+
+    def rebuild_from_storage(self, progress: Callable[[int], None] | None = None) -> int:
+        """Put every persisted page of this spec back into the tree as disk-resident
+        (see :func:`hicache.tiers.rebuild.rebuild_steps`); returns the pages restored.
+        ``progress(records done)`` is called every :data:`REBUILD_PROGRESS_EVERY`
+        records, so that a caller on an event loop can keep its watchdog fed through a
+        long rebuild (the daemon instead runs :meth:`rebuild_steps` a slice at a time)."""
+        steps = self.rebuild_steps(REBUILD_PROGRESS_EVERY)
+        while True:
+            try:
+                done = next(steps)
+            except StopIteration as finished:
+                return finished.value
+            if progress is not None:
+                progress(done)
+
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+        """:meth:`rebuild_from_storage` as a generator of the records done so far."""
+        return self.disk.rebuild_steps(every)
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Run completed transfers' callbacks and due timers (owner thread)."""
+        ran = self.completions.drain(timeout_s)
+        if ran and self.pools.any_retired():
+            self.pools.reap(self._inflight.pools(), self.tree)
+        return ran + self._timers.run_due()
+
+    def wait(self, future: Future, timeout_s: float = 60.0):
+        """Poll until ``future`` is done; return its result (tests and draining)."""
+        deadline = time.monotonic() + timeout_s
+        while not future.done():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the tier manager did not finish in time")
+            self.poll(0.01)
+        return future.result()
+
+    def idle(self) -> bool:
+        return not self._inflight and not self.disk.pending
+
+    def persist(self) -> int:
+        """Start writing every host page that has no disk record yet (a draining daemon
+        keeps what it can); returns the pages queued."""
+        return self.disk.persist()
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until no transfer is in flight and storage has committed everything."""
+        deadline = time.monotonic() + timeout_s
+        while not self.idle():
+            if time.monotonic() > deadline:
+                raise TimeoutError("transfers still in flight")
+            self.poll(0.01)
+        self.disk.flush()
+
+    def next_timer(self) -> float | None:
+        """When the earliest timer is due (on this manager's clock), if any."""
+        return self._timers.next_due()
+
+    def add_timer(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` from :meth:`poll` once ``delay_s`` has passed on this manager's clock."""
+        self._timers.add(delay_s, fn)
+
+    def close(self) -> None:
+        self.flush()
+        self.workers.close()
+        if self._copy_workers is not None:
+            self._copy_workers.close()
+        self.pools.close()
+        self.host_pool.close()
+
+    def accounting(self) -> dict[Place, TierAccount]:
+        """Pages per place (each device pool, host, disk) and state."""
+        return accounting(self._core, self.pools, self.disk)
+
+    def check_invariants(self) -> None:
+        """The tree's and allocators' own checks, plus the accounting between them."""
+        check_invariants(self._core, self.pools, self.disk)

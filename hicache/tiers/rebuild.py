@@ -1,0 +1,79 @@
+"""Warm restart: the disk tier's records back into a new tree as disk-resident pages."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from hicache.keys import ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId
+from hicache.spec import KVSpec
+from hicache.storage.base import StorageBackend
+from hicache.tree import HiRadixTree, Tier
+
+logger = logging.getLogger(__name__)
+
+REBUILD_PROGRESS_EVERY = 16384  # records between two progress calls of a rebuild
+
+
+def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
+                  every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+    """Put every persisted page of ``spec`` back into ``tree`` as disk-resident; records
+    of this spec that no chain from a first page reaches (a page before them is gone, or
+    belongs to another namespace) are deleted. A generator: it yields the records done
+    so far every ``every`` records (reading the store's metadata, then walking it), and
+    returns the pages restored. Between two steps the owner thread may serve other work,
+    as long as nothing else touches this tree.
+
+    Walks the records top-down from each sequence's first page, once each: the time is
+    O(records) plus one tree restore per leaf, however long the shared prefixes are
+    (walking up from every leaf instead was O(leaves x depth): 23 s for 450,000 pages
+    under 1,000-page shared prompts)."""
+    page_bytes = spec.page_size * TOKEN_BYTES
+    fingerprint = spec.fingerprint
+    metas = {}
+    for done, (key, meta) in enumerate(storage.iter_metadata(batch=every), 1):
+        if meta.fingerprint == fingerprint and len(meta.tokens) == page_bytes:
+            metas[key] = meta
+        if done % every == 0:
+            yield done
+    children: dict[bytes, list[bytes]] = {}
+    for done, (key, meta) in enumerate(metas.items(), 1):
+        children.setdefault(meta.parent, []).append(key)
+        if done % every == 0:
+            yield done
+    reached: set[bytes] = set()
+    for first in children.get(ROOT_PARENT_KEY, ()):
+        namespace = NamespaceId(metas[first].namespace)
+        tree.add_namespace(namespace, spec.page_size)
+        path: list[bytes] = []  # the page tokens from the first page down to the current one
+        stack = [(first, 0)]
+        while stack:
+            key, depth = stack.pop()
+            reached.add(key)
+            if len(reached) % every == 0:
+                yield len(reached)
+            del path[depth:]
+            path.append(metas[key].tokens)
+            below = [child for child in children.get(key, ()) if metas[child].namespace == namespace]
+            if below:
+                stack.extend((child, depth + 1) for child in below)
+            else:  # the end of a sequence: restore the whole path in one go
+                tree.restore(namespace, b"".join(path))
+    orphans = []
+    for done, key in enumerate(metas, 1):
+        if key not in reached:
+            orphans.append(key)
+        if done % every == 0:
+            yield done
+    if orphans:
+        logger.warning("deleting %d disk records that no sequence reaches", len(orphans))
+        storage.delete(orphans)
+    # Let go of the index a batch at a time too: freeing 450,000 records at once takes
+    # ~0.1 s.
+    reached.clear()
+    for index in (children, metas):
+        for done in range(1, len(index) + 1):
+            index.popitem()
+            if done % every == 0:
+                yield done
+    return tree.sizes(Tier.DISK).cached

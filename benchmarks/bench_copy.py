@@ -27,7 +27,7 @@ import time
 import torch
 
 from hicache.engine.kv_pool import export_kv_pool
-from hicache.kernels.page_copy import CpuCopyWorkers
+from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pools import HostPool
 from hicache.spec import KVSpec
 from hicache.transfer import PageMover

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from hicache.errors import InvalidArgument, SpecMismatch
-from hicache.kernels.page_copy import Segments
+from hicache.kernels.copy_plan import Segments
 from hicache.spec import KVSpec, torch_dtype
 
 ALIGN_BYTES = 256

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hicache.errors import InvalidArgument, SpecMismatch
-from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, CpuCopyWorkers, check_page_ids, copy_pages
+from hicache.kernels.copy_plan import CpuCopyWorkers, check_page_ids
+from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
 from hicache.pools import DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
 
 PageList = Sequence[int] | torch.Tensor

@@ -30,9 +30,6 @@ Triton when either buffer is on a CUDA device, the reference otherwise.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -40,6 +37,7 @@ import triton
 import triton.language as tl
 
 from hicache.errors import InvalidArgument
+from hicache.kernels.copy_plan import CpuCopyWorkers, Segments, check_page_ids
 
 DEFAULT_MAX_PROGRAMS = 16
 # Pages per strided copy on the reference path: large enough to amortise a call, small
@@ -47,147 +45,6 @@ DEFAULT_MAX_PROGRAMS = 16
 RUN_CAP_PAGES = 8
 _BLOCK_WORDS = 1024
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-@dataclass(frozen=True)
-class SegmentGroup:
-    """``count`` segments of equal length and strides whose offsets step regularly: one
-    strided view per side, so the reference moves the whole group in one copy."""
-
-    count: int
-    nbytes: int
-    src_offset: int
-    src_step: int
-    src_stride: int
-    dst_offset: int
-    dst_step: int
-    dst_stride: int
-
-
-@dataclass(frozen=True)
-class Segments:
-    """What one page pair moves: parallel tuples, one entry per segment (bytes)."""
-
-    src_offset: tuple[int, ...]
-    src_stride: tuple[int, ...]
-    dst_offset: tuple[int, ...]
-    dst_stride: tuple[int, ...]
-    nbytes: tuple[int, ...]
-    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        n = len(self.nbytes)
-        columns = (self.src_offset, self.src_stride, self.dst_offset, self.dst_stride)
-        if any(len(col) != n for col in columns):
-            raise InvalidArgument("segment columns differ in length")
-        if any(v < 0 for col in (*columns, self.nbytes) for v in col):
-            raise InvalidArgument("segment offsets, strides and lengths must be non-negative")
-
-    def __len__(self) -> int:
-        return len(self.nbytes)
-
-    @property
-    def bytes_per_pair(self) -> int:
-        return sum(self.nbytes)
-
-    def reversed(self) -> "Segments":
-        """The same segments with source and destination swapped."""
-        return Segments(self.dst_offset, self.dst_stride, self.src_offset, self.src_stride, self.nbytes)
-
-    def select(self, indices: range | list[int]) -> "Segments":
-        pick = list(indices)
-        return Segments(
-            tuple(self.src_offset[i] for i in pick),
-            tuple(self.src_stride[i] for i in pick),
-            tuple(self.dst_offset[i] for i in pick),
-            tuple(self.dst_stride[i] for i in pick),
-            tuple(self.nbytes[i] for i in pick),
-        )
-
-    @cached_property
-    def word_bytes(self) -> int:
-        """The widest word (8, 4, 2 or 1 bytes) dividing every offset, stride and length."""
-        values = (*self.src_offset, *self.src_stride, *self.dst_offset, *self.dst_stride, *self.nbytes)
-        for word in (8, 4, 2):
-            if all(v % word == 0 for v in values):
-                return word
-        return 1
-
-    @cached_property
-    def groups(self) -> tuple[SegmentGroup, ...]:
-        """Maximal runs of consecutive segments that form one regular strided block."""
-        groups: list[SegmentGroup] = []
-        j = 0
-        n = len(self)
-        while j < n:
-            k = j + 1
-            if k < n and self._same_shape(j, k):
-                src_step = self.src_offset[k] - self.src_offset[j]
-                dst_step = self.dst_offset[k] - self.dst_offset[j]
-                while (
-                    k + 1 < n
-                    and self._same_shape(j, k + 1)
-                    and self.src_offset[k + 1] - self.src_offset[k] == src_step
-                    and self.dst_offset[k + 1] - self.dst_offset[k] == dst_step
-                ):
-                    k += 1
-                k += 1
-            else:
-                src_step = dst_step = 0
-            groups.append(SegmentGroup(
-                k - j, self.nbytes[j],
-                self.src_offset[j], src_step, self.src_stride[j],
-                self.dst_offset[j], dst_step, self.dst_stride[j],
-            ))
-            j = k
-        return tuple(groups)
-
-    def _same_shape(self, a: int, b: int) -> bool:
-        return (
-            self.nbytes[a] == self.nbytes[b]
-            and self.src_stride[a] == self.src_stride[b]
-            and self.dst_stride[a] == self.dst_stride[b]
-        )
-
-    def table(self, device: torch.device, word_bytes: int) -> torch.Tensor:
-        """``[5, num_segments]`` int64 table in words of ``word_bytes``, cached (Triton)."""
-        key = (str(device), word_bytes)
-        cached = self._tables.get(key)
-        if cached is None:
-            rows = (self.src_offset, self.src_stride, self.dst_offset, self.dst_stride, self.nbytes)
-            cached = torch.tensor([[v // word_bytes for v in row] for row in rows], dtype=torch.int64, device=device)
-            self._tables[key] = cached
-        return cached
-
-
-def check_page_ids(
-    src_pages: torch.Tensor, dst_pages: torch.Tensor, segments: Segments, src_bytes: int, dst_bytes: int
-) -> int:
-    """Validate a copy's page lists against buffers of ``src_bytes`` / ``dst_bytes``;
-    returns the number of pairs. Synchronises when the ids are on a device, so hot
-    paths check host-side lists first and pass ``check=False`` to the kernels."""
-    if src_pages.dim() != 1 or dst_pages.dim() != 1 or len(src_pages) != len(dst_pages):
-        raise InvalidArgument(
-            f"page lists must be 1-D and of equal length, got {tuple(src_pages.shape)} and {tuple(dst_pages.shape)}"
-        )
-    if src_pages.dtype.is_floating_point or dst_pages.dtype.is_floating_point:
-        raise InvalidArgument("page ids must be integers")
-    num_pairs = len(src_pages)
-    if num_pairs == 0 or len(segments) == 0:
-        return num_pairs
-    if len(torch.unique(dst_pages)) != num_pairs:
-        raise InvalidArgument("a destination page appears twice in one copy")
-    for name, nbytes, pages, offsets, strides in (
-        ("source", src_bytes, src_pages, segments.src_offset, segments.src_stride),
-        ("destination", dst_bytes, dst_pages, segments.dst_offset, segments.dst_stride),
-    ):
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0:
-            raise InvalidArgument(f"negative {name} page id {lo}")
-        end = max(hi * s + o + n for s, o, n in zip(strides, offsets, segments.nbytes))
-        if end > nbytes:
-            raise InvalidArgument(f"{name} page {hi} reaches byte {end}, past the buffer's {nbytes}")
-    return num_pairs
 
 
 def _check_args(
@@ -203,33 +60,6 @@ def _check_args(
     else:
         num_pairs = len(src_pages)
     return num_pairs if len(segments) else 0
-
-
-class CpuCopyWorkers:
-    """Threads that run the CPU copies of :func:`copy_pages_reference` in parallel."""
-
-    def __init__(self, num_threads: int = 2) -> None:
-        if num_threads <= 0:
-            raise InvalidArgument(f"num_threads must be positive, got {num_threads}")
-        self.num_threads = num_threads
-        # The calling thread takes a share too, so the pool needs one thread fewer.
-        self._pool = ThreadPoolExecutor(max(1, num_threads - 1), thread_name_prefix="hicache-copy")
-
-    def run(self, fn, batches) -> None:
-        """``fn(batch)`` for every batch; the first on the calling thread (one hand-off
-        fewer), the others on the pool's threads."""
-        batches = list(batches)
-        if not batches:
-            return
-        futures = [self._pool.submit(fn, batch) for batch in batches[1:]]
-        try:
-            fn(batches[0])
-        finally:
-            for future in futures:
-                future.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 @triton.jit

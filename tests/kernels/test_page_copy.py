@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hicache.errors import InvalidArgument
-from hicache.kernels.page_copy import Segments, copy_pages, copy_pages_reference, copy_pages_triton
+from hicache.kernels.copy_plan import Segments
+from hicache.kernels.page_copy import copy_pages, copy_pages_reference, copy_pages_triton
 from hicache.pools import DeviceLayout, DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
 from hicache.spec import KVSpec, MHALayer, MLALayer, StateLayer
 

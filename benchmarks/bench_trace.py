@@ -108,6 +108,17 @@ def run_hicache(requests, device_pages: int, host_pages: int) -> list[tuple[int,
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _evict_device(tree: HiRadixTree, num_pages: int) -> np.ndarray:
+    """Drop at least ``num_pages`` device pages of pool 0, LRU leaves first; their ids."""
+    freed, count = [], 0
+    for node in tree.iter_evictable(Tier.DEVICE, 0):
+        if count >= num_pages:
+            break
+        freed.append(tree.drop(node, Tier.DEVICE, 0))
+        count += len(freed[-1])
+    return np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
+
+
 def run_tree(requests, device_pages: int | None) -> list[int]:
     """Saved tokens per request with a device-only tree (``None``: unbounded, the oracle)."""
     ns = namespace_id(SPEC.fingerprint)
@@ -124,7 +135,7 @@ def run_tree(requests, device_pages: int | None) -> list[int]:
         whole = len(tokens) // PAGE_SIZE
         need = whole - usable
         if alloc.num_free < need:
-            alloc.free(tree.evict(Tier.DEVICE, need - alloc.num_free, 0).page_ids)
+            alloc.free(_evict_device(tree, need - alloc.num_free))
         new = alloc.alloc(need)
         result = tree.insert(ns, tokens[: whole * PAGE_SIZE], 0, np.concatenate((m.device_pages[:usable], new)))
         alloc.free(result.duplicate_pages)

@@ -11,9 +11,11 @@ its parent by its first page, with the residency of those pages in every tier::
 
 Residency per node: device page ids per pool (several engines share one tree; each pool
 has its own page ids, locks and eviction), host page ids (shared by all pools), on-disk
-(shared). Internally a residency "slot" is the pool id for a device pool (>= 0),
+(shared). Internally a residency :data:`Slot` is the pool id for a device pool (>= 0),
 :data:`HOST_SLOT` or :data:`DISK_SLOT`; page ids are kept as packed little-endian int32
-``bytes`` so that a match concatenates whole edges without a per-page loop.
+``bytes`` so that a match concatenates whole edges without a per-page loop. Lock
+references count under a :data:`LockKey` of their own: a device pool's (which keeps that
+pool's slot resident) or :data:`PIN` (a transfer's, which keeps none).
 
 Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
 
@@ -30,7 +32,7 @@ Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
 
 Page ids passed in are trusted to be the caller's private pages (the session layer
 checks ownership against the allocators); the tree never frees pages itself, it returns
-them (duplicates from :meth:`insert`, victims from :meth:`evict`) for the caller to free.
+them (duplicates from :meth:`insert`, pages from :meth:`drop`) for the caller to free.
 """
 
 from __future__ import annotations
@@ -66,10 +68,23 @@ from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
 
 PoolId = NewType("PoolId", int)  # a registered device pool (one engine's, in one tier manager)
 
-HOST_SLOT = -1
-DISK_SLOT = -2
-# Lock key of transfer pins: protects host pages and the disk record, no device pool.
-PIN = -1
+Slot = NewType("Slot", int)  # a residency slot: a device pool's id (>= 0), HOST_SLOT or DISK_SLOT
+HOST_SLOT = Slot(-1)
+DISK_SLOT = Slot(-2)
+
+LockKey = NewType("LockKey", int)  # what a lock reference counts under: a device pool's id, or PIN
+PIN = LockKey(-3)  # transfer pins: protect host pages and the disk record, no device pool
+
+
+def _kept_slot(lock_key: LockKey) -> Slot | None:
+    """The device slot whose pages a lock under ``lock_key`` keeps (a pin keeps none)."""
+    return Slot(lock_key) if lock_key >= 0 else None
+
+
+def _lock_key(slot: Slot) -> LockKey:
+    """The lock key that protects a device slot's pages."""
+    return LockKey(slot)
+
 
 _ID_BYTES = PAGE_ID_DTYPE.itemsize
 _NO_PAGES = np.empty(0, dtype=PAGE_ID_DTYPE)
@@ -117,9 +132,9 @@ class Node:
     page_keys: bytes  # 16 bytes per page
     num_pages: int
     children: dict[bytes, "Node"]  # first page of the child's key -> child
-    residency: dict[int, Residency]  # slot -> packed ids / True
-    resident_children: dict[int, int]  # slot -> children resident in it
-    lock_ref: dict[int, int]  # lock key -> references at or below this node
+    residency: dict[Slot, Residency]  # slot -> packed ids / True
+    resident_children: dict[Slot, int]  # slot -> children resident in it
+    lock_ref: dict[LockKey, int]  # lock key -> references at or below this node
     lock_total: int = 0
     hit_count: int = 0
     last_access: int = 0
@@ -213,18 +228,6 @@ class InsertResult(NamedTuple):
     num_prefix_pages: int
 
 
-class Evicted(NamedTuple):
-    """What an eviction removed from one tier. ``page_ids`` are the freed device or host
-    pages (empty for the disk tier); :meth:`page_keys` the keys of every evicted page."""
-
-    num_pages: int
-    page_ids: PageIds
-    key_blobs: tuple[bytes, ...]
-
-    def page_keys(self) -> list[PageKey]:
-        return split_page_keys(b"".join(self.key_blobs))
-
-
 class TierSizes(NamedTuple):
     evictable: int
     protected: int
@@ -268,11 +271,10 @@ class HiRadixTree:
         self._nodes: dict[int, Node] = {}
         self._next_id = 0
         self._tick = 0
-        self._slots: dict[int, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
-        self._direct_locks: dict[tuple[int, int], int] = {}
+        self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
+        self._direct_locks: dict[tuple[int, LockKey], int] = {}
         self._disk_keys: dict[PageKey, Node] = {}  # page key of every disk-resident page -> its node
 
-    # ------------------------------------------------------------------ namespaces
 
     def add_namespace(self, namespace: NamespaceId, page_size: int) -> Node:
         """Create the namespace's root (idempotent for the same page size)."""
@@ -300,7 +302,6 @@ class HiRadixTree:
     def root(self, namespace: NamespaceId) -> Node:
         return self._namespace(namespace).root
 
-    # ------------------------------------------------------------------ match / insert
 
     def match(self, namespace: NamespaceId, tokens: Tokens, pool: PoolId, *, touch: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` as seen from ``pool``.
@@ -434,20 +435,19 @@ class HiRadixTree:
                 self._add_residency(node, DISK_SLOT, True)
         return path[-1]
 
-    # ------------------------------------------------------------------ locks and pins
 
     def lock(self, node: Node, pool: PoolId) -> None:
         """Protect ``node``'s path: its device pages in ``pool``, and its host pages and
         disk record. Locking a root is a no-op. O(depth)."""
         self._check_live(node)
         self._check_pool(pool)
-        self._acquire(node, pool)
+        self._acquire(node, LockKey(pool))
 
     def unlock(self, node: Node, pool: PoolId) -> None:
         """Undo one :meth:`lock` of the same node and pool."""
         self._check_live(node)
         self._check_pool(pool)
-        self._release(node, pool)
+        self._release(node, LockKey(pool))
 
     def pin(self, node: Node) -> None:
         """Protect ``node``'s path on host and disk while a transfer reads or writes it."""
@@ -458,16 +458,17 @@ class HiRadixTree:
         self._check_live(node)
         self._release(node, PIN)
 
-    def _acquire(self, node: Node, lock_key: int) -> None:
+    def _acquire(self, node: Node, lock_key: LockKey) -> None:
         if node.parent is None:
             return
+        kept = _kept_slot(lock_key)
         held = (node.node_id, lock_key)
         self._direct_locks[held] = self._direct_locks.get(held, 0) + 1
         while node.parent is not None:
             count = node.lock_ref.get(lock_key, 0)
             node.lock_ref[lock_key] = count + 1
-            if count == 0 and lock_key >= 0 and lock_key in node.residency:
-                self._protect(node, lock_key)
+            if count == 0 and kept is not None and kept in node.residency:
+                self._protect(node, kept)
             node.lock_total += 1
             if node.lock_total == 1:
                 if HOST_SLOT in node.residency:
@@ -476,9 +477,10 @@ class HiRadixTree:
                     self._protect(node, DISK_SLOT)
             node = node.parent
 
-    def _release(self, node: Node, lock_key: int) -> None:
+    def _release(self, node: Node, lock_key: LockKey) -> None:
         if node.parent is None:
             return
+        kept = _kept_slot(lock_key)
         held = (node.node_id, lock_key)
         count = self._direct_locks.get(held, 0)
         if count == 0:
@@ -495,8 +497,8 @@ class HiRadixTree:
                 node.lock_ref[lock_key] = count
             else:
                 del node.lock_ref[lock_key]
-                if lock_key >= 0 and lock_key in node.residency:
-                    self._unprotect(node, lock_key)
+                if kept is not None and kept in node.residency:
+                    self._unprotect(node, kept)
             node.lock_total -= 1
             if node.lock_total == 0:
                 if HOST_SLOT in node.residency:
@@ -507,7 +509,6 @@ class HiRadixTree:
                     self._remove(node)
             node = parent
 
-    # ------------------------------------------------------------------ tier moves
 
     def add_device(self, node: Node, pool: PoolId, pages: PageIdsLike) -> None:
         """Record that ``node``'s pages are now in ``pool`` at ``pages`` (e.g. a load)."""
@@ -596,28 +597,6 @@ class HiRadixTree:
             if parent is not None and parent in index.leaves:
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
 
-    def evict(self, tier: Tier, num_pages: int, pool: PoolId | None = None) -> Evicted:
-        """Drop at least ``num_pages`` pages from one tier (fewer if not enough are
-        evictable), unprotected leaves first in policy order."""
-        slot = self._slot(tier, pool)
-        freed = 0
-        values: list[Residency] = []
-        key_blobs: list[bytes] = []
-        if num_pages > 0:
-            for node in self.iter_evictable(tier, pool):
-                freed += node.num_pages
-                key_blobs.append(node.page_keys)
-                values.append(self._drop_residency(node, slot))
-                if freed >= num_pages:
-                    break
-        if slot == DISK_SLOT or not values:
-            ids = _NO_PAGES
-        else:
-            ids = np.frombuffer(b"".join(values), dtype=PAGE_ID_DTYPE)  # type: ignore[arg-type]
-        return Evicted(freed, ids, tuple(key_blobs))
-
-    # ------------------------------------------------------------------ inspection
-
     def sizes(self, tier: Tier, pool: PoolId | None = None) -> TierSizes:
         """Evictable and protected page counts of one tier. O(1)."""
         index = self._slots.get(self._slot(tier, pool))
@@ -662,7 +641,6 @@ class HiRadixTree:
     def is_live(self, node: Node) -> bool:
         return self._nodes.get(node.node_id) is node
 
-    # ------------------------------------------------------------------ internals
 
     def _namespace(self, namespace: NamespaceId) -> _Namespace:
         entry = self._namespaces.get(namespace)
@@ -680,12 +658,12 @@ class HiRadixTree:
         if not isinstance(node, Node) or self._nodes.get(node.node_id) is not node:
             raise UnknownNode(f"{node!r} is not a live node of this tree")
 
-    def _slot(self, tier: Tier, pool: PoolId | None) -> int:
+    def _slot(self, tier: Tier, pool: PoolId | None) -> Slot:
         if tier == Tier.DEVICE:
             if pool is None:
                 raise InvalidArgument("the device tier needs a pool id")
             self._check_pool(pool)
-            return pool
+            return Slot(pool)
         if pool is not None:
             raise InvalidArgument(f"the {Tier(tier).name.lower()} tier is shared; pass no pool")
         if tier == Tier.HOST:
@@ -694,9 +672,9 @@ class HiRadixTree:
             return DISK_SLOT
         raise InvalidArgument(f"unknown tier {tier!r}")
 
-    def _is_protected(self, node: Node, slot: int) -> bool:
+    def _is_protected(self, node: Node, slot: Slot) -> bool:
         if slot >= 0:
-            return slot in node.lock_ref
+            return _lock_key(slot) in node.lock_ref
         return node.lock_total > 0
 
     def _make_node(
@@ -790,13 +768,13 @@ class HiRadixTree:
             self._on_split(upper, node)
         return upper
 
-    def _slot_index(self, slot: int) -> _SlotIndex:
+    def _slot_index(self, slot: Slot) -> _SlotIndex:
         index = self._slots.get(slot)
         if index is None:
             index = self._slots[slot] = _SlotIndex(set())
         return index
 
-    def _add_checked(self, node: Node, slot: int, pages: PageIdsLike | None) -> None:
+    def _add_checked(self, node: Node, slot: Slot, pages: PageIdsLike | None) -> None:
         self._check_live(node)
         if node.parent is None:
             raise ResidencyError("the root holds no pages")
@@ -816,7 +794,7 @@ class HiRadixTree:
             value = ids.tobytes()
         self._add_residency(node, slot, value)
 
-    def _add_residency(self, node: Node, slot: int, value: Residency) -> None:
+    def _add_residency(self, node: Node, slot: Slot, value: Residency) -> None:
         index = self._slot_index(slot)
         parent = node.parent
         if parent.parent is not None:  # type: ignore[union-attr]
@@ -834,7 +812,7 @@ class HiRadixTree:
             index.evictable += node.num_pages
             index.leaves.add(node)
 
-    def _drop_residency(self, node: Node, slot: int) -> Residency:
+    def _drop_residency(self, node: Node, slot: Slot) -> Residency:
         if node.resident_children.get(slot):
             raise ResidencyError(
                 f"node {node.node_id} has children resident in {_slot_name(slot)}; drop them first"
@@ -862,13 +840,13 @@ class HiRadixTree:
             self._remove(node)
         return value
 
-    def _protect(self, node: Node, slot: int) -> None:
+    def _protect(self, node: Node, slot: Slot) -> None:
         index = self._slots[slot]
         index.evictable -= node.num_pages
         index.protected += node.num_pages
         index.leaves.discard(node)
 
-    def _unprotect(self, node: Node, slot: int) -> None:
+    def _unprotect(self, node: Node, slot: Slot) -> None:
         index = self._slots[slot]
         index.protected -= node.num_pages
         index.evictable += node.num_pages
@@ -883,7 +861,6 @@ class HiRadixTree:
         del parent.children[node.key[: len(node.key) // node.num_pages]]  # type: ignore[union-attr]
         del self._nodes[node.node_id]
 
-    # ------------------------------------------------------------------ verification
 
     def check_invariants(self) -> None:
         """Verify every structure against a full walk. O(nodes + pages); for tests."""
@@ -993,7 +970,7 @@ class HiRadixTree:
             assert count > 0 and slot in node.residency, (node, slot, count)
 
 
-def _slot_name(slot: int) -> str:
+def _slot_name(slot: Slot) -> str:
     if slot == HOST_SLOT:
         return "the host tier"
     if slot == DISK_SLOT:

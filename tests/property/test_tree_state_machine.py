@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hicache.keys import NamespaceId, namespace_id, page_keys
 from hicache.pages import PageAllocator
 from hicache.tree import PIN, HiRadixTree, Node, Tier
+from tree_util import evict
 
 NAMESPACES = [namespace_id(b"model-a"), namespace_id(b"model-a", "tenant-b")]
 POOLS = [0, 1]
@@ -115,7 +116,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     def evict_and_check(self, tier: Tier, num_pages: int, pool: int | None) -> int:
         before = self.tree.sizes(tier, pool)
-        evicted = self.tree.evict(tier, num_pages, pool)
+        evicted = evict(self.tree, tier, num_pages, pool)
         keys = evicted.page_keys()
         assert len(keys) == evicted.num_pages
         if evicted.num_pages < num_pages:

@@ -6,6 +6,7 @@ from hicache.eviction import EVICTION_POLICIES, eviction_policy
 from hicache.keys import namespace_id, page_keys
 from hicache.pages import PageAllocator
 from hicache.tree import HiRadixTree, Tier
+from tree_util import evict
 
 NS = namespace_id(b"model-fp")
 OTHER_NS = namespace_id(b"model-fp", "tenant-2")
@@ -102,7 +103,7 @@ def test_insert_adopts_pages_for_nodes_cached_elsewhere(tree, alloc):
     tokens = seq(100, pages=3)
     first = insert(tree, alloc, tokens)
     tree.add_host(first.node, host.alloc(3))
-    evicted = tree.evict(Tier.DEVICE, 3, 0)
+    evicted = evict(tree, Tier.DEVICE, 3, 0)
     alloc.free(evicted.page_ids)
     hit = tree.match(NS, tokens, 0)
     assert hit.num_device_pages == 0 and hit.num_host_pages == 3
@@ -146,7 +147,7 @@ def test_match_reports_device_then_host_then_disk(tree, alloc):
     tree.add_host(node_c, host.alloc(1))
     tree.add_disk(node_c)
     tree.drop(node_c, Tier.HOST)
-    alloc.free(tree.evict(Tier.DEVICE, 4, 0).page_ids)  # c (1 page) then b (3 pages)
+    alloc.free(evict(tree, Tier.DEVICE, 4, 0).page_ids)  # c (1 page) then b (3 pages)
     hit = tree.match(NS, a + b + c, 0)
     assert (hit.num_device_pages, hit.num_host_pages, hit.num_disk_pages) == (2, 3, 1)
     assert hit.last_device_node is node_a and hit.last_host_node is node_b and hit.node is node_c
@@ -158,7 +159,7 @@ def test_eviction_never_touches_locked_paths(tree, alloc):
     right = insert(tree, alloc, shared + seq(300, pages=2)).node
     tree.lock(left, 0)
     assert tree.sizes(Tier.DEVICE, 0) == (2, 4)
-    evicted = tree.evict(Tier.DEVICE, 100, 0)
+    evicted = evict(tree, Tier.DEVICE, 100, 0)
     assert evicted.num_pages == 2  # only the right branch
     alloc.free(evicted.page_ids)
     assert tree.match(NS, shared + seq(200, pages=2), 0).num_pages == 4
@@ -166,7 +167,7 @@ def test_eviction_never_touches_locked_paths(tree, alloc):
     assert not tree.is_live(right)
     tree.unlock(left, 0)
     assert tree.sizes(Tier.DEVICE, 0) == (4, 0)
-    alloc.free(tree.evict(Tier.DEVICE, 100, 0).page_ids)
+    alloc.free(evict(tree, Tier.DEVICE, 100, 0).page_ids)
     assert len(tree) == 0 and alloc.num_allocated == 0
 
 
@@ -176,10 +177,10 @@ def test_locks_are_per_pool(tree, alloc):
     node = insert(tree, alloc, tokens, pool=0).node
     insert(tree, other, tokens, pool=1)
     tree.lock(node, 0)
-    evicted = tree.evict(Tier.DEVICE, 10, 1)
+    evicted = evict(tree, Tier.DEVICE, 10, 1)
     assert evicted.num_pages == 2, "a lock in pool 0 does not protect pool 1's copy"
     other.free(evicted.page_ids)
-    assert tree.evict(Tier.DEVICE, 10, 0).num_pages == 0
+    assert evict(tree, Tier.DEVICE, 10, 0).num_pages == 0
     tree.unlock(node, 0)
 
 
@@ -189,14 +190,14 @@ def test_locked_node_keeps_its_host_copy_and_disk_record(tree, alloc):
     tree.add_host(node, host.alloc(2))
     tree.add_disk(node)
     tree.lock(node, 0)
-    assert tree.evict(Tier.HOST, 10).num_pages == 0
-    assert tree.evict(Tier.DISK, 10).num_pages == 0
+    assert evict(tree, Tier.HOST, 10).num_pages == 0
+    assert evict(tree, Tier.DISK, 10).num_pages == 0
     assert tree.sizes(Tier.HOST) == (0, 2) and tree.sizes(Tier.DISK) == (0, 2)
     with pytest.raises(ResidencyError):
         tree.drop(node, Tier.HOST)
     tree.unlock(node, 0)
-    host.free(tree.evict(Tier.HOST, 10).page_ids)
-    assert tree.evict(Tier.DISK, 10).page_keys() == page_keys(NS, seq(100, pages=2), PS)
+    host.free(evict(tree, Tier.HOST, 10).page_ids)
+    assert evict(tree, Tier.DISK, 10).page_keys() == page_keys(NS, seq(100, pages=2), PS)
     assert tree.is_live(node)  # still on the device
 
 
@@ -204,7 +205,7 @@ def test_evicting_device_pages_keeps_nodes_that_live_elsewhere(tree, alloc):
     tokens = seq(100, pages=3)
     node = insert(tree, alloc, tokens).node
     tree.add_disk(node)
-    evicted = tree.evict(Tier.DEVICE, 3, 0)
+    evicted = evict(tree, Tier.DEVICE, 3, 0)
     alloc.free(evicted.page_ids)
     assert tree.is_live(node) and not node.device_pools
     assert tree.match(NS, tokens, 0).num_disk_pages == 3
@@ -291,7 +292,7 @@ def test_discard_shortens_hits_and_returns_pages(tree, alloc):
     node_b = insert(tree, alloc, a + b).node
     for node in (node_a, node_b):
         tree.add_host(node, host.alloc(2))
-    alloc.free(tree.evict(Tier.DEVICE, 4, 0).page_ids)
+    alloc.free(evict(tree, Tier.DEVICE, 4, 0).page_ids)
     tree.lock(node_b, 0)
     freed = tree.discard(node_a, Tier.HOST)  # e.g. the host copy turned out corrupt
     assert sorted(freed.tolist()) == list(range(4))
@@ -338,10 +339,10 @@ def test_caller_errors_are_rejected(tree, alloc):
     with pytest.raises(ResidencyError):
         tree.add_disk(tree.root(NS))
     with pytest.raises(InvalidArgument):
-        tree.evict(Tier.DEVICE, 1)  # no pool
+        evict(tree, Tier.DEVICE, 1)  # no pool
     with pytest.raises(InvalidArgument):
         tree.sizes(Tier.HOST, 0)
-    alloc.free(tree.evict(Tier.DEVICE, 10, 0).page_ids)
+    alloc.free(evict(tree, Tier.DEVICE, 10, 0).page_ids)
     with pytest.raises(UnknownNode):
         tree.lock(child, 0)  # evicted: the handle is dead
     with pytest.raises(UnknownNode):

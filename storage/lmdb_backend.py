@@ -321,6 +321,9 @@ class LmdbBackend:
     :meth:`flush` and :meth:`close` must not be called from a future's done-callback,
     which runs on the writer thread. One process owns a store: open it in that process
     (after any fork); other processes may at most read it.
+
+    The public methods run on the caller's thread; the private ones from
+    :meth:`_writer_main` on run on the writer thread only.
     """
 
     def __init__(
@@ -389,8 +392,6 @@ class LmdbBackend:
         )
         self._writer.start()
         ready.result()
-
-    # ----------------------------------------------------------------- public API
 
     def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
         """Queue ``records`` as one batch; the future gives a :class:`PutResult` once the
@@ -599,8 +600,6 @@ class LmdbBackend:
             assert self._num_bytes == sum(stored.values()), "byte count differs from the store"
             assert self._num_bytes <= self._capacity_bytes, "over capacity"
 
-    # ------------------------------------------------------------ caller-side helpers
-
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:
             raise self._wrong_process()
@@ -667,8 +666,6 @@ class LmdbBackend:
                 logger.warning("skipping unreadable metadata of %s in %s", key.hex(), self._path)
                 continue
             yield key, meta
-
-    # ----------------------------------------------------------------- writer thread
 
     def _writer_main(self, ready: Future) -> None:
         try:

@@ -69,9 +69,6 @@ def open_store(tmp_path):
         store.close()
 
 
-# ---------------------------------------------------------------- round trips
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batches=st.lists(
@@ -156,9 +153,6 @@ def test_put_reads_payload_sources_of_every_kind(open_store):
         store.put([record(key, size, payload=convert(content(key, size)))], fingerprint=FP).result()
     for key in keys:
         assert np.array_equal(read(store, key, size), content(key, size))
-
-
-# ---------------------------------------------------------------- integrity
 
 
 def _data_file(store_path) -> str:
@@ -313,9 +307,6 @@ def test_missing_keys_are_not_corrupt(open_store):
     buffers = [bytearray(100), bytearray(100), bytearray(100)]
     assert store.get([key_of("absent"), key, key_of("absent2")], buffers, fingerprint=FP) == [False, True, False]
     assert store.stats().corrupt_records == 0
-
-
-# ---------------------------------------------------------------- capacity and LRU
 
 
 class FakeClock:
@@ -479,9 +470,6 @@ def test_lru_state_machine(tmp_path):
     run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
 
 
-# ---------------------------------------------------------------- map growth, concurrency, failures
-
-
 @pytest.mark.parametrize("writemap", [False, True])
 def test_map_grows_instead_of_failing(open_store, writemap):
     store = open_store(capacity_bytes=64 << 20, map_size_bytes=1 << 20, writemap=writemap)
@@ -579,9 +567,6 @@ def test_batches_preserve_queue_order(open_store):
     assert futures[10].result() == 1
     assert np.array_equal(read(store, key_of("k"), 777), content(key_of("k"), 777))
     store.check_invariants()
-
-
-# ---------------------------------------------------------------- API edges
 
 
 def test_longest_run_and_delete(open_store):

@@ -234,8 +234,6 @@ def test_layer_wise_load_releases_early_layers_first(engine):
     tm.close()
 
 
-# ---------------------------------------------------------------------- with a disk tier
-
 @pytest.fixture
 def store(tmp_path):
     from hicache.storage.lmdb_backend import LmdbBackend

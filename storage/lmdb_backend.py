@@ -322,8 +322,7 @@ class LmdbBackend:
     """A :class:`~hicache.storage.base.StorageBackend` on one LMDB environment.
 
     ``put``/``delete`` are O(records) on the caller's thread (validation only); a get is
-    one read transaction, one checksum pass and one copy per record; ``longest_run`` is
-    one B-tree lookup per key. Call :meth:`close` (or use it as a context manager);
+    one read transaction, one checksum pass and one copy per record. Call :meth:`close` (or use it as a context manager);
     :meth:`flush` and :meth:`close` must not be called from a future's done-callback,
     which runs on the writer thread. One process owns a store: open it in that process
     (after any fork); other processes may at most read it.
@@ -469,21 +468,6 @@ class LmdbBackend:
                     self._queue.append(_PurgeOp(tuple(corrupt)))
                     self._queue_cond.notify()
         return found
-
-    def longest_run(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are stored (present, not verified). One
-        B-tree lookup per key, payloads untouched."""
-        self._check_usable()
-        self._gate.acquire_shared()
-        try:
-            self._check_open()
-            with self._env.begin(db=self._payload_db, buffers=True) as txn:
-                for i, key in enumerate(keys):
-                    if txn.get(_require_key(key)) is None:
-                        return i
-                return len(keys)
-        finally:
-            self._gate.release_shared()
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""

@@ -5,8 +5,9 @@ request for the whole conversation so far), and a variant where every conversati
 shares one system prompt, three ways:
 
 * **hicache** — a real ``hicache serve`` process; an engine with a device pool of 10% of
-  the workload's unique pages, a host pool of 40%, the disk tier unbounded (LMDB in a
-  temporary directory). Each request: match, lock, load, alloc the rest, insert,
+  the workload's unique pages, a host pool of 40% (each at least twice the longest
+  request, which matters only for a shrunken ``--conversations`` run), the disk tier
+  unbounded (LMDB in a temporary directory). Each request: match, lock, load, alloc the rest, insert,
   unlock — the client's real lifecycle — and the tokens it did not have to prefill
   are counted by the tier that served them;
 * **device only** — the same requests against an in-process tree with the same device

@@ -135,7 +135,9 @@ def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: li
 
         os.sync()
         steady_s, num_evicted = put_all(more_records)
-        if num_evicted != len(keys) or store.longest_run(keys[:1]) or not store.longest_run(more_keys[-1:]):
+        oldest_gone = store.get(keys[:1], buffers[:1], fingerprint=FINGERPRINT) == [False]
+        newest_kept = store.get(more_keys[-1:], buffers[:1], fingerprint=FINGERPRINT) == [True]
+        if num_evicted != len(keys) or not oldest_gone or not newest_kept:
             raise RuntimeError(f"lmdb: the full store evicted {num_evicted} records, not the {len(keys)} oldest")
     finally:
         store.close()

@@ -5,8 +5,9 @@ request for the whole conversation so far), and a variant where every conversati
 shares one system prompt, three ways:
 
 * **hicache** — a real ``hicache serve`` process; an engine with a device pool of 10% of
-  the workload's unique pages, a host pool of 40%, the disk tier unbounded (LMDB in a
-  temporary directory). Each request: match, lock, load, alloc the rest, insert,
+  the workload's unique pages, a host pool of 40% (each at least twice the longest
+  request, which matters only for a shrunken ``--conversations`` run), the disk tier
+  unbounded (LMDB in a temporary directory). Each request: match, lock, load, alloc the rest, insert,
   unlock — the client's real lifecycle — and the tokens it did not have to prefill
   are counted by the tier that served them;
 * **device only** — the same requests against an in-process tree with the same device
@@ -14,20 +15,25 @@ shares one system prompt, three ways:
 * **oracle** — an infinite cache (every page ever computed stays).
 
 A request always computes at least its last token, so a hit is capped at the whole
-pages before it. Writes ``docs/trace.png`` (hit tokens by tier over the run;
-cumulative tokens saved vs the baseline and the oracle) unless ``--no-plot``.
+pages before it.
 
-    python benchmarks/bench_trace.py [--json] [--no-plot]
+    python benchmarks/bench_trace.py [--json] [--plot PATH | --no-plot] [--conversations N]
 
-With ``--json`` the last line is one JSON object: ``saved_tokens``,
-``oracle_saved_tokens``, ``baseline_saved_tokens``, ``saved_vs_oracle``,
-``saved_vs_baseline``, ``saved_device_tokens``, ``saved_host_tokens``,
-``saved_disk_tokens``, the same for the shared-prompt variant (``shared_*``).
+The plot (hit tokens by tier over the run; cumulative tokens saved vs the baseline and
+the oracle) goes to ``docs/trace.png`` by default, or to ``--plot PATH``; it needs
+matplotlib, from the ``bench`` extra (``pip install -e '.[bench]'``). With ``--json`` the
+run draws no plot unless ``--plot`` asks for one, and the last line is one JSON object:
+``saved_tokens``, ``oracle_saved_tokens``, ``baseline_saved_tokens``,
+``saved_vs_oracle``, ``saved_vs_baseline``, ``saved_device_tokens``,
+``saved_host_tokens``, ``saved_disk_tokens``, the same for the shared-prompt variant
+(``shared_*``). ``--conversations`` shrinks the workload (200 by default, the figures
+in the README) for a quick run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import signal
@@ -53,6 +59,8 @@ from hicache.tree import HiRadixTree, Tier  # noqa: E402
 PAGE_SIZE = 16
 SPEC = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE_SIZE, model="bench-trace")
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PLOT = ROOT / "docs" / "trace.png"
+NEEDS_MATPLOTLIB = "the plot needs matplotlib, from the bench extra: pip install -e '.[bench]' (or pass --no-plot)"
 
 
 def usable_pages(tokens: np.ndarray) -> int:
@@ -145,7 +153,11 @@ def run_tree(requests, device_pages: int | None) -> list[int]:
 
 def measure(requests, label: str) -> dict:
     unique = unique_pages(requests)
-    device, host = max(8, unique // 10), max(8, unique * 4 // 10)
+    # A pool must hold the longest request's pages twice over (pages of the previous
+    # request may still be pinned by their backup) and the padding page: that floor only
+    # matters for a shrunken workload (--conversations); the full one is far above it.
+    floor = 2 * max(len(t) // PAGE_SIZE for t in requests) + 1
+    device, host = max(floor, unique // 10), max(floor, unique * 4 // 10)
     total = sum(len(t) for t in requests)
     start = time.perf_counter()
     ours = run_hicache(requests, device, host)
@@ -175,7 +187,7 @@ def measure(requests, label: str) -> dict:
 
 
 def plot(path: Path, trace: dict) -> None:
-    import matplotlib
+    import matplotlib  # here only: the benchmark's figures need no plotting library
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -208,16 +220,26 @@ def plot(path: Path, trace: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "trace.png"))
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--conversations", type=int, default=200, help="conversations of 10 turns each")
+    plotting = parser.add_mutually_exclusive_group()
+    plotting.add_argument("--plot", type=Path, default=None, help=f"where the plot goes (default {DEFAULT_PLOT})")
+    plotting.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--json", action="store_true", help="figures as JSON on the last line; no plot unless --plot")
     args = parser.parse_args(argv)
+    if args.conversations < 1:
+        parser.error("--conversations must be at least 1")
+    plot_path = None if args.no_plot or (args.json and args.plot is None) else args.plot or DEFAULT_PLOT
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error(NEEDS_MATPLOTLIB)  # before the run, not after it
 
-    main_trace = measure(multi_turn(args.seed).inserts, "multi-turn")
-    shared = measure(multi_turn(args.seed, num_system_prompts=1).inserts, "shared system prompt")
-    if not args.no_plot:
-        plot(Path(args.plot), main_trace)
-        print(f"plot: {args.plot}")
+    # The benchmark replays the inserts only; no lookups are drawn (they come after the
+    # inserts in the generator, so the inserts are the same either way).
+    size = {"num_conversations": args.conversations, "num_lookups": 0}
+    main_trace = measure(multi_turn(args.seed, **size).inserts, "multi-turn")
+    shared = measure(multi_turn(args.seed, num_system_prompts=1, **size).inserts, "shared system prompt")
+    if plot_path is not None:
+        plot(plot_path, main_trace)
+        print(f"plot: {plot_path}")
     figures = {k: v for k, v in main_trace.items() if k != "series"}
     figures.update({f"shared_{k}": v for k, v in shared.items() if k != "series"})
     if args.json:

@@ -114,8 +114,8 @@ def fetch(path: str | os.PathLike, token: bytes, *, timeout_s: float = 5.0) -> i
 
 class FdExchange:
     """The daemon's side: a thread that keeps offered descriptors until a registration
-    takes them, and hands out the ones the daemon published. ``take`` and
-    ``publish`` are for the daemon's loop; everything else runs on the thread."""
+    takes them, and hands out the ones the daemon published. ``take``, ``publish`` and
+    ``close`` are for the daemon's loop; the private methods run on the thread."""
 
     def __init__(self, path: str | os.PathLike, *, mode: int = 0o660,
                  clock=time.monotonic) -> None:
@@ -135,8 +135,6 @@ class FdExchange:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="hicache-fds", daemon=True)
         self._thread.start()
-
-    # ------------------------------------------------------------------ the loop's side
 
     def take(self, token: bytes) -> Offer | None:
         """The offer under ``token``, removed (the caller owns its descriptors now)."""
@@ -175,8 +173,6 @@ class FdExchange:
             self.path.unlink()
         except FileNotFoundError:
             pass
-
-    # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         selector = selectors.DefaultSelector()

@@ -2,13 +2,19 @@
 
 Every metric is ``hicache_*``, in base units, with bounded label sets. Event counts are
 counted where they happen (the daemon's request path, the tier manager's transfers and
-evictions); occupancy is computed at scrape time by :class:`StateCollector` from the live
-structures, never mirrored. Every counter exists, at zero, from the start.
+evictions); the per-request ones are plain counts on the owner thread, turned into
+Prometheus families at scrape time by ``_RequestCollector``. Occupancy and inventory are
+served at scrape time by :class:`StateCollector` from a snapshot that the daemon copies on
+its owner thread (``Daemon.refresh_snapshot``, redone every half second by the loop): the
+scrape runs on the HTTP thread and never walks live structures. Every counter exists, at
+zero, from the start.
 
 =============================================  ======================================
 metric                                          labels
 =============================================  ======================================
-hicache_requests_total                          op, status (``OK`` or an error code)
+hicache_requests_total                          op, status (``OK`` or an error code;
+                                                op ``loop``, status ``DROPPED``: a step
+                                                the loop dropped)
 hicache_request_duration_seconds (histogram)    op
 hicache_matched_tokens_total                    tier (device, host, disk)
 hicache_missed_tokens_total                     reason (never_stored, evicted_device,
@@ -25,6 +31,7 @@ hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)
 hicache_sessions                       (gauge)  —
+hicache_oldest_lock_age_seconds        (gauge)  — (0 when no lock is held)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
 hicache_disk_corrupt_records_total              —
 hicache_build_info                     (gauge)  version, protocol_version, mode
@@ -196,9 +203,15 @@ class _RequestCollector:
 class StateCollector:
     """Occupancy and inventory, read from the daemon at scrape time.
 
-    ``snapshot()`` returns ``{"pages": {tier: {state: n}}, "sessions": n, "storage":
-    StorageStats._asdict() or None, "build": {version, protocol_version, mode}}``; it is
-    called from the HTTP thread, so it only reads plain counts.
+    ``snapshot()`` returns the dict the daemon last copied on its owner thread::
+
+        {"pages": {tier: {state: n}},        # tier: device (all pools), host, disk
+         "sessions": n,
+         "storage": StorageStats._asdict() or None (no disk tier),
+         "oldest_lock_s": seconds,           # age of the oldest lock held, 0.0 if none
+         "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
+
+    It is called from the HTTP thread, so it must only hand over that copy.
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:

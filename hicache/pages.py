@@ -1,7 +1,7 @@
 """Page allocators for the device and host tiers.
 
 An allocator only hands out and takes back page ids; what a page holds and who owns an
-allocated page (a session, the tree) is someone else's business. Layout after seed 001's
+allocated page (a session, the tree) is someone else's business. Layout after SGLang's
 paged allocator::
 
     ids:      first_page_id ... first_page_id + capacity - 1
@@ -10,8 +10,8 @@ paged allocator::
 
 With ``sort_free=True`` freed pages wait in ``_released`` and are merged and sorted
 into ``_free`` only when an allocation needs them, so consecutive allocations come out
-in ascending, mostly contiguous runs (seed 001's ``need_sort`` / ``release_pages``).
-:meth:`free_group` batches many frees into one concatenation (seed 001's ``free_group``).
+in ascending, mostly contiguous runs (SGLang's ``need_sort`` / ``release_pages``).
+:meth:`free_group` batches many frees into one concatenation (SGLang's ``free_group``).
 
 The device allocator starts at page 1: page 0 is the padding page that engines point
 padded batch entries at, and is never handed out.

@@ -2,7 +2,7 @@
 
 Device pool (one per engine rank), one flat buffer laid out region after region, every
 region aligned to 256 bytes; token regions have one padding page (page 0) in front, as
-in the seeds' pools (``size + page_size`` slots), state regions one padding slot::
+in SGLang's pools (``size + page_size`` slots), state regions one padding slot::
 
     | L0.k [(P+1)*ps, heads, head_dim] | L0.v [...] | L1.k | ... | S0.conv [(R+1), ...] | S0.temporal | ...
 

@@ -11,7 +11,7 @@ that page, rank after rank::
     +--------------------------------------------------+------------+
       each component = page_size tokens x its per-token bytes
 
-Layers come in three kinds, after the seeds' pools:
+Layers come in three kinds, after SGLang's KV pools:
 
 * :class:`MHALayer` — full attention, separate K ``[heads, head_dim]`` and V
   ``[heads, v_head_dim]`` per token (MHATokenToKVPool);
@@ -20,7 +20,7 @@ Layers come in three kinds, after the seeds' pools:
 * :class:`StateLayer` — linear attention / Mamba / KDA: no per-token KV, a fixed-size
   recurrent state per request (conv state + temporal state, MambaPool).
 
-fp8 KV is stored as uint8 (the seeds' "store_dtype"); the logical dtype still enters the
+fp8 KV is stored as uint8 (SGLang's "store_dtype"); the logical dtype still enters the
 fingerprint, so e4m3 and e5m2 caches never mix.
 
 The fingerprint is a 16-byte blake2b digest of the canonical JSON of everything that
@@ -167,7 +167,7 @@ class StateLayer:
     """Linear attention / Mamba / KDA: a fixed per-request state, no per-token KV.
 
     ``conv_state_shape`` is e.g. ``(conv_kernel - 1, proj_size // tp)`` and
-    ``temporal_state_shape`` ``(num_heads // tp, head_dim, head_dim)`` (seed 000, KDA).
+    ``temporal_state_shape`` ``(num_heads // tp, head_dim, head_dim)`` (SGLang's KDA pools).
     """
 
     kind: ClassVar[str] = "state"

@@ -2,7 +2,7 @@
 
 A batch names, per request, a row of the request-to-token table, a start column and a
 length. :func:`build_kv_indices` gathers those token slots into one flat array, with an
-``indptr`` marking where each request's run starts (seed 001's
+``indptr`` marking where each request's run starts (SGLang's
 ``create_flashinfer_kv_indices_triton``); :func:`build_kv_page_indices` does the same per
 page, a block table for paged attention::
 

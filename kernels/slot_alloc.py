@@ -2,7 +2,7 @@
 
 The daemon grants an engine whole pages; these functions turn a batch's length changes
 into token slots (``slot = page_id * page_size + offset``). An extend fills a request's
-positions ``[prefix_len, seq_len)`` in three segments (seed 001's ``alloc_extend``)::
+positions ``[prefix_len, seq_len)`` in three segments (SGLang's paged ``alloc_extend``)::
 
     page_size 4, prefix_len 6, seq_len 17, last_loc 41, free_pages [7, 3, 9, ...]
 

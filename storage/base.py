@@ -84,9 +84,6 @@ class StorageBackend(Protocol):
         ``False`` where a record is missing or fails a check (the buffer may then hold
         anything). Counts as an access for LRU."""
 
-    def longest_run(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are stored (not verified)."""
-
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""
 

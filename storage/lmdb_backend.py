@@ -3,18 +3,23 @@
 Layout of the environment (directory ``path``, files ``data.mdb`` and ``lock.mdb``)::
 
     sub-database "payload": page key (16 B) -> header (48 B) + host page bytes
-    sub-database "meta":    page key (16 B) -> metadata record (56 B) + token ids
+    sub-database "meta":    page key (16 B) -> metadata record (72 B) + token ids
 
     payload header, little-endian                      metadata record, little-endian
     +-------+---------------------------------------+  +-------+---------------------------+
-    | 0  4s | magic b"HCKV"                         |  | 0  B  | meta format version (1)   |
+    | 0  4s | magic b"HCKV"                         |  | 0  B  | meta format version (2)   |
     | 4  H  | payload format version (1)            |  | 1  3x | reserved (zero)           |
     | 6  H  | header size (48)                      |  | 4  Q  | payload size              |
     | 8  16s| spec fingerprint                      |  | 12 d  | last access (unix s)      |
     | 24 Q  | payload length                        |  | 20 16s| namespace id              |
     | 32 Q  | xxh3_64 of bytes [0, 32) + payload    |  | 36 16s| parent page key           |
-    | 40 8x | reserved (zero)                       |  | 52 I  | token bytes that follow   |
-    +-------+---------------------------------------+  +-------+---------------------------+
+    | 40 8x | reserved (zero)                       |  | 52 16s| spec fingerprint          |
+    +-------+---------------------------------------+  | 68 I  | token bytes that follow   |
+                                                       +-------+---------------------------+
+
+The metadata record carries the spec fingerprint too, so a warm restart can rebuild one
+spec's tree from metadata alone. A record of another meta format version reads as
+unreadable: opening the store drops it with its payload.
 
 The checksum covers the header fields before it as well as the payload, so a flipped
 fingerprint or length is caught like a flipped payload byte. A value that takes LMDB
@@ -35,7 +40,7 @@ to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transact
 commits, updates the in-memory index and only then resolves the futures, in queue order.
 The byte bound defaults to 2 MiB: LMDB copies each value into dirty pages that it writes
 out at the commit, and a batch that still sits in the CPU cache then makes puts of 64 KiB
-pages ~1.5-2x faster than 16 MiB batches on the benchmark machine. One put call is never
+pages ~1.3-1.5x faster than 16 MiB batches on the benchmark machine. One put call is never
 split (its records commit together), so a larger call makes a larger transaction.
 A batch that raises is aborted and fails all its futures; the index changes only after a
 commit, so the store and the index stay consistent. ``lmdb.MapFullError`` doubles the map
@@ -54,10 +59,11 @@ being killed at any moment (the data is in the OS page cache). With ``sync=False
 default) an OS crash or power loss can lose the last commits, never tear one;
 ``sync=True`` fsyncs on every commit.
 
-``writemap`` is off by default. On, LMDB writes pages in the map in place (puts about 20%
-faster in ``benchmarks/bench_storage.py``), but the data file becomes a sparse file of
-the map's size, and on a full disk the first write to a page kills the process with
-SIGBUS; off, the commit fails with ENOSPC and only that batch's futures fail.
+``writemap`` is off by default. On, LMDB writes pages in the map in place (puts at most
+~10% faster in ``benchmarks/bench_storage.py`` with 2 MiB batches), but the data file
+becomes a sparse file of the map's size, and on a full disk the first write to a page
+kills the process with SIGBUS; off, the commit fails with ENOSPC and only that batch's
+futures fail.
 
 Capacity: ``capacity_bytes`` bounds the stored payload bytes. The LRU order is kept in
 memory (rebuilt on open from the stored last-access times); reads record their accesses
@@ -316,11 +322,13 @@ class LmdbBackend:
     """A :class:`~hicache.storage.base.StorageBackend` on one LMDB environment.
 
     ``put``/``delete`` are O(records) on the caller's thread (validation only); a get is
-    one read transaction, one checksum pass and one copy per record; ``longest_run`` is
-    one B-tree lookup per key. Call :meth:`close` (or use it as a context manager);
+    one read transaction, one checksum pass and one copy per record. Call :meth:`close` (or use it as a context manager);
     :meth:`flush` and :meth:`close` must not be called from a future's done-callback,
     which runs on the writer thread. One process owns a store: open it in that process
     (after any fork); other processes may at most read it.
+
+    The public methods run on the caller's thread; the private ones from
+    :meth:`_writer_main` on run on the writer thread only.
     """
 
     def __init__(
@@ -389,8 +397,6 @@ class LmdbBackend:
         )
         self._writer.start()
         ready.result()
-
-    # ----------------------------------------------------------------- public API
 
     def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
         """Queue ``records`` as one batch; the future gives a :class:`PutResult` once the
@@ -462,21 +468,6 @@ class LmdbBackend:
                     self._queue.append(_PurgeOp(tuple(corrupt)))
                     self._queue_cond.notify()
         return found
-
-    def longest_run(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are stored (present, not verified). One
-        B-tree lookup per key, payloads untouched."""
-        self._check_usable()
-        self._gate.acquire_shared()
-        try:
-            self._check_open()
-            with self._env.begin(db=self._payload_db, buffers=True) as txn:
-                for i, key in enumerate(keys):
-                    if txn.get(_require_key(key)) is None:
-                        return i
-                return len(keys)
-        finally:
-            self._gate.release_shared()
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""
@@ -599,8 +590,6 @@ class LmdbBackend:
             assert self._num_bytes == sum(stored.values()), "byte count differs from the store"
             assert self._num_bytes <= self._capacity_bytes, "over capacity"
 
-    # ------------------------------------------------------------ caller-side helpers
-
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:
             raise self._wrong_process()
@@ -667,8 +656,6 @@ class LmdbBackend:
                 logger.warning("skipping unreadable metadata of %s in %s", key.hex(), self._path)
                 continue
             yield key, meta
-
-    # ----------------------------------------------------------------- writer thread
 
     def _writer_main(self, ready: Future) -> None:
         try:

@@ -6,7 +6,8 @@ with caching disabled. So every computation is batch-size invariant — projecti
 MLP and attention run one token row at a time — and the only thing that differs between
 the two runs is where a prefix's K/V comes from.
 
-Per request (DESIGN.md's lifecycle, with the seed structures)::
+Per request (the client lifecycle of :mod:`hicache.client`, with SGLang's request-to-token
+row and paged slot assignment)::
 
     m  = client.match(prompt)                 # cached prefix, device / host / disk
     client.lock(m.handle); ld = client.load(m.handle)

@@ -69,9 +69,6 @@ def _one(service: dict[str, list[str]], key: str) -> str:
     return values[0]
 
 
-# --- the unit ---------------------------------------------------------------------------
-
-
 def test_unit_passes_systemd_analyze_verify():
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -135,9 +132,6 @@ def test_unit_sandbox_leaves_engines_and_gpus_reachable(service):
     assert {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"} <= families
 
 
-# --- sysusers ---------------------------------------------------------------------------
-
-
 def test_sysusers_declares_the_service_user(service):
     entries = [line.split() for line in SYSUSERS.read_text().splitlines() if line and not line.startswith("#")]
     assert ["u", _one(service, "User")] in [entry[:2] for entry in entries]
@@ -154,9 +148,6 @@ def test_sysusers_dry_run(tmp_path):
     assert "Creating group 'hicache'" in output
     assert "Creating user 'hicache'" in output
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
-
-
-# --- the example configuration -----------------------------------------------------------
 
 
 def test_example_config_covers_every_key():
@@ -189,9 +180,6 @@ def test_example_config_states_the_defaults_under_the_unit(monkeypatch):
     assert dataclasses.replace(example.disk, path="") == defaults.disk
     for section in ("host", "tiers", "sharing", "metrics"):
         assert getattr(example, section) == getattr(defaults, section)
-
-
-# --- sd_notify ----------------------------------------------------------------------------
 
 
 @pytest.fixture(params=["path", "abstract"])

@@ -235,20 +235,30 @@ def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path)
     """The loop leaves its bookkeeping (request counts, lease expiry, timers) for idle
     moments, but never longer than a catch-up step: an engine that stops heartbeating
     loses its session while another engine's requests leave the daemon no idle moment,
-    and ``stats`` counts every request answered before it."""
+    and ``stats`` counts every request answered before it.
+
+    Checked as an order of events, on the daemon's own clock (``uptime_s`` in the
+    answers): the silent engine's session is still there after its last request, ends
+    by its lease while the back-to-back requests go on, and shows as gone only in
+    answers given after its lease ran out. How long a lease lasts is
+    test_daemon_service's, on an injected clock."""
     proc = DaemonProcess(tmp_path, disk={"enabled": False}).start()
     silent = ClientEngine(proc.endpoint, heartbeat=False)
     busy = ClientEngine(proc.endpoint, heartbeat=False)
     try:
         seq = tokens(0, 4)
-        m, _, _ = busy.prefill(seq)
-        assert busy.client.stats()["sessions"] == 2
+        busy.prefill(seq)
         # both ends on hicache's transport settings (transport.new_context)
         assert list(io_threads(proc.proc.pid).values()) == [os.SCHED_BATCH]
         assert os.SCHED_BATCH in io_threads().values()
-        start = time.monotonic()
-        counted = busy.client.stats()["requests"].get("match/OK", 0)
+        before = busy.client.stats()["uptime_s"]
+        silent.client.match(seq)  # its last request: its lease runs out at before + lease_s at the earliest
+        lease_ends = before + silent.client.lease_s
+        stats = busy.client.stats()
+        assert stats["sessions"] == 2  # it outlives its last request
+        counted = stats["requests"]["match/OK"]
         matches = 0
+        deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
         while True:  # back to back: the daemon's socket is never idle for a receive timeout
             for _ in range(50):
                 assert busy.client.match(seq).num_device_pages == 4
@@ -257,8 +267,9 @@ def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path)
             assert stats["requests"]["match/OK"] == counted + matches
             if stats["sessions"] == 1:
                 break
-            assert time.monotonic() - start < 10, "the silent engine's lease never ran out"
-        assert time.monotonic() - start >= 1.0  # lease_s of daemon_util's config
+            assert time.monotonic() < deadline, "the silent engine's lease never ran out"
+        assert stats["uptime_s"] > lease_ends  # gone only once its lease had run out
+        assert proc.log.read_text().count("ended (lease_expired)") == 1  # its lease ended it, nothing else
         busy.client.check()
     finally:
         busy.close()

@@ -65,8 +65,6 @@ class TreeMachine(RuleBasedStateMachine):
         # held references: (node, lock key, namespace, prefix of the node's end)
         self.held: list[tuple[Node, int, NamespaceId, tuple[int, ...]]] = []
 
-    # ------------------------------------------------------------------ helpers
-
     def pages_of(self, ns: NamespaceId, tokens: list[int]) -> list[tuple[int, ...]]:
         """Model names of every whole page of ``tokens``."""
         ps = self.page_size
@@ -148,8 +146,6 @@ class TreeMachine(RuleBasedStateMachine):
 
     def eligible(self, predicate) -> list[Node]:
         return sorted((n for n in self.tree.nodes() if predicate(n)), key=lambda n: n.node_id)
-
-    # ------------------------------------------------------------------ rules
 
     @rule(ns=st.sampled_from(NAMESPACES), tokens=tokens_strategy, pool=st.sampled_from(POOLS),
           reuse_prefix=st.booleans(), priority=st.integers(0, 2))
@@ -313,8 +309,6 @@ class TreeMachine(RuleBasedStateMachine):
             assert sorted(freed.tolist()) == sorted(expected)
             (self.device[pool] if tier == Tier.DEVICE else self.host).free(freed)
         self.prune()
-
-    # ------------------------------------------------------------------ checks
 
     @invariant()
     def tree_matches_model(self):

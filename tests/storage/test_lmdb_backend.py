@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from hicache.errors import HicacheError, InvalidArgument
 from hicache.storage.base import PageMeta, PageRecord, PutResult, StorageStats
 from hicache.storage.lmdb_backend import HEADER_BYTES, LmdbBackend
+from storage_util import stored_run
 
 FP = hashlib.blake2b(b"spec-a", digest_size=16).digest()
 OTHER_FP = hashlib.blake2b(b"spec-b", digest_size=16).digest()
@@ -67,9 +68,6 @@ def open_store(tmp_path):
     yield _open
     for store in opened:
         store.close()
-
-
-# ---------------------------------------------------------------- round trips
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -158,9 +156,6 @@ def test_put_reads_payload_sources_of_every_kind(open_store):
         assert np.array_equal(read(store, key, size), content(key, size))
 
 
-# ---------------------------------------------------------------- integrity
-
-
 def _data_file(store_path) -> str:
     return os.path.join(store_path, "data.mdb")
 
@@ -230,7 +225,7 @@ def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, dam
     store.flush()  # the writer deletes the corrupt record
     stats = store.stats()
     assert (stats.records, stats.bytes, stats.corrupt_records) == (4, 4 * size, 1)
-    assert store.longest_run([victim]) == 0
+    assert stored_run(store, [victim]) == 0
     assert victim not in dict(store.iter_metadata())
     store.check_invariants()
 
@@ -276,7 +271,7 @@ def test_open_drops_orphan_payloads_and_unreadable_metadata(open_store, tmp_path
         env.close()
     store = open_store()
     assert sorted(dict(store.iter_metadata())) == sorted(keys[2:])
-    assert store.longest_run(keys[:2]) == 0
+    assert stored_run(store, keys[:2]) == 0
     assert store.stats().bytes == 1400
     store.check_invariants()
 
@@ -285,7 +280,7 @@ def test_opening_an_open_store_again_in_one_process_is_refused(open_store):
     store = open_store()
     with pytest.raises(HicacheError, match="already open"):
         LmdbBackend(store.path, capacity_bytes=1 << 20)
-    assert store.longest_run([]) == 0
+    assert list(store.iter_metadata()) == []  # the first one still reads
 
 
 def test_wrong_fingerprint_reads_as_missing_and_keeps_the_record(open_store):
@@ -315,9 +310,6 @@ def test_missing_keys_are_not_corrupt(open_store):
     assert store.stats().corrupt_records == 0
 
 
-# ---------------------------------------------------------------- capacity and LRU
-
-
 class FakeClock:
     """A clock that never advances: access order must not depend on its resolution."""
 
@@ -338,8 +330,8 @@ def test_lru_eviction_order_and_gets_refresh(open_store):
     assert _put(store, "fg") == PutResult(2, (key_of("c"), key_of("d")))
     stats = store.stats()
     assert (stats.records, stats.bytes, stats.evicted_records) == (4, 4000, 3)
-    assert store.longest_run([key_of(n) for n in "aefg"]) == 4
-    assert store.longest_run([key_of("b")]) == 0
+    assert stored_run(store, [key_of(n) for n in "aefg"]) == 4
+    assert stored_run(store, [key_of("b")]) == 0
     store.check_invariants()
 
 
@@ -466,7 +458,7 @@ class LruModel(RuleBasedStateMachine):
         self.store.check_invariants()
         assert self.store.lru_keys() == list(self.model)
         assert self.store.stats().bytes == sum(self.model.values())
-        assert self.store.longest_run(list(self.model)) == len(self.model)
+        assert stored_run(self.store, list(self.model)) == len(self.model)
 
     def teardown(self):
         self.store.close()
@@ -477,9 +469,6 @@ def test_lru_state_machine(tmp_path):
         root = str(tmp_path)
 
     run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
-
-
-# ---------------------------------------------------------------- map growth, concurrency, failures
 
 
 @pytest.mark.parametrize("writemap", [False, True])
@@ -541,10 +530,11 @@ def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_s
     with pytest.raises(OSError, match="disk on fire"):
         future.result()
     store.check_invariants()
-    assert store.longest_run([key_of("c")]) == 0
+    assert stored_run(store, [key_of("c")]) == 0
     monkeypatch.setattr(store, "_encode_payload", real_encode)
     assert _put(store, "c") == PutResult(1, ())
-    assert store.longest_run([key_of(n) for n in "abc"]) == 3
+    assert stored_run(store, [key_of(n) for n in "abc"]) == 3
+    store.check_invariants()
     assert store.stats().pending_writes == 0
 
 
@@ -581,18 +571,15 @@ def test_batches_preserve_queue_order(open_store):
     store.check_invariants()
 
 
-# ---------------------------------------------------------------- API edges
-
-
-def test_longest_run_and_delete(open_store):
+def test_delete_answers_how_many_existed(open_store):
     store = open_store()
     keys = [key_of(("run", i)) for i in range(6)]
     store.put([record(k, 500) for k in keys[:4]], fingerprint=FP).result()
-    assert store.longest_run(keys) == 4
-    assert store.longest_run([]) == 0
-    assert store.longest_run([keys[5]] + keys) == 0
+    assert stored_run(store, keys) == 4
+    assert stored_run(store, []) == 0
+    assert stored_run(store, [keys[5]] + keys) == 0
     assert store.delete([keys[1], keys[5]]).result() == 1
-    assert store.longest_run(keys) == 1
+    assert stored_run(store, keys) == 1
     assert store.delete([]).result() == 0
     assert store.stats().records == 3
     store.check_invariants()
@@ -641,7 +628,6 @@ def test_use_after_close_raises(open_store):
     calls = [
         lambda: store.put([record(key, 10)], fingerprint=FP),
         lambda: store.get([key], [bytearray(1000)], fingerprint=FP),
-        lambda: store.longest_run([key]),
         lambda: store.delete([key]),
         lambda: store.iter_metadata(),
         lambda: store.flush(),
@@ -689,7 +675,7 @@ def test_use_after_fork_raises(open_store):
         os._exit(1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert store.longest_run([key_of("a")]) == 1
+    assert stored_run(store, [key_of("a")]) == 1
 
 
 def test_metadata_in_batches_lists_every_record_once(open_store):

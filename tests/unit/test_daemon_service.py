@@ -17,6 +17,7 @@ from hicache.errors import ErrorCode
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
 from hicache.tree import Place, Tier
+from storage_util import stored_run
 from tiers_util import SPEC, Engine, offered
 
 PS = SPEC.page_size
@@ -394,7 +395,7 @@ def test_specs_sharing_the_store_hear_of_each_others_evictions(tmp_path, engines
         for node in manager.tree.nodes():
             if manager.tree.is_live(node) and node.on_disk:
                 keys = node.page_key_list()
-                assert daemon.storage.longest_run(keys) == len(keys), "the tree claims a disk record that is gone"
+                assert stored_run(daemon.storage, keys) == len(keys), "the tree claims a disk record that is gone"
 
     tokens_a = insert(sa, a, 0, 5)
     manager_a.flush()

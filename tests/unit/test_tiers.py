@@ -9,6 +9,7 @@ from hicache.errors import InvalidArgument
 from hicache.keys import namespace_id
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import Place, Tier
+from storage_util import stored_run
 from tiers_util import SPEC, Engine
 
 NS = namespace_id(SPEC.fingerprint, "tiers")
@@ -234,8 +235,6 @@ def test_layer_wise_load_releases_early_layers_first(engine):
     tm.close()
 
 
-# ---------------------------------------------------------------------- with a disk tier
-
 @pytest.fixture
 def store(tmp_path):
     from hicache.storage.lmdb_backend import LmdbBackend
@@ -411,8 +410,9 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
     tm.close()
     gone = [r.key for r in broken[2:] + stray]
     kept = [r.key for r in shared + left + right + broken[:1]]
-    assert all(store.longest_run([key]) == 0 for key in gone)
-    assert all(store.longest_run([key]) == 1 for key in kept)
+    assert all(stored_run(store, [key]) == 0 for key in gone)
+    assert all(stored_run(store, [key]) == 1 for key in kept)
+    store.check_invariants()  # (and their payloads went with their metadata)
     store.close()
 
 

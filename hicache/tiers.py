@@ -1240,3 +1240,8 @@ class TierManager:
                 assert account.total == self._pools[place.pool].allocator.capacity, (place, account)
         assert accounts[Place(Tier.HOST)].total == self.host_alloc.capacity, accounts[Place(Tier.HOST)]
 
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, not counting namespace roots (for stats)."""
+        return len(self.tree)

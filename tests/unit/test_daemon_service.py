@@ -9,7 +9,7 @@ import pytest
 
 from hicache.config import DaemonConfig
 from hicache import protocol as p
-from hicache.daemon import service
+from hicache.daemon import sessions, specs
 from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.fdpass import FdExchange
 from hicache.engine.kv_pool import export_kv_pool
@@ -205,7 +205,7 @@ def test_unregistered_sessions_lapse_and_count_against_their_peer(tmp_path, engi
         daemon.handle(p.Heartbeat(id=6, session=third))
         daemon.poll()
     assert first in daemon.sessions and third not in daemon.sessions
-    assert len(daemon.sessions) == 1 and not daemon._unregistered  # every unregistered one lapsed
+    assert len(daemon.sessions) == 1 and not daemon.sessions.unregistered  # every unregistered one lapsed
     ok(daemon.handle(p.Hello(id=7, version=p.PROTOCOL_VERSION)))
     daemon.close()
 
@@ -238,7 +238,7 @@ def test_a_session_waiting_for_an_answer_keeps_its_lease(tmp_path, engines):
 
 
 def test_a_session_forgets_its_oldest_unlocked_handles(tmp_path, engines, monkeypatch):
-    monkeypatch.setattr(service, "_MAX_HANDLES", 8)
+    monkeypatch.setattr(sessions, "_MAX_HANDLES", 8)
     daemon = make_daemon(tmp_path)
     sid = session(daemon, engines(num_pages=64))
     handles = []
@@ -536,8 +536,6 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     registration is answered and the persisted pages hit from disk."""
     import dataclasses
 
-    import hicache.daemon.service as service
-
     store = {"disk.enabled": True, "disk.path": str(tmp_path / "store")}
     first = make_daemon(tmp_path, **store)
     a = engines()
@@ -548,8 +546,8 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     first.drain()
     first.close()
 
-    monkeypatch.setattr(service, "_REBUILD_STEP", 1)  # one record a step,
-    monkeypatch.setattr(service, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
+    monkeypatch.setattr(specs, "_REBUILD_STEP", 1)  # one record a step,
+    monkeypatch.setattr(specs, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
     clock = Clock()
     daemon = make_daemon(tmp_path, clock, **store)
     other_spec = dataclasses.replace(SPEC, model="other-model")
@@ -598,3 +596,27 @@ def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, e
     daemon.close()
     assert isinstance(pending.result(), p.Error) and pending.result().code == ErrorCode.DRAINING
     assert gc.isenabled()
+
+
+def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
+    """``check`` answers an INTERNAL error naming what is broken — the daemon's own
+    bookkeeping, or an assertion of the tier manager's checks — rather than relying on
+    ``assert`` (gone under ``python -O``)."""
+    daemon = make_daemon(tmp_path)
+    session(daemon, engines())
+    ok(daemon.handle(p.Check(id=1)))
+    daemon.sessions.unregistered["uid:4242"] += 1  # a count with no session behind it
+    reply = error(daemon.handle(p.Check(id=2)), ErrorCode.INTERNAL)
+    assert "unregistered sessions per peer" in reply.message, reply.message
+    del daemon.sessions.unregistered["uid:4242"]
+    ok(daemon.handle(p.Check(id=3)))
+
+    def broken():
+        assert 1 + 1 == 3, "made up"
+
+    (manager,) = daemon.managers.values()
+    monkeypatch.setattr(manager, "check_invariants", broken)
+    reply = error(daemon.handle(p.Check(id=4)), ErrorCode.INTERNAL)
+    assert f"tier manager of spec {SPEC.fingerprint_hex}" in reply.message and "1 + 1 == 3" in reply.message
+    assert "made up" in reply.message
+    daemon.close()

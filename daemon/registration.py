@@ -49,21 +49,20 @@ class Registrar:
         self.clock = clock
         self._pool_ids = itertools.count(1)
 
-    def drop_offers(self, m: p.Register) -> None:
-        """Close the descriptors a refused registration named."""
+    def drop_offers(self, tokens: list[bytes]) -> None:
+        """Close the descriptors offered under ``tokens`` (a refused registration's)."""
         fds = self._fds()
         if fds is None:
             return
-        for handle in m.pools:
-            token = handle.get("token") if isinstance(handle, dict) else None
-            offer = fds.take(token) if isinstance(token, bytes) else None
+        for token in tokens:
+            offer = fds.take(token)
             if offer is not None:
                 os.close(offer.fd)
 
     def register(self, session: Session, m: p.Register) -> p.RegisterReply | Future:
         if session.manager is not None or session.registering:
             raise InvalidArgument("this session has registered its pool already")
-        spec = KVSpec.from_dict(m.spec)
+        spec = KVSpec.from_dict(p.as_dict(m.spec))
         if spec.fingerprint != m.fingerprint:
             raise SpecMismatch("the spec's fingerprint differs between client and daemon (versions differ?)")
         if m.key_check != key_self_test(spec.fingerprint, spec.page_size):
@@ -71,7 +70,7 @@ class Registrar:
         if len(m.pools) != spec.tp_size:
             raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
                                   f"got {len(m.pools)}")
-        handles = [PoolHandle.from_dict(handle) for handle in m.pools]
+        handles = [PoolHandle.from_dict(p.as_dict(handle)) for handle in m.pools]
         ranks: list[DevicePool] = []
         try:
             for handle in handles:
@@ -142,5 +141,6 @@ class Registrar:
         self.sessions.attach(session, manager, pool_id)
         logger.info("session #%d registered pool %d: %d pages, spec %s", session.serial, pool_id,
                     ranks[0].num_pages, spec.fingerprint_hex)
-        return p.RegisterReply(id=request_id, pool=pool_id, counters=counters.handle(token).to_dict(),
+        return p.RegisterReply(id=request_id, pool=pool_id,
+                               counters=p.from_dict(p.CountersMsg, counters.handle(token).to_dict()),
                                page_size=spec.page_size, num_pages=ranks[0].num_pages)

@@ -185,6 +185,13 @@ class Daemon:
         self._count("decode", exc.code.name, 0.0)
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)
 
+    def undecodable(self, payload: bytes, exc: p.ProtocolError) -> p.Error:
+        """The reply to a message that did not decode. A ``register`` refused here drops
+        the descriptors it named, as one refused after decoding does (a client retrying
+        it would otherwise fill its user's waiting offers)."""
+        self.registrar.drop_offers(p.register_tokens(payload))
+        return self.error_reply(p.request_id(payload), exc)
+
     def _chain(self, future: Future, request_id: int, op: str, start: float, session: Session | None) -> Future:
         out: Future = Future()
         counted = session is not None and not future.done()
@@ -227,7 +234,7 @@ class Daemon:
         try:
             return self.registrar.register(self._session(m.session, registered=False), m)
         except BaseException:
-            self.registrar.drop_offers(m)
+            self.registrar.drop_offers([pool.token for pool in m.pools if isinstance(pool.token, bytes)])
             raise
 
     def _heartbeat(self, m: p.Heartbeat) -> p.Ok:
@@ -238,7 +245,7 @@ class Daemon:
         self.sessions.end(self._session(m.session, registered=False), "bye")
         return p.Ok(id=m.id)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> p.DaemonStats:
         self.settle()  # the counts of requests answered since the last idle moment
         return snapshot.stats(uptime_s=self.clock() - self.started, sessions=len(self.sessions),
                               draining=self.draining, counts=self.counts, managers=self.managers,

@@ -20,23 +20,19 @@ SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
 
 
 def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, managers: dict[bytes, TierManager],
-          storage) -> dict[str, Any]:
+          storage) -> p.DaemonStats:
     """What ``stats`` answers. ``counts``: requests by (op, status)."""
-    out: dict[str, Any] = {
-        "version": __version__,
-        "uptime_s": uptime_s,
-        "sessions": sessions,
-        "draining": draining,
-        "requests": {f"{op}/{status}": n for (op, status), n in sorted(counts.items())},
-        "specs": {},
-    }
+    specs: dict[str, p.SpecStats] = {}
     for fingerprint, manager in managers.items():
-        out["specs"][fingerprint.hex()] = {
-            str(place): account._asdict() for place, account in manager.accounting().items()
-        } | {"nodes": manager.num_nodes}
-    if storage is not None:
-        out["storage"] = storage.stats()._asdict()
-    return out
+        figures: p.SpecStats = {str(place): p.TierAccountMsg(**account._asdict())
+                                for place, account in manager.accounting().items()}
+        figures["nodes"] = manager.num_nodes
+        specs[fingerprint.hex()] = figures
+    return p.DaemonStats(
+        version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining,
+        requests={f"{op}/{status}": n for (op, status), n in sorted(counts.items())}, specs=specs,
+        storage=None if storage is None else p.StorageStatsMsg(**storage.stats()._asdict()),
+    )
 
 
 def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage) -> dict[str, Any]:

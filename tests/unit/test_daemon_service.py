@@ -17,7 +17,7 @@ from hicache.errors import ErrorCode
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
 from hicache.tree import Place, Tier
-from tiers_util import SPEC, Engine, offered
+from tiers_util import SPEC, Engine, offered, wired
 
 PS = SPEC.page_size
 
@@ -56,7 +56,7 @@ def answered(daemon, reply):
 
 
 def register(daemon, session_id, spec, handles, request_id=2):
-    return daemon.handle(p.Register(id=request_id, session=session_id, spec=spec.to_dict(),
+    return wired(daemon, p.Register(id=request_id, session=session_id, spec=spec.to_dict(),
                                     fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint,
                                                                                           spec.page_size),
                                     pools=handles))
@@ -90,21 +90,21 @@ def test_hello_and_register_are_checked(tmp_path, engines):
     good = dict(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                 key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
     # A refused registration drops the descriptors it named: the engine offers again.
-    error(daemon.handle(p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
+    error(wired(daemon, p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
     assert daemon.fds.take(good["pools"][0]["token"]) is None
     good["pools"] = [engine.offered(daemon)]
-    error(daemon.handle(p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
-    error(daemon.handle(p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
-    error(daemon.handle(p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
+    error(wired(daemon, p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
+    error(wired(daemon, p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
+    error(wired(daemon, p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
     other = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=8, page_size=PS, model="other")
-    error(daemon.handle(p.Register(**{**good, "spec": other.to_dict(), "fingerprint": other.fingerprint,
+    error(wired(daemon, p.Register(**{**good, "spec": other.to_dict(), "fingerprint": other.fingerprint,
                                       "key_check": key_self_test(other.fingerprint, PS)})),
           ErrorCode.SPEC_MISMATCH)  # the pool was made for SPEC
-    error(daemon.handle(p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
+    error(wired(daemon, p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
     error(daemon.handle(p.Alloc(id=3, session=hello.session, num_pages=1)), ErrorCode.INVALID_ARGUMENT)
     good["pools"] = [engine.offered(daemon)]
-    ok(daemon.handle(p.Register(**good)))
-    error(daemon.handle(p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
+    ok(wired(daemon, p.Register(**good)))
+    error(wired(daemon, p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
     ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION)))
     error(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION)), ErrorCode.RESOURCE_EXHAUSTED)
     daemon.close()
@@ -174,9 +174,9 @@ def test_a_session_answers_only_on_the_connection_that_said_hello(tmp_path, engi
     engine = engines()
     reg = p.Register(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                      key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
-    error(daemon.handle(reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
+    error(wired(daemon, reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
     reg.pools = [engine.offered(daemon)]  # (the refused one dropped its descriptor)
-    ok(daemon.handle(reg, peer=b"conn-a"))
+    ok(wired(daemon, reg, peer=b"conn-a"))
     for request in (p.Alloc(id=3, session=hello.session, num_pages=1), p.Heartbeat(id=3, session=hello.session),
                     p.Bye(id=3, session=hello.session)):
         error(daemon.handle(request, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
@@ -619,4 +619,17 @@ def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
     reply = error(daemon.handle(p.Check(id=4)), ErrorCode.INTERNAL)
     assert f"tier manager of spec {SPEC.fingerprint_hex}" in reply.message and "1 + 1 == 3" in reply.message
     assert "made up" in reply.message
+    daemon.close()
+
+
+def test_a_register_refused_at_decoding_drops_its_descriptors_too(tmp_path, engines):
+    """A spec or pool handle of the wrong shape is refused by the decoder, before the
+    daemon sees the message: the descriptors it named are dropped all the same."""
+    daemon = make_daemon(tmp_path)
+    hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
+    pools = [engines().offered(daemon)]
+    error(wired(daemon, p.Register(id=2, session=hello.session, spec=SPEC.to_dict() | {"colour": "red"},
+                                   fingerprint=SPEC.fingerprint, key_check=key_self_test(SPEC.fingerprint, PS),
+                                   pools=pools)), ErrorCode.INVALID_ARGUMENT)
+    assert daemon.fds.take(pools[0]["token"]) is None
     daemon.close()

@@ -231,6 +231,8 @@ class Daemon:
                             fd_socket=str(self.fds.path) if self.fds is not None else "")
 
     def _register(self, m: p.Register) -> p.RegisterReply | Future:
+        """See :mod:`hicache.daemon.registration`; a refused one (from any session, or
+        none) drops the descriptors it named."""
         try:
             return self.registrar.register(self._session(m.session, registered=False), m)
         except BaseException:
@@ -279,9 +281,9 @@ class Daemon:
                 except AssertionError as exc:
                     raise _broken("storage", exc) from None
             self.sessions.check_invariants()
-            managers = list(self.managers.values())
+            serving = list(self.managers.values())
             for session in self.sessions.values():
-                if session.manager is not None and not any(session.manager is m for m in managers):
+                if session.manager is not None and not any(session.manager is manager for manager in serving):
                     raise InvariantBroken(f"session #{session.serial}'s tier manager serves no spec")
         except InvariantBroken as exc:
             logger.error("check: %s", exc.message)

@@ -354,8 +354,12 @@ _Msg = TypeVar("_Msg", bound=msgspec.Struct)
 
 def from_dict(cls: type[_Msg], data: Mapping[str, Any]) -> _Msg:
     """The wire form of a domain object's ``to_dict()`` (e.g. ``from_dict(KVSpecMsg,
-    spec.to_dict())``)."""
-    return msgspec.convert(data, cls)
+    spec.to_dict())``); :class:`ProtocolError` if it does not fit, as the daemon would
+    answer had it been sent."""
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
 
 
 def as_dict(message: msgspec.Struct) -> dict[str, Any]:

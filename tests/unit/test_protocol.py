@@ -78,6 +78,12 @@ def test_a_malformed_register_is_refused_when_decoded(bad):
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT
 
 
+def test_a_handle_that_does_not_fit_is_refused_before_it_is_sent():
+    with pytest.raises(p.ProtocolError) as refused:
+        p.from_dict(p.PoolHandleMsg, memfd_handle() | {"kind": "rdma"})
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
 def test_the_tokens_of_a_register_that_did_not_decode():
     data = memfd_handle()
     assert p.register_tokens(p.encode(register({"format": 1}, [data, {"token": b"u" * 16}]))) == [b"t" * 16,

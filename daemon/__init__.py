@@ -1,1 +1,2 @@
-"""The hicache daemon: ZeroMQ server, wire protocol, sessions, CLI (``hicache.daemon``)."""
+"""The hicache daemon (``hicache.daemon``): ZeroMQ server, request handling, sessions and
+leases, the CLI and its demo."""

@@ -126,7 +126,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hicache.demo import run
+    from hicache.daemon.demo import run
 
     return run(args.endpoint, args.conversations, args.turns, args.seed)
 

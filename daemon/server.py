@@ -280,7 +280,7 @@ class Server:
         try:
             request = p.decode_request(payload)
         except p.ProtocolError as exc:
-            self._send(router, envelope, self.daemon.error_reply(p.request_id(payload), exc))
+            self._send(router, envelope, self.daemon.undecodable(payload, exc))
             return True
         reply = self.daemon.answer(request, envelope[0])
         if isinstance(reply, Future):

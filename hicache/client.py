@@ -230,7 +230,7 @@ class CacheClient:
             return str(fdpass.socket_path_for(self.endpoint[len("ipc://"):]))
         return hello.fd_socket
 
-    def _pool_dicts(self, pools: list[PoolHandle], fd_socket: str) -> list[dict[str, Any]]:
+    def _pool_messages(self, pools: list[PoolHandle], fd_socket: str) -> list[p.PoolHandleMsg]:
         out = []
         for handle in pools:
             data = handle.to_dict()
@@ -238,7 +238,7 @@ class CacheClient:
                 if handle.fd < 0:
                     raise InvalidArgument("a memfd pool handle without its descriptor in this process")
                 data["token"] = fdpass.offer(fd_socket, handle.fd, timeout_s=self.timeout_s)
-            out.append(data)
+            out.append(p.from_dict(p.PoolHandleMsg, data))
         return out
 
     def _open_session(self, in_use: Sequence[int]) -> None:
@@ -250,11 +250,11 @@ class CacheClient:
         # The first registration of a spec after a daemon restart rebuilds its disk tier
         # before the answer (seconds for a large store): as long as a load may take.
         reply = self._call(p.Register(
-            id=0, session=self._session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
-            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=self._pool_dicts(pools, fd_socket),
+            id=0, session=self._session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()), fingerprint=spec.fingerprint,
+            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=self._pool_messages(pools, fd_socket),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
-        counters = CountersHandle.from_dict(reply.counters)
+        counters = CountersHandle.from_dict(p.as_dict(reply.counters))
         waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
@@ -442,7 +442,7 @@ class CacheClient:
     # ------------------------------------------------------------------ admin (no session needed)
 
     def stats(self) -> dict[str, Any]:
-        return self._call(p.Stats(id=0)).stats
+        return p.as_dict(self._call(p.Stats(id=0)).stats)
 
     def health(self) -> p.HealthReply:
         return self._call(p.Health(id=0))

@@ -48,6 +48,12 @@ class HicacheError(Exception):
         return f"[{self.code.name}] {self.message}"
 
 
+class InvariantBroken(HicacheError, RuntimeError):
+    """An internal invariant does not hold: a bug. ``check`` names the one it found."""
+
+    code = ErrorCode.INTERNAL
+
+
 class InvalidArgument(HicacheError, ValueError):
     code = ErrorCode.INVALID_ARGUMENT
 

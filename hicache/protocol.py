@@ -11,15 +11,25 @@ that its reply repeats; replies may come out of order (a load that waits for dis
 
 Token ids and page ids travel as packed little-endian int32 ``bytes``. Node handles are
 integers. Load tickets are ``[slot, generation]`` pairs.
+
+Nested values are typed too: a registration's KV spec, pool handles and counters handle
+mirror the ``to_dict()`` of :class:`hicache.spec.KVSpec`,
+:class:`hicache.pools.PoolHandle` and :class:`hicache.counters.CountersHandle` field for
+field (the same map keys, in the same order: the same bytes on the wire), and
+:func:`from_dict` / :func:`as_dict` convert between the two. An optional field a peer
+left out stays out (``UNSET``), so the domain type's own default applies.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from hicache.errors import ErrorCode, HicacheError
+from hicache.spec import MAX_LAYERS
 
 PROTOCOL_VERSION = 2  # 2: memfd pools over the descriptor socket, per-session node handles
 
@@ -34,6 +44,79 @@ class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_on
     id: int
 
 
+class _Part(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
+    """A value nested in a request: unknown fields are refused, as in a request."""
+
+
+class MHALayerMsg(_Part, tag_field="kind", tag="mha"):
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+
+
+class MLALayerMsg(_Part, tag_field="kind", tag="mla"):
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str | UnsetType = UNSET
+
+
+class StateLayerMsg(_Part, tag_field="kind", tag="state"):
+    conv_state_shape: list[int]
+    temporal_state_shape: list[int]
+    conv_dtype: str | UnsetType = UNSET
+    temporal_dtype: str | UnsetType = UNSET
+
+
+LayerMsg = Union[MHALayerMsg, MLALayerMsg, StateLayerMsg]
+
+
+class KVSpecMsg(_Part, kw_only=True):
+    """``KVSpec.to_dict()``; its values are checked by ``KVSpec.from_dict``."""
+
+    format: int
+    page_size: int
+    tp_size: int | UnsetType = UNSET
+    model: str | UnsetType = UNSET
+    layers: Annotated[list[LayerMsg], msgspec.Meta(max_length=MAX_LAYERS)]
+
+
+class PoolLayoutMsg(_Part):
+    """``DeviceLayout.to_dict()``."""
+
+    spec: KVSpecMsg
+    num_pages: int
+    num_state_slots: int | UnsetType = UNSET
+
+
+class CudaIpcMsg(_Part):
+    """``hicache.cuda_ipc.export_tensor()``: one CUDA allocation's IPC description."""
+
+    size: list[int]
+    stride: list[int]
+    offset: int
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class PoolHandleMsg(_Part):
+    """``PoolHandle.to_dict()``: a ``memfd`` pool names the descriptor offered under
+    ``token``; a ``cuda_ipc`` pool carries its ``cuda_ipc`` description."""
+
+    kind: Literal["memfd", "cuda_ipc"]
+    layout: PoolLayoutMsg
+    nbytes: int
+    rank: int | UnsetType = UNSET
+    token: bytes | UnsetType = UNSET
+    cuda_ipc: CudaIpcMsg | None | UnsetType = UNSET
+
+
 class Hello(_Request, tag="hello"):
     version: int
     client: str = ""
@@ -41,16 +124,16 @@ class Hello(_Request, tag="hello"):
 
 
 class Register(_Request, tag="register"):
-    """Register the session's engine: its KV spec (``KVSpec.to_dict()``), the
-    fingerprint and page-key self-test the client computed (the daemon recomputes both),
-    one pool handle per TP rank, and pages the engine still uses (after a daemon
-    restart: they stay the session's private pages)."""
+    """Register the session's engine: its KV spec, the fingerprint and page-key
+    self-test the client computed (the daemon recomputes both), one pool handle per TP
+    rank, and pages the engine still uses (after a daemon restart: they stay the
+    session's private pages)."""
 
     session: int
-    spec: dict[str, Any]
+    spec: KVSpecMsg
     fingerprint: bytes
     key_check: bytes
-    pools: list[dict[str, Any]]
+    pools: list[PoolHandleMsg]
     in_use: bytes = b""
 
 
@@ -149,9 +232,20 @@ class HelloReply(_Reply, tag="hello"):
     fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
 
 
+class CountersMsg(msgspec.Struct, kw_only=True, gc=False):
+    """``CountersHandle.to_dict()``: the pool's layer-counter ring (fetched read-only
+    by ``token`` on the descriptor socket) and, in GPU mode, its events' IPC handles."""
+
+    token: bytes
+    num_slots: int
+    num_layers: int
+    event_handles: list[bytes] | UnsetType = UNSET
+    device: int | UnsetType = UNSET
+
+
 class RegisterReply(_Reply, tag="register"):
     pool: int
-    counters: dict[str, Any]
+    counters: CountersMsg
     page_size: int
     num_pages: int
 
@@ -194,8 +288,46 @@ class InsertReply(_Reply, tag="insert"):
     prefix_pages: int
 
 
+class TierAccountMsg(msgspec.Struct, kw_only=True, gc=False):
+    """Pages of one place by state (``hicache.tiers.TierAccount``)."""
+
+    free: int
+    private: int
+    cached_evictable: int
+    cached_protected: int
+    staging: int
+
+
+class StorageStatsMsg(msgspec.Struct, kw_only=True, gc=False):
+    """The store's figures (``hicache.storage.base.StorageStats``)."""
+
+    records: int
+    bytes: int
+    capacity_bytes: int
+    map_size_bytes: int
+    corrupt_records: int
+    evicted_records: int
+    pending_writes: int
+
+
+# One spec's figures: "device:<pool>" (each registered pool), "host" and "disk" -> the
+# place's pages by state; "nodes" -> the tree's node count. (A map, not a struct: the
+# device places are named by pool.)
+SpecStats = dict[str, Union[TierAccountMsg, int]]
+
+
+class DaemonStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    version: str
+    uptime_s: float
+    sessions: int
+    draining: bool
+    requests: dict[str, int]  # "<op>/<status>" -> requests answered
+    specs: dict[str, SpecStats]  # spec fingerprint (hex) -> its figures
+    storage: StorageStatsMsg | None = None  # absent without a disk tier
+
+
 class StatsReply(_Reply, tag="stats"):
-    stats: dict[str, Any]
+    stats: DaemonStats
 
 
 class HealthReply(_Reply, tag="health"):
@@ -217,12 +349,31 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 encode = _encoder.encode  # a message -> bytes (bound: no Python frame on the request path)
 
+_Msg = TypeVar("_Msg", bound=msgspec.Struct)
+
+
+def from_dict(cls: type[_Msg], data: Mapping[str, Any]) -> _Msg:
+    """The wire form of a domain object's ``to_dict()`` (e.g. ``from_dict(KVSpecMsg,
+    spec.to_dict())``); :class:`ProtocolError` if it does not fit, as the daemon would
+    answer had it been sent."""
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
+
+
+def as_dict(message: msgspec.Struct) -> dict[str, Any]:
+    """A message value as the plain mapping its domain type's ``from_dict`` reads:
+    nested values as mappings and lists, bytes as bytes, fields left out left out."""
+    return msgspec.to_builtins(message, builtin_types=(bytes,))
+
+
 def decode_request(data: bytes) -> Request:
     """A request, or :class:`ProtocolError` for anything else — whatever the bytes. The
     decoder checks declared lengths against the bytes present before allocating, and
-    nesting is bounded by the interpreter's recursion limit, which the parse of a
-    ``dict[str, Any]`` field (or of a value skipped on the way to ``op``) can reach with
-    a message of a few kilobytes: that is a bad request too."""
+    nesting is bounded by the interpreter's recursion limit, which skipping a value on
+    the way to ``op`` (or an unknown field's) can reach with a message of a few
+    kilobytes: that is a bad request too."""
     try:
         return _request_decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -231,6 +382,28 @@ def decode_request(data: bytes) -> Request:
         raise ProtocolError("bad request: nested too deeply") from None
     except MemoryError:
         raise ProtocolError("bad request: too large to decode") from None
+
+
+class _Offered(msgspec.Struct, gc=False):
+    token: bytes = b""
+
+
+class _RegisterOffers(msgspec.Struct, gc=False):
+    op: str = ""
+    pools: list[_Offered] = []
+
+
+_offers_decoder = msgspec.msgpack.Decoder(_RegisterOffers)
+
+
+def register_tokens(data: bytes) -> list[bytes]:
+    """The pool tokens a ``register`` that failed to decode names, if they can be read
+    (else none), so that the descriptors offered under them go with its refusal."""
+    try:
+        message = _offers_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError, MemoryError):
+        return []
+    return [pool.token for pool in message.pools if pool.token] if message.op == "register" else []
 
 
 def decode_reply(data: bytes) -> Reply:

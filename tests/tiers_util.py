@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache import fdpass
+from hicache import protocol as p
 from hicache.counters import LayerWaiter
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.keys import page_keys
@@ -30,6 +31,18 @@ def offered(daemon, exported) -> dict:
     offered on the daemon's descriptor exchange, as the client library does."""
     token = fdpass.offer(daemon.fds.path, exported.handle.fd)
     return exported.handle.to_dict() | {"token": token}
+
+
+def wired(daemon, request, peer: bytes = b""):
+    """``daemon.handle(request)`` as the server does it: the request encoded and decoded
+    first (a Register built from plain ``to_dict()`` mappings arrives typed, and one
+    that does not decode is answered with the decoder's error)."""
+    payload = p.encode(request)
+    try:
+        decoded = p.decode_request(payload)
+    except p.ProtocolError as exc:
+        return daemon.undecodable(payload, exc)
+    return daemon.handle(decoded, peer)
 
 
 class Engine:

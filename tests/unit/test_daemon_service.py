@@ -9,7 +9,7 @@ import pytest
 
 from hicache.config import DaemonConfig
 from hicache import protocol as p
-from hicache.daemon import service
+from hicache.daemon import sessions, specs
 from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.fdpass import FdExchange
 from hicache.engine.kv_pool import export_kv_pool
@@ -18,7 +18,7 @@ from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
 from hicache.tree import Place, Tier
 from storage_util import stored_run
-from tiers_util import SPEC, Engine, offered
+from tiers_util import SPEC, Engine, offered, wired
 
 PS = SPEC.page_size
 
@@ -57,7 +57,7 @@ def answered(daemon, reply):
 
 
 def register(daemon, session_id, spec, handles, request_id=2):
-    return daemon.handle(p.Register(id=request_id, session=session_id, spec=spec.to_dict(),
+    return wired(daemon, p.Register(id=request_id, session=session_id, spec=spec.to_dict(),
                                     fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint,
                                                                                           spec.page_size),
                                     pools=handles))
@@ -91,21 +91,21 @@ def test_hello_and_register_are_checked(tmp_path, engines):
     good = dict(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                 key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
     # A refused registration drops the descriptors it named: the engine offers again.
-    error(daemon.handle(p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
+    error(wired(daemon, p.Register(**{**good, "fingerprint": b"\0" * 16})), ErrorCode.SPEC_MISMATCH)
     assert daemon.fds.take(good["pools"][0]["token"]) is None
     good["pools"] = [engine.offered(daemon)]
-    error(daemon.handle(p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
-    error(daemon.handle(p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
-    error(daemon.handle(p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
+    error(wired(daemon, p.Register(**{**good, "key_check": b"\1" * 32})), ErrorCode.SPEC_MISMATCH)
+    error(wired(daemon, p.Register(**{**good, "pools": []})), ErrorCode.INVALID_ARGUMENT)
+    error(wired(daemon, p.Register(**{**good, "spec": {"format": 1}})), ErrorCode.INVALID_ARGUMENT)
     other = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=8, page_size=PS, model="other")
-    error(daemon.handle(p.Register(**{**good, "spec": other.to_dict(), "fingerprint": other.fingerprint,
+    error(wired(daemon, p.Register(**{**good, "spec": other.to_dict(), "fingerprint": other.fingerprint,
                                       "key_check": key_self_test(other.fingerprint, PS)})),
           ErrorCode.SPEC_MISMATCH)  # the pool was made for SPEC
-    error(daemon.handle(p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
+    error(wired(daemon, p.Register(**{**good, "session": 12345})), ErrorCode.UNKNOWN_SESSION)
     error(daemon.handle(p.Alloc(id=3, session=hello.session, num_pages=1)), ErrorCode.INVALID_ARGUMENT)
     good["pools"] = [engine.offered(daemon)]
-    ok(daemon.handle(p.Register(**good)))
-    error(daemon.handle(p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
+    ok(wired(daemon, p.Register(**good)))
+    error(wired(daemon, p.Register(**good)), ErrorCode.INVALID_ARGUMENT)  # twice
     ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION)))
     error(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION)), ErrorCode.RESOURCE_EXHAUSTED)
     daemon.close()
@@ -175,9 +175,9 @@ def test_a_session_answers_only_on_the_connection_that_said_hello(tmp_path, engi
     engine = engines()
     reg = p.Register(id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                      key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)])
-    error(daemon.handle(reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
+    error(wired(daemon, reg, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
     reg.pools = [engine.offered(daemon)]  # (the refused one dropped its descriptor)
-    ok(daemon.handle(reg, peer=b"conn-a"))
+    ok(wired(daemon, reg, peer=b"conn-a"))
     for request in (p.Alloc(id=3, session=hello.session, num_pages=1), p.Heartbeat(id=3, session=hello.session),
                     p.Bye(id=3, session=hello.session)):
         error(daemon.handle(request, peer=b"conn-b"), ErrorCode.UNKNOWN_SESSION)
@@ -206,7 +206,7 @@ def test_unregistered_sessions_lapse_and_count_against_their_peer(tmp_path, engi
         daemon.handle(p.Heartbeat(id=6, session=third))
         daemon.poll()
     assert first in daemon.sessions and third not in daemon.sessions
-    assert len(daemon.sessions) == 1 and not daemon._unregistered  # every unregistered one lapsed
+    assert len(daemon.sessions) == 1 and not daemon.sessions.unregistered  # every unregistered one lapsed
     ok(daemon.handle(p.Hello(id=7, version=p.PROTOCOL_VERSION)))
     daemon.close()
 
@@ -239,7 +239,7 @@ def test_a_session_waiting_for_an_answer_keeps_its_lease(tmp_path, engines):
 
 
 def test_a_session_forgets_its_oldest_unlocked_handles(tmp_path, engines, monkeypatch):
-    monkeypatch.setattr(service, "_MAX_HANDLES", 8)
+    monkeypatch.setattr(sessions, "_MAX_HANDLES", 8)
     daemon = make_daemon(tmp_path)
     sid = session(daemon, engines(num_pages=64))
     handles = []
@@ -537,8 +537,6 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     registration is answered and the persisted pages hit from disk."""
     import dataclasses
 
-    import hicache.daemon.service as service
-
     store = {"disk.enabled": True, "disk.path": str(tmp_path / "store")}
     first = make_daemon(tmp_path, **store)
     a = engines()
@@ -549,8 +547,8 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     first.drain()
     first.close()
 
-    monkeypatch.setattr(service, "_REBUILD_STEP", 1)  # one record a step,
-    monkeypatch.setattr(service, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
+    monkeypatch.setattr(specs, "_REBUILD_STEP", 1)  # one record a step,
+    monkeypatch.setattr(specs, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
     clock = Clock()
     daemon = make_daemon(tmp_path, clock, **store)
     other_spec = dataclasses.replace(SPEC, model="other-model")
@@ -599,3 +597,40 @@ def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, e
     daemon.close()
     assert isinstance(pending.result(), p.Error) and pending.result().code == ErrorCode.DRAINING
     assert gc.isenabled()
+
+
+def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
+    """``check`` answers an INTERNAL error naming what is broken — the daemon's own
+    bookkeeping, or an assertion of the tier manager's checks — rather than relying on
+    ``assert`` (gone under ``python -O``)."""
+    daemon = make_daemon(tmp_path)
+    session(daemon, engines())
+    ok(daemon.handle(p.Check(id=1)))
+    daemon.sessions.unregistered["uid:4242"] += 1  # a count with no session behind it
+    reply = error(daemon.handle(p.Check(id=2)), ErrorCode.INTERNAL)
+    assert "unregistered sessions per peer" in reply.message, reply.message
+    del daemon.sessions.unregistered["uid:4242"]
+    ok(daemon.handle(p.Check(id=3)))
+
+    def broken():
+        assert 1 + 1 == 3, "made up"
+
+    (manager,) = daemon.managers.values()
+    monkeypatch.setattr(manager, "check_invariants", broken)
+    reply = error(daemon.handle(p.Check(id=4)), ErrorCode.INTERNAL)
+    assert f"tier manager of spec {SPEC.fingerprint_hex}" in reply.message and "1 + 1 == 3" in reply.message
+    assert "made up" in reply.message
+    daemon.close()
+
+
+def test_a_register_refused_at_decoding_drops_its_descriptors_too(tmp_path, engines):
+    """A spec or pool handle of the wrong shape is refused by the decoder, before the
+    daemon sees the message: the descriptors it named are dropped all the same."""
+    daemon = make_daemon(tmp_path)
+    hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
+    pools = [engines().offered(daemon)]
+    error(wired(daemon, p.Register(id=2, session=hello.session, spec=SPEC.to_dict() | {"colour": "red"},
+                                   fingerprint=SPEC.fingerprint, key_check=key_self_test(SPEC.fingerprint, PS),
+                                   pools=pools)), ErrorCode.INVALID_ARGUMENT)
+    assert daemon.fds.take(pools[0]["token"]) is None
+    daemon.close()

@@ -14,7 +14,7 @@ from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
 from hicache.transfer import PageMover
 from hicache.tree import Place, Tier
-from tiers_util import SPEC, Engine
+from tiers_util import SPEC, Engine, wired
 
 PS = SPEC.page_size
 NS = namespace_id(SPEC.fingerprint)
@@ -163,7 +163,7 @@ def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
     metrics = daemon.metrics
     hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))
     sid = hello.session
-    daemon.handle(p.Register(id=2, session=sid, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+    wired(daemon, p.Register(id=2, session=sid, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
                              key_check=key_self_test(SPEC.fingerprint, PS),
                              pools=[engine.offered(daemon)]))
     tokens = np.arange(100, 100 + 3 * PS, dtype="<i4").tobytes()

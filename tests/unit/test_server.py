@@ -62,7 +62,7 @@ def test_the_loop_survives_a_failure_outside_the_daemons_fence(served, monkeypat
     reply = ask(sock, p.Health(id=3))
     assert isinstance(reply, p.HealthReply) and reply.id == 3
     stats = ask(sock, p.Stats(id=4)).stats
-    assert stats["requests"]["loop/DROPPED"] == 2 and failures == {"answer": 0, "poll": 0}
+    assert stats.requests["loop/DROPPED"] == 2 and failures == {"answer": 0, "poll": 0}
 
 
 def test_a_second_server_on_the_same_socket_is_refused(served, tmp_path):

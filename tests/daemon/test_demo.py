@@ -1,3 +1,6 @@
+"""``hicache demo`` end to end (:mod:`hicache.daemon.demo`): a daemon started in a temp dir,
+the reference engine chatting through it."""
+
 import subprocess
 
 from daemon_util import HICACHE

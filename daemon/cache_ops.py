@@ -1,0 +1,185 @@
+"""The cache operations of a registered session: match, match_many, lock, unlock, load,
+alloc, insert, release.
+
+Each checks its input before anything changes — token buffers whole int32s within
+``server.max_tokens``, page ids in the pool's range (whose private pages the tier
+manager keeps: releasing a page that is not one of them is INVALID_ARGUMENT), node
+handles this session's and live — then works on the session's tier manager and pool.
+Hit / miss accounting for the metrics is left for the daemon's next idle moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from hicache import protocol as p
+from hicache.config import DaemonConfig
+from hicache.daemon.sessions import Session, Sessions
+from hicache.daemon.sharing import NoSharing, RadixSharing, SharingPolicy
+from hicache.errors import InvalidArgument
+from hicache.keys import TOKEN_BYTES, NamespaceId, namespace_id
+from hicache.tiers import Hit
+
+_MAX_EXTRA_KEY = 1024  # characters
+
+
+class CacheOps:
+    """The handlers; ``session_of(session_id)`` is the request's registered session
+    (its lease renewed), ``defer(fn, args)`` runs bookkeeping later. Owner thread only."""
+
+    def __init__(self, config: DaemonConfig, sessions: Sessions, metrics, *,
+                 session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None]) -> None:
+        self.sessions = sessions
+        self.metrics = metrics
+        self._session = session_of
+        self._defer = defer
+        self._max_tokens = config.server.max_tokens
+        self._max_token_bytes = config.server.max_tokens * TOKEN_BYTES
+        self._max_batch = config.server.max_batch
+        # One NoSharing object, whether sharing is off for the daemon or for some keys:
+        # ``sharing is self._no_sharing`` tells a miss that was never stored.
+        self._no_sharing = NoSharing()
+        self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else self._no_sharing
+        self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
+
+    def _namespace(self, session: Session, extra_key: str) -> NamespaceId:
+        ns = session.namespaces.get(extra_key)
+        if ns is None:
+            if len(extra_key) > _MAX_EXTRA_KEY:
+                raise InvalidArgument(f"extra_key is longer than {_MAX_EXTRA_KEY} characters")
+            ns = namespace_id(session.manager.spec.fingerprint, extra_key or None)
+            session.namespaces[extra_key] = ns
+        return ns
+
+    def _tokens(self, tokens: bytes) -> bytes:
+        if len(tokens) % TOKEN_BYTES:
+            raise InvalidArgument(f"tokens must be packed int32 ({TOKEN_BYTES} bytes each)")
+        if len(tokens) > self._max_token_bytes:
+            raise InvalidArgument(f"more than {self._max_tokens} tokens in one request")
+        return tokens
+
+    def _sharing_for(self, extra_key: str) -> SharingPolicy:
+        return self._no_sharing if extra_key in self._no_sharing_keys else self._sharing
+
+    def _account_match(self, session: Session, namespace: NamespaceId, tokens: bytes, hit: Hit | None,
+                       sharing_off: bool) -> None:
+        """Matched tokens by tier; the rest of the request as missed, with the reason
+        for its first missing page."""
+        num_tokens = len(tokens) // TOKEN_BYTES
+        if hit is None or hit.match.node is None:
+            self.metrics.missed("never_stored" if sharing_off else "namespace_unknown", num_tokens)
+            return
+        m = hit.match
+        ps = m.page_size
+        self.metrics.matched(m.num_device_pages * ps, m.num_host_pages * ps, m.num_disk_pages * ps)
+        missing = num_tokens - m.num_tokens
+        if not missing:
+            return
+        reason = session.manager.why_missed(namespace, tokens, m)
+        self.metrics.missed(reason, missing)
+
+    def _match_reply(self, session: Session, hit: Hit | None) -> p.MatchReply:
+        node = None if hit is None else hit.match.node
+        if node is None or node.parent is None:  # unknown namespace, or nothing matched
+            return p.MatchReply(id=0, node=-1, device_pages=b"", host_pages=0, disk_pages=0, wait=[])
+        m = hit.match
+        return p.MatchReply(id=0, node=self.sessions.handle_for(session, node), device_pages=m.device_bytes,
+                            host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
+                            wait=[tuple(t) for t in hit.wait] if hit.wait else [])
+
+    def match(self, m: p.Match) -> p.MatchReply | Future:
+        session = self._session(m.session)
+        sharing = self._sharing_for(m.extra_key)
+        sharing_off = sharing is self._no_sharing
+        namespace = self._namespace(session, m.extra_key)
+        tokens = self._tokens(m.tokens)
+        hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
+        if isinstance(hit, Future):
+            out: Future = Future()
+
+            def answer(f: Future) -> None:
+                self._account_match(session, namespace, tokens, f.result(), sharing_off)
+                out.set_result(self._match_reply(session, f.result()))
+
+            hit.add_done_callback(answer)
+            return out
+        self._defer(self._account_match, (session, namespace, tokens, hit, sharing_off))
+        return self._match_reply(session, hit)
+
+    def match_many(self, m: p.MatchMany) -> p.MatchManyReply:
+        session = self._session(m.session)
+        if len(m.tokens) > self._max_batch:
+            raise InvalidArgument(f"more than {self._max_batch} lookups in one batch")
+        ns = self._namespace(session, m.extra_key)
+        sharing = self._sharing_for(m.extra_key)
+        sharing_off = sharing is self._no_sharing
+        batch = [self._tokens(tokens) for tokens in m.tokens]  # all checked before any is looked up
+        results = []
+        for tokens in batch:
+            hit = sharing.match(session.manager, ns, tokens, session.pool_id)
+            if isinstance(hit, Future):  # batches answer with what is cached now
+                hit = session.manager.match(ns, tokens, session.pool_id)
+            self._account_match(session, ns, tokens, hit, sharing_off)
+            r = self._match_reply(session, hit)
+            results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
+                                         disk_pages=r.disk_pages, wait=r.wait))
+        return p.MatchManyReply(id=m.id, results=results)
+
+    def lock(self, m: p.Lock) -> p.Ok:
+        session = self._session(m.session)
+        self.sessions.lock(session, self.sessions.node(session, m.node))
+        return p.Ok(id=m.id)
+
+    def unlock(self, m: p.Unlock) -> p.Ok:
+        session = self._session(m.session)
+        self.sessions.unlock(session, self.sessions.node(session, m.node), m.node)
+        return p.Ok(id=m.id)
+
+    def load(self, m: p.Load) -> Future:
+        session = self._session(m.session)
+        node = self.sessions.node(session, m.node)
+        self.sessions.require_lock(session, node, m.node)
+        future = session.manager.load(node, session.pool_id)
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+                return
+            r = f.result()
+            out.set_result(p.LoadReply(id=0, node=self.sessions.handle_for(session, r.node),
+                                       device_pages=r.device_pages.tobytes(), loaded_pages=r.num_loaded_pages,
+                                       wait=[tuple(t) for t in r.wait]))
+
+        future.add_done_callback(done)
+        return out
+
+    def alloc(self, m: p.Alloc) -> p.AllocReply:
+        session = self._session(m.session)
+        capacity = session.manager.num_pages(session.pool_id)
+        if not 0 <= m.num_pages <= capacity:
+            raise InvalidArgument(f"num_pages must be in [0, {capacity}]")
+        pages = session.manager.alloc(session.pool_id, m.num_pages)
+        return p.AllocReply(id=m.id, pages=b"" if pages is None else pages.tobytes())
+
+    def insert(self, m: p.Insert) -> p.InsertReply:
+        session = self._session(m.session)
+        tokens = self._tokens(m.tokens)
+        manager = session.manager
+        pages = manager.page_ids(session.pool_id, m.pages)
+        if len(pages) != len(tokens) // TOKEN_BYTES // manager.spec.page_size:
+            raise InvalidArgument("one page id per whole page of tokens")
+        namespace = self._namespace(session, m.extra_key)
+        result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages)
+        if result is None:  # not stored: the pages went back to the pool
+            return p.InsertReply(id=m.id, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
+        return p.InsertReply(id=m.id, node=self.sessions.handle_for(session, result.node),
+                             device_pages=result.device_pages.tobytes(), freed=result.duplicate_pages.tobytes(),
+                             prefix_pages=result.num_prefix_pages)
+
+    def release(self, m: p.Release) -> p.Ok:
+        session = self._session(m.session)
+        session.manager.release(session.pool_id, session.manager.page_ids(session.pool_id, m.pages))
+        return p.Ok(id=m.id)

@@ -1,0 +1,56 @@
+"""The figures the daemon reports: the ``stats`` reply, and the occupancy snapshot the
+metrics collector serves.
+
+Both are taken on the owner thread. The snapshot is a copy because a scrape runs on the
+metrics HTTP thread and must not walk live structures; the daemon refreshes it every
+half second (:data:`SNAPSHOT_S`) and before answering a test that asks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from hicache import __version__
+from hicache import protocol as p
+from hicache.tiers import TierAccount, TierManager
+
+SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
+
+
+def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, managers: dict[bytes, TierManager],
+          storage) -> p.DaemonStats:
+    """What ``stats`` answers. ``counts``: requests by (op, status)."""
+    specs: dict[str, p.SpecStats] = {}
+    for fingerprint, manager in managers.items():
+        figures: p.SpecStats = {str(place): p.TierAccountMsg(**account._asdict())
+                                for place, account in manager.accounting().items()}
+        figures["nodes"] = manager.num_nodes
+        specs[fingerprint.hex()] = figures
+    return p.DaemonStats(
+        version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining,
+        requests={f"{op}/{status}": n for (op, status), n in sorted(counts.items())}, specs=specs,
+        storage=None if storage is None else p.StorageStatsMsg(**storage.stats()._asdict()),
+    )
+
+
+def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage) -> dict[str, Any]:
+    """The state figures of :meth:`hicache.metrics.Metrics.add_state_collector`: pages
+    by tier and state (every spec together), sessions, the oldest lock's age, storage
+    figures and the build."""
+    managers = list(managers)
+    pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
+                                        for tier in ("device", "host", "disk")}
+    for manager in managers:
+        for place, account in manager.accounting().items():
+            tier = pages[place.tier.label]
+            for state, value in account._asdict().items():
+                tier[state] += value
+    gpu = any(pool.device.type == "cuda" for manager in managers for pool in manager.device_pools())
+    return {
+        "pages": pages, "sessions": sessions,
+        "storage": storage.stats()._asdict() if storage is not None else None,
+        "oldest_lock_s": oldest_lock_s,
+        "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
+    }

@@ -1,0 +1,201 @@
+"""KV specs: one tier manager per spec, over the daemon's one storage backend.
+
+The first session registering a spec creates its :class:`TierManager` (host pool sized
+from ``[host]``, within ``[host].max_bytes`` for every spec together) and rebuilds that
+spec's disk tier from the storage metadata; later sessions of the same spec share its
+tree, host pool and disk pages. While other engines are being served, that rebuild
+(seconds for a large store) runs a slice at a time between their requests, and the
+registrations of the spec are answered when it is done; with nobody else to serve it
+runs at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from hicache.config import DaemonConfig
+from hicache.daemon.sessions import Session
+from hicache.errors import Draining, InvalidArgument, ResourceExhausted
+from hicache.jobs import Completions
+from hicache.pools import DevicePool, HostPool
+from hicache.spec import KVSpec
+from hicache.tiers import TierManager
+
+logger = logging.getLogger(__name__)
+
+_REBUILD_SLICE_S = 0.005  # owner-thread time a background rebuild takes between two looks at the socket
+_REBUILD_STEP = 256  # records a rebuild walks between two looks at the clock
+
+Answer = Callable[[TierManager | BaseException], None]  # a waiting registration's: the manager, or why not
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A registration waiting for its spec's rebuild: its session, the pools it mapped,
+    and what answers it (with the manager, or with an exception)."""
+
+    session: Session
+    ranks: list[DevicePool]
+    answer: Answer
+
+
+@dataclass(eq=False)
+class _Rebuild:
+    """A spec's disk tier going back into its new manager's tree, a slice at a time
+    (:meth:`TierManager.rebuild_steps`), and the registrations waiting for it."""
+
+    manager: TierManager
+    steps: Iterator[int]
+    started: float
+    waiting: list[_Waiting] = field(default_factory=list)
+    evicted: set[bytes] = field(default_factory=set)  # store evictions meanwhile: forgotten at the end
+
+
+class Specs:
+    """Spec fingerprint -> its tier manager, and the rebuilds under way. Owner thread only."""
+
+    def __init__(self, config: DaemonConfig, *, storage, completions: Completions, clock: Callable[[], float],
+                 metrics, progress: Callable[[int], None]) -> None:
+        """``progress`` is called now and then during long work on the owner thread
+        (pinning a host pool, rebuilding a disk tier at once) with a count of what is done."""
+        self.config = config
+        self.storage = storage
+        self.completions = completions
+        self.clock = clock
+        self.metrics = metrics
+        self.progress = progress
+        self.managers: dict[bytes, TierManager] = {}
+        self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
+        self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
+
+    @property
+    def rebuilding(self) -> bool:
+        return bool(self._rebuilds)
+
+    def all_managers(self) -> list[TierManager]:
+        """Serving or being rebuilt."""
+        return [*self.managers.values(), *(rebuild.manager for rebuild in self._rebuilds.values())]
+
+    def manager_for(self, spec: KVSpec, device_pages: int, *, in_background: bool) -> TierManager | None:
+        """The spec's manager; a new one at its first registration, whose disk tier is
+        rebuilt now unless ``in_background`` (registered engines are waiting to be
+        served): then ``None``, and the registration waits (:meth:`wait`)."""
+        manager = self.managers.get(spec.fingerprint)
+        if manager is not None or spec.fingerprint in self._rebuilds:
+            return manager
+        started = self.clock()
+        host = self.config.host
+        if host.bytes:
+            host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
+        else:
+            host_pages = HostPool.num_pages_for(spec, ratio=host.ratio, device_pages=device_pages)
+        used = sum(m.host_bytes for m in self.all_managers())
+        if used + host_pages * spec.host_page_bytes > host.limit_bytes:
+            raise ResourceExhausted(
+                f"a host pool of {host_pages * spec.host_page_bytes} bytes for this spec would take the host "
+                f"tier past [host].max_bytes ({host.limit_bytes} bytes, {used} in use)")
+        manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
+                              completions=self.completions, clock=self.clock, metrics=self.metrics,
+                              progress=self.progress)
+        manager.on_store_evicted = self._store_evicted
+        if self.storage is not None and in_background:
+            if not self._rebuilds:
+                self._pause_gc()
+            self._rebuilds[spec.fingerprint] = _Rebuild(manager, manager.rebuild_steps(_REBUILD_STEP), started)
+            return None
+        collecting = gc.isenabled()  # see _pause_gc: nothing else to serve, but the same full collections
+        gc.disable()
+        try:
+            restored = manager.rebuild_from_storage(progress=self.progress)
+        finally:
+            if collecting:
+                gc.enable()
+        self.managers[spec.fingerprint] = manager
+        logger.info("spec %s: host pool of %d pages, %d disk pages restored in %.1f s",
+                    spec.fingerprint_hex, host_pages, restored, self.clock() - started)
+        return manager
+
+    def wait(self, spec: KVSpec, session: Session, ranks: list[DevicePool], answer: Answer) -> None:
+        """Call ``answer`` with the spec's manager once its rebuild is done (or with the
+        exception that ended it)."""
+        self._rebuilds[spec.fingerprint].waiting.append(_Waiting(session, ranks, answer))
+
+    def waiting_sessions(self) -> list[Session]:
+        return [w.session for rebuild in self._rebuilds.values() for w in rebuild.waiting]
+
+    def refuse_mapped_twice(self, ranks: list[DevicePool]) -> None:
+        """A pool's memory may be mapped as one pool only: not as another session's
+        (the same segment under another token), nor twice in one TP group."""
+        new = ranks[-1].segment_id
+        if new is None:
+            return
+        mapped = [rank.segment_id for rank in ranks[:-1]]
+        mapped += [pool.segment_id for manager in self.all_managers() for pool in manager.device_pools()]
+        mapped += [rank.segment_id for rebuild in self._rebuilds.values() for w in rebuild.waiting
+                   for rank in w.ranks]
+        if new in mapped:
+            raise InvalidArgument("this memory is already registered as a pool")
+
+    def _pause_gc(self) -> None:
+        """A rebuild allocates an object per record (450,000 for a large store): each of
+        the several full collections that triggers walks them all, ~0.2 s during which
+        no request is answered. Collection waits until the rebuilds are done (the cyclic
+        garbage of a few seconds of serving is small)."""
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+
+    def _resume_gc(self) -> None:
+        if not self._rebuilds and self._gc_was_enabled:
+            gc.enable()
+
+    def run_rebuild(self) -> None:
+        """One slice of the oldest background rebuild; at its end the manager starts
+        serving and the registrations waiting for it are answered."""
+        fingerprint, rebuild = next(iter(self._rebuilds.items()))
+        deadline = self.clock() + _REBUILD_SLICE_S
+        try:
+            while True:  # at least one step a slice, however coarse the clock
+                next(rebuild.steps)
+                if self.clock() >= deadline:
+                    return
+        except StopIteration as finished:
+            restored = finished.value
+            error = None
+        except Exception as exc:  # a store that fails to read: refuse the registrations, keep serving
+            logger.exception("rebuilding the disk tier of spec %s failed", rebuild.manager.spec.fingerprint_hex)
+            error = exc
+        del self._rebuilds[fingerprint]
+        self._resume_gc()
+        if error is not None:
+            rebuild.manager.close()
+            for waiting in rebuild.waiting:
+                waiting.answer(error)
+            return
+        if rebuild.evicted:
+            rebuild.manager.forget_disk_keys(rebuild.evicted)
+        self.managers[fingerprint] = rebuild.manager
+        logger.info("spec %s: %d disk pages restored in %.1f s, between other engines' requests",
+                    rebuild.manager.spec.fingerprint_hex, restored, self.clock() - rebuild.started)
+        for waiting in rebuild.waiting:
+            waiting.answer(rebuild.manager)
+
+    def _store_evicted(self, keys: Sequence[bytes]) -> None:
+        """The store (one for every KV spec) evicted records to make room for one
+        manager's writes: each manager forgets those of its own tree."""
+        for manager in self.managers.values():
+            manager.forget_disk_keys(keys)
+        for rebuild in self._rebuilds.values():  # a key may be restored after this: forget it again at the end
+            rebuild.evicted.update(keys)
+            rebuild.manager.forget_disk_keys(keys)
+
+    def stop_rebuilds(self) -> None:
+        """Shutting down: the rebuilds under way end, their registrations refused."""
+        for rebuild in self._rebuilds.values():
+            rebuild.manager.close()
+            for waiting in rebuild.waiting:
+                waiting.answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
+        self._rebuilds.clear()
+        self._resume_gc()

@@ -1,0 +1,119 @@
+"""The wire schema: nested values are typed structs whose bytes are those of the plain
+``to_dict()`` mappings they mirror, checked when a message is decoded."""
+
+import msgspec
+import pytest
+
+from hicache import protocol as p
+from hicache.counters import CountersHandle
+from hicache.engine.kv_pool import export_kv_pool
+from hicache.errors import ErrorCode
+from hicache.pools import DeviceLayout, PoolHandle
+from hicache.spec import MAX_LAYERS, KVSpec, MHALayer, StateLayer
+from tiers_util import SPEC
+
+HYBRID = KVSpec(page_size=2, layers=(MHALayer(num_kv_heads=1, head_dim=4),
+                                     StateLayer(conv_state_shape=(3, 4), temporal_state_shape=(2, 2, 2))),
+                model="hybrid", tp_size=2)
+CUDA_IPC = {"size": [4096], "stride": [1], "offset": 0, "device": 0, "handle": b"h" * 64, "storage_size_bytes": 4096,
+            "storage_offset_bytes": 0, "ref_counter_handle": b"r" * 8, "ref_counter_offset": 0,
+            "event_handle": b"e" * 64, "event_sync_required": True}
+
+
+def memfd_handle() -> dict:
+    exported = export_kv_pool(SPEC, 4)
+    try:
+        return exported.handle.to_dict() | {"token": b"t" * 16}
+    finally:
+        exported.close()
+
+
+def cuda_handle() -> dict:
+    layout = DeviceLayout.build(HYBRID, 8, 2)
+    return PoolHandle("cuda_ipc", layout.to_dict(), layout.nbytes, 1, cuda_ipc=CUDA_IPC).to_dict()
+
+
+def register(spec: KVSpec, pools: list) -> p.Register:
+    return p.Register(id=7, session=99, spec=spec, fingerprint=b"f" * 16, key_check=b"k" * 32, pools=pools)
+
+
+@pytest.mark.parametrize("spec, handle", [(SPEC, memfd_handle), (HYBRID, cuda_handle)])
+def test_a_typed_register_has_the_bytes_of_its_mappings(spec, handle):
+    data = handle()
+    typed = register(p.from_dict(p.KVSpecMsg, spec.to_dict()), [p.from_dict(p.PoolHandleMsg, data)])
+    plain = register(spec.to_dict(), [data])
+    assert p.encode(typed) == p.encode(plain)
+    decoded = p.decode_request(p.encode(plain))
+    assert decoded == typed
+    assert KVSpec.from_dict(p.as_dict(decoded.spec)) == spec
+    assert PoolHandle.from_dict(p.as_dict(decoded.pools[0])) == PoolHandle.from_dict(data)
+
+
+def test_fields_left_out_take_the_domain_defaults():
+    sparse = {"format": 1, "page_size": 4, "layers": [{"kind": "mha", "num_kv_heads": 2, "head_dim": 8}]}
+    decoded = p.decode_request(p.encode(register(sparse, [])))
+    assert p.as_dict(decoded.spec) == sparse
+    assert KVSpec.from_dict(p.as_dict(decoded.spec)) == KVSpec.mha(num_layers=1, num_kv_heads=2, head_dim=8,
+                                                                    page_size=4)
+
+
+@pytest.mark.parametrize("bad", [
+    {"spec": {"format": 1}},
+    {"spec": SPEC.to_dict() | {"colour": "red"}},
+    {"spec": SPEC.to_dict() | {"page_size": True}},
+    {"spec": SPEC.to_dict() | {"layers": [{"kind": "gqa", "heads": 2}]}},
+    {"spec": SPEC.to_dict() | {"layers": [{"kind": "mha", "num_kv_heads": 2, "head_dim": 8, "extra": 1}]}},
+    {"spec": SPEC.to_dict() | {"layers": [SPEC.to_dict()["layers"][0]] * (MAX_LAYERS + 1)}},
+    {"pools": [{}]},
+    {"pools": [memfd_handle() | {"kind": "shm"}]},
+    {"pools": [memfd_handle() | {"shm_name": "x"}]},
+    {"pools": [memfd_handle() | {"nbytes": "8"}]},
+    {"pools": [memfd_handle() | {"layout": {"spec": SPEC.to_dict()}}]},
+    {"pools": [cuda_handle() | {"cuda_ipc": {"size": [1], "stride": [1], "handle": b""}}]},
+])
+def test_a_malformed_register_is_refused_when_decoded(bad):
+    message = {"spec": SPEC.to_dict(), "pools": [memfd_handle()]} | bad
+    with pytest.raises(p.ProtocolError) as refused:
+        p.decode_request(p.encode(register(message["spec"], message["pools"])))
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_a_handle_that_does_not_fit_is_refused_before_it_is_sent():
+    with pytest.raises(p.ProtocolError) as refused:
+        p.from_dict(p.PoolHandleMsg, memfd_handle() | {"kind": "rdma"})
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_the_tokens_of_a_register_that_did_not_decode():
+    data = memfd_handle()
+    assert p.register_tokens(p.encode(register({"format": 1}, [data, {"token": b"u" * 16}]))) == [b"t" * 16,
+                                                                                                 b"u" * 16]
+    assert p.register_tokens(p.encode(p.Health(id=1))) == []
+    assert p.register_tokens(msgspec.msgpack.encode({"op": "match", "pools": [data]})) == []
+    assert p.register_tokens(b"\xc1") == []
+
+
+def test_a_register_reply_carries_the_counters_handle():
+    handle = CountersHandle(b"c" * 16, 64, 3, (b"e1", b"e2"), 0)
+    typed = p.RegisterReply(id=1, pool=2, counters=p.from_dict(p.CountersMsg, handle.to_dict()), page_size=4,
+                            num_pages=8)
+    plain = p.RegisterReply(id=1, pool=2, counters=handle.to_dict(), page_size=4, num_pages=8)
+    assert p.encode(typed) == p.encode(plain)
+    reply = p.decode_reply(p.encode(plain))
+    assert CountersHandle.from_dict(p.as_dict(reply.counters)) == handle
+
+
+@pytest.mark.parametrize("storage", [None, {"records": 3, "bytes": 300, "capacity_bytes": 1000, "map_size_bytes": 4096,
+                                            "corrupt_records": 0, "evicted_records": 1, "pending_writes": 0}])
+def test_stats_are_typed_with_the_map_they_always_were(storage):
+    account = {"free": 10, "private": 2, "cached_evictable": 3, "cached_protected": 1, "staging": 0}
+    plain = {"version": "0.1.0", "uptime_s": 1.5, "sessions": 1, "draining": False,
+             "requests": {"hello/OK": 1, "match/OK": 4},
+             "specs": {SPEC.fingerprint_hex: {"device:1": account, "host": account, "disk": account, "nodes": 7}}}
+    if storage is not None:
+        plain["storage"] = storage
+    typed = p.from_dict(p.DaemonStats, plain)
+    assert isinstance(typed.specs[SPEC.fingerprint_hex]["host"], p.TierAccountMsg)
+    assert p.encode(p.StatsReply(id=3, stats=typed)) == p.encode(p.StatsReply(id=3, stats=plain))
+    assert p.as_dict(p.decode_reply(p.encode(p.StatsReply(id=3, stats=plain))).stats) == plain
+

@@ -33,6 +33,7 @@ from hicache.pools import DevicePool, PoolHandle
 from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec
 from hicache.tiers import TierManager
+from hicache.tree import PoolId
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class Registrar:
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
                 in_use: np.ndarray, manager: TierManager) -> p.RegisterReply:
         """The end of a registration: the session's pool joins its spec's manager."""
-        pool_id = next(self._pool_ids)
+        pool_id = PoolId(next(self._pool_ids))
         try:
             counters = manager.register_pool(pool_id, ranks)
         except BaseException:

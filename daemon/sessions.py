@@ -39,7 +39,7 @@ from hicache.errors import (
 )
 from hicache.keys import NamespaceId
 from hicache.tiers import TierManager
-from hicache.tree import Node
+from hicache.tree import Node, PoolId
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Session:
     peer: bytes = b""  # the ZeroMQ routing id of the connection that said hello
     creds: PeerCreds = LOCAL
     manager: TierManager | None = None
-    pool_id: int = -1
+    pool_id: PoolId = PoolId(-1)
     locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
     locked_since: dict[int, float] = field(default_factory=dict)  # node id -> when its first lock was taken
     namespaces: dict[str, NamespaceId] = field(default_factory=dict)
@@ -147,7 +147,7 @@ class Sessions(Mapping[int, Session]):
             raise InvalidArgument("register the engine's pool first")
         return session
 
-    def attach(self, session: Session, manager: TierManager, pool_id: int) -> None:
+    def attach(self, session: Session, manager: TierManager, pool_id: PoolId) -> None:
         """The session's pool has joined ``manager``: it is registered."""
         self._registered_or_gone(session)
         session.manager, session.pool_id = manager, pool_id

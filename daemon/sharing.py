@@ -12,15 +12,15 @@ from typing import Protocol
 from hicache.keys import NamespaceId
 from hicache.pages import PageIds
 from hicache.tiers import Hit, TierManager
-from hicache.tree import InsertResult
+from hicache.tree import InsertResult, PoolId
 
 
 class SharingPolicy(Protocol):
-    def match(self, manager: TierManager, namespace: NamespaceId, tokens: bytes, pool_id: int) -> Hit | Future | None:
+    def match(self, manager: TierManager, namespace: NamespaceId, tokens: bytes, pool_id: PoolId) -> Hit | Future | None:
         """The cached prefix (a future of it when the prefetch policy waits for the disk),
         or ``None``: nothing is shared."""
 
-    def insert(self, manager: TierManager, pool_id: int, namespace: NamespaceId, tokens: bytes,
+    def insert(self, manager: TierManager, pool_id: PoolId, namespace: NamespaceId, tokens: bytes,
                pages: PageIds) -> InsertResult | None:
         """Store the whole pages of ``tokens``; ``None``: not stored, the pages went back
         to the pool."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from hicache import __version__
 from hicache import protocol as p
+from hicache.metrics import TIERS
 from hicache.tiers import TierAccount, TierManager
 
 SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
@@ -41,7 +42,7 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
     figures and the build."""
     managers = list(managers)
     pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
-                                        for tier in ("device", "host", "disk")}
+                                        for tier in TIERS}
     for manager in managers:
         for place, account in manager.accounting().items():
             tier = pages[place.tier.label]

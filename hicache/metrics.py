@@ -50,9 +50,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from hicache.tree import Tier
+
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk")
+TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
@@ -135,9 +137,9 @@ class Metrics:
     def first_layer(self, seconds: float) -> None:
         self.first_layer_seconds.observe(seconds)
 
-    def evicted(self, tier: str, num_pages: int) -> None:
+    def evicted(self, tier: Tier, num_pages: int) -> None:
         if num_pages:
-            self.evicted_pages.labels(tier).inc(num_pages)
+            self.evicted_pages.labels(tier.label).inc(num_pages)
 
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
@@ -162,7 +164,7 @@ class NullMetrics:
     def missed(self, reason: str, tokens: int) -> None: ...
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None: ...
     def first_layer(self, seconds: float) -> None: ...
-    def evicted(self, tier: str, num_pages: int) -> None: ...
+    def evicted(self, tier: Tier, num_pages: int) -> None: ...
     def session_ended(self, reason: str) -> None: ...
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
 

@@ -116,6 +116,38 @@ def test_the_distribution_is_what_the_checks_walk():
     assert imports(everywhere=False)["hicache.daemon.service"] >= {"hicache.protocol", "hicache.daemon.sessions"}
 
 
+def test_every_package_is_in_the_distribution():
+    """A subpackage missing from pyproject.toml's list works from a checkout and is
+    missing from a wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {package: ROOT / setuptools["package-dir"].get(package, package.replace(".", "/"))
+             for package in setuptools["packages"]}
+    listed = {path.resolve() for path in roots.values()}
+    found = {init.parent.resolve() for root in roots.values() for init in root.rglob("__init__.py")}
+    assert found <= listed, sorted(str(path) for path in found - listed)
+
+
+_TRITON_KERNELS = ("hicache.kernels.page_copy", "hicache.kernels.kv_indices", "hicache.kernels.slot_alloc")
+
+
+def test_copy_plans_and_the_tier_manager_do_not_import_triton():
+    """Pools and the tier manager build copy plans (hicache.kernels.copy_plan); only
+    the movers that run copies import a Triton module."""
+    planners = [name for name in modules()
+                if name in ("hicache.pools", "hicache.kernels.copy_plan") or _in(name, "hicache.tiers")]
+    assert "hicache.tiers.manager" in planners
+    wrong = sorted(f"{name} imports {target}" for name in planners
+                   for target in imports(everywhere=True)[name] if target in _TRITON_KERNELS)
+    for name in planners:
+        tree = ast.parse(modules()[name].read_text())
+        for stmt in ast.walk(tree):
+            if isinstance(stmt, ast.Import) and any(a.name.split(".")[0] == "triton" for a in stmt.names):
+                wrong.append(f"{name} imports triton")
+            if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == "triton":
+                wrong.append(f"{name} imports triton")
+    assert not wrong, wrong
+
+
 def test_nothing_below_the_daemon_imports_it():
     wrong = sorted(f"{name} imports {target}" for name, targets in imports(everywhere=True).items()
                    if not _in(name, "hicache.daemon") for target in targets if _in(target, "hicache.daemon"))

@@ -26,7 +26,7 @@ class MissReasons:
             evicted.move_to_end(key)
         while len(evicted) > self._memory:
             evicted.popitem(last=False)
-        self.metrics.evicted(tier.label, node.num_pages)
+        self.metrics.evicted(tier, node.num_pages)
 
     def reason(self, page_key: PageKey) -> str:
         """``evicted_<tier>`` if this page was evicted recently, else ``never_stored``."""

@@ -79,9 +79,6 @@ def test_alert_rules_unit_tests():
     promtool("test", "rules", ALERTS_TEST.name, cwd=ALERTS_TEST.parent)
 
 
-# -- the dashboard, read statically
-
-
 def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
@@ -211,9 +208,6 @@ def substitute(expr: str, values: dict[str, str]) -> str:
         return values[name]
 
     return _VARIABLE.sub(value, expr)
-
-
-# -- a live Prometheus scraping a live daemon
 
 
 def free_port() -> int:

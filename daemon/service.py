@@ -816,7 +816,7 @@ class Daemon:
         session = self._session(m.session)
         node = self._node(session, m.node)
         if session.locks.get(node.node_id, 0) <= 0:
-            raise InvalidArgument(f"lock node {m.node} before loading it")
+            raise LockUnderflow(f"this session holds no lock on node {m.node}: lock it before loading it")
         future = session.manager.load(node, session.pool_id)
         out: Future = Future()
 

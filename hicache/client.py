@@ -212,7 +212,9 @@ class CacheClient:
         self._private: set[int] = set()
         self._locked: Counter[NodeHandle] = Counter()
         self._paths: dict[NodeHandle, PageIds] = {}  # the pages the engine was told to use, per handle
-        self._landing: set[NodeHandle] = set()  # handles whose pages were still landing when last told
+        # Handles whose pages a load answered here must not hand out: still landing when
+        # last told, or (orphans) partly taken by an insert since.
+        self._stale: set[NodeHandle] = set()
         self._orphan_refs: Counter[int] = Counter()  # page -> locked orphan handles whose path has it
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -427,7 +429,7 @@ class CacheClient:
         self._orphan_refs = orphans
         # Handles of the old session that nothing holds name nothing now.
         self._paths = {h: pages for h, pages in self._paths.items() if h in self._locked}
-        self._landing.intersection_update(self._paths)
+        self._stale.intersection_update(self._paths)
         return True
 
     # ------------------------------------------------------------------ cache operations
@@ -459,16 +461,16 @@ class CacheClient:
         if len(paths) > _MAX_PATHS:  # forget unlocked handles' pages, oldest first
             for old in [h for h in paths if h not in self._locked][: _MAX_PATHS // 2]:
                 del paths[old]
-                self._landing.discard(old)
+                self._stale.discard(old)
         if handle not in self._locked:
             self._set_path(handle, pages, landing)
 
     def _set_path(self, handle: NodeHandle, pages: PageIds, landing: tuple[Ticket, ...]) -> None:
         self._paths[handle] = pages
         if landing:
-            self._landing.add(handle)
+            self._stale.add(handle)
         else:
-            self._landing.discard(handle)
+            self._stale.discard(handle)
 
     def _not_held(self, handle: NodeHandle, op: str) -> HicacheError:
         """The error for ``op`` on a handle this client holds no lock on."""
@@ -516,7 +518,7 @@ class CacheClient:
                 self._orphan_refs[page] = refs
             elif refs == 0 and page in self._private:
                 done.append(page)
-        self._landing.discard(handle)
+        self._stale.discard(handle)
         if done:
             self.release(sorted(done))
 
@@ -543,7 +545,7 @@ class CacheClient:
                 if loaded is not None:
                     self._remember(loaded, pages, wait)
                 return Loaded(loaded, pages, reply.loaded_pages, wait)
-        usable = _NO_PAGES if handle in self._landing else self._paths.get(handle, _NO_PAGES)
+        usable = _NO_PAGES if handle in self._stale else self._paths.get(handle, _NO_PAGES)
         return Loaded(handle, usable, 0, ())
 
     def wait_layer(self, wait: Sequence[Ticket], layer: int, *, timeout_s: float | None = None,
@@ -572,14 +574,29 @@ class CacheClient:
                                        extra_key=extra_key))
         if reply is None:
             return Inserted(None, ids, _NO_PAGES, 0)  # degraded: the pages stay ours
-        for page in ids.tolist():
-            self._private.discard(page)
-            self._orphan_refs.pop(page, None)
+        taken = ids.tolist()
+        self._private.difference_update(taken)
+        if self._orphan_refs:
+            adopted = {page for page in taken if self._orphan_refs.pop(page, None) is not None}
+            if adopted:
+                self._forget_taken(adopted)
         handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
         device = _pages(reply.device_pages)
         if handle is not None:
             self._remember(handle, device)
         return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages)
+
+    def _forget_taken(self, taken: set[int]) -> None:
+        """Pages of locked orphans that an insert gave to the new daemon (adopted by its
+        tree, or freed as duplicates) are the orphans' no longer: never declared again,
+        never given back by their unlock (the daemon may hand them out by then)."""
+        ids = np.fromiter(taken, PAGE_ID_DTYPE, len(taken))
+        for handle, pages in self._paths.items():
+            if handle.epoch != self.epoch:
+                kept = pages[~np.isin(pages, ids)]
+                if len(kept) != len(pages):
+                    self._paths[handle] = kept
+                    self._stale.add(handle)
 
     def release(self, pages: PageIdsLike) -> None:
         """Give private pages back. In degraded mode they are dropped here (the daemon

@@ -267,7 +267,7 @@ class Sessions(Mapping[int, Session]):
     @staticmethod
     def require_lock(session: Session, node: Node, handle: int) -> None:
         if session.locks.get(node.node_id, 0) <= 0:
-            raise InvalidArgument(f"lock node {handle} before loading it")
+            raise LockUnderflow(f"this session holds no lock on node {handle}: lock it before loading it")
 
     def check_invariants(self) -> None:
         """The sessions' own bookkeeping; raises :class:`InvariantBroken` naming the

@@ -38,7 +38,7 @@ class RadixSharing:
 
 
 class NoSharing:
-    """Sharing off (the seeds' ChunkCache): every match misses, an insert just gives the
+    """Sharing off (like SGLang's ChunkCache): every match misses, an insert just gives the
     pages back."""
 
     def match(self, manager, namespace, tokens, pool_id):

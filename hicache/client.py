@@ -1,32 +1,40 @@
 """The client library: what an engine links to talk to the hicache daemon.
 
-The lifecycle of DESIGN.md::
+An engine's lifecycle::
 
     client = CacheClient(endpoint)
     client.register(spec, [pool.handle])            # once; a TP group passes every rank's handle
-    m = client.match(tokens, extra_key=...)         # device pages usable now (+ host / disk)
+    m = client.match(tokens, extra_key=...)         # what is cached: device part + host / disk parts
     client.lock(m.handle)
-    ld = client.load(m.handle)                      # the host / disk part, layer by layer
-    new = client.alloc(num_pages)                   # private pages for the rest
+    ld = client.load(m.handle)                      # ld.device_pages: the whole prefix to use
+    new = client.alloc(num_pages)                   # private pages for the rest (None: pool full)
     ... before attention of layer i: client.wait_layer(ld.wait, i)
     r = client.insert(tokens, pages)                # the tree takes the whole pages
     client.unlock(m.handle); client.release(tail_pages)
 
+The pages to use are ``ld.device_pages`` and the one list to wait on is ``ld.wait``: it
+holds this load's tickets and those of other loads still landing in the path (what
+``Match.landing`` reported, if they still are). Call ``load`` even for a prefix that is
+all on the device: it is the call that says which of its pages are still landing.
+
 Every call has a timeout. A daemon that does not answer puts the client in *degraded
-mode*: matches miss, allocations return ``None``, inserts keep their pages private —
-the engine computes, never hangs. Only the call that found the daemon gone waits for
-its timeout: from then on calls answer at once, while the background thread probes
-the daemon (every ``reconnect_interval_s``); once a probe is answered, the next call
-reconnects. A daemon that restarted answers ``UNKNOWN_SESSION``; the client then says
-hello again, re-registers the pool, and declares the pages the engine still holds (its
-private pages and the pages of paths it has locked) so the new daemon never hands them
-out. Node handles from before a reconnect are *orphans*: unlocking the last one gives
-back its pages (unless an insert adopted them meanwhile).
+mode*, and the session calls answer without it: matches miss, inserts keep their pages
+private, locks and unlocks are counted here, a load loads nothing — the engine computes,
+never hangs. ``alloc`` alone raises :class:`Unavailable` then (``None`` would say "the
+pool is full: wait for pages", and none will come). Only the call that found the daemon
+gone waits for its timeout: from then on calls answer at once, while the background
+thread probes the daemon (every ``reconnect_interval_s``); once a probe is answered, the
+next call reconnects. A daemon that restarted answers ``UNKNOWN_SESSION``; the client
+then says hello again, re-registers the pool, and declares the pages the engine still
+holds (its private pages and the pages of paths it has locked) so the new daemon never
+hands them out. Node handles from before a reconnect are *orphans*: unlocking the last
+lock on one gives back its pages (unless an insert adopted them meanwhile).
 
 The background thread also sends heartbeats so that an idle engine keeps its lease (a
 killed engine loses it, and the daemon takes back everything it held). They go on the
-client's one socket, between calls: the daemon accepts a session's requests only from
-the connection that opened it.
+client's one session socket, between calls: the daemon accepts a session's requests only
+from the connection that opened it. Administrative calls (``stats``, ``health``,
+``flush``, ``check``) use a connection of their own.
 
 CPU pools (``memfd`` handles) are handed to the daemon as descriptors on its descriptor
 socket (:mod:`hicache.fdpass`) at each registration; the layer-counter ring comes back
@@ -41,7 +49,7 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import zmq
@@ -49,7 +57,14 @@ import zmq
 from hicache import fdpass
 from hicache.counters import CountersHandle, LayerWaiter, Ticket
 from hicache import protocol as p, transport
-from hicache.errors import ErrorCode, HicacheError, InvalidArgument, Unavailable
+from hicache.errors import (
+    ErrorCode,
+    HicacheError,
+    InvalidArgument,
+    LockUnderflow,
+    Unavailable,
+    UnknownNode,
+)
 from hicache.keys import Tokens, key_self_test, pack_tokens
 from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
 from hicache.pools import PoolHandle
@@ -58,6 +73,7 @@ from hicache.spec import KVSpec
 logger = logging.getLogger(__name__)
 
 _NO_PAGES = np.empty(0, dtype=PAGE_ID_DTYPE)
+_MAX_PATHS = 4096  # handles whose pages the client keeps; past it, unlocked ones are forgotten
 
 
 class RemoteError(HicacheError):
@@ -80,11 +96,17 @@ class NodeHandle(NamedTuple):
 
 class Match(NamedTuple):
     handle: NodeHandle | None  # None: nothing cached (or degraded)
-    device_pages: PageIds
+    device_pages: PageIds  # on the device at the time of the match (use Loaded.device_pages)
     num_host_pages: int
     num_disk_pages: int
-    wait: tuple[Ticket, ...]
+    landing: tuple[Ticket, ...]  # loads still landing in device_pages then: Loaded.wait has them
     page_size: int
+
+    @property
+    def wait(self) -> tuple[Ticket, ...]:
+        """The former name of :attr:`landing`. Wait on :attr:`Loaded.wait` instead:
+        it includes these tickets while they are still landing."""
+        return self.landing
 
     @property
     def num_device_pages(self) -> int:
@@ -99,11 +121,11 @@ class Loaded(NamedTuple):
     handle: NodeHandle | None
     device_pages: PageIds  # the whole path: write into req_to_token
     num_loaded_pages: int
-    wait: tuple[Ticket, ...]
+    wait: tuple[Ticket, ...]  # every load still landing in device_pages: the one list to wait on
 
 
 class Inserted(NamedTuple):
-    handle: NodeHandle | None
+    handle: NodeHandle | None  # None: nothing taken (degraded): the pages are still the engine's
     device_pages: PageIds  # canonical pages of every whole page
     freed: PageIds  # duplicates the daemon took back
     num_prefix_pages: int
@@ -117,6 +139,39 @@ def _pages(data: bytes) -> PageIds:
 
 
 class CacheClient:
+    """One engine's session with the hicache daemon.
+
+    Three kinds of calls, three rules for a daemon that does not answer in time:
+
+    * ``register`` (once, at start) raises — :class:`Unavailable` when nothing answers,
+      :class:`RemoteError` when the daemon refuses the pool — so the engine decides
+      whether to run without a cache.
+    * Session calls (``match``, ``match_many``, ``lock``, ``unlock``, ``load``,
+      ``insert``, ``release``) degrade: they answer without the daemon (see the module
+      docstring) and never raise :class:`Unavailable`. ``alloc`` is the exception: it
+      returns ``None`` only when the pool is full (free pages, or wait, and retry) and
+      raises :class:`Unavailable` at once in degraded mode (no page will come until the
+      daemon is back: compute with the pages the engine holds, or hold the request).
+    * Administrative calls (``stats``, ``health``, ``flush``, ``check``) always ask the
+      daemon, on a connection of their own, whatever the session's state; they raise
+      :class:`Unavailable` when it does not answer within their timeout, and leave the
+      session as it was (no degraded mode, no reconnect).
+
+    Caller bugs raise a :class:`HicacheError` whose ``code`` is the daemon's for the
+    same mistake, whether the client or the daemon found it. For a node handle the
+    check order is the same for every operation: a handle this session does not know is
+    ``UNKNOWN_NODE``, then a handle it holds no lock on is ``LOCK_UNDERFLOW`` (for
+    ``unlock`` and ``load``). ``unlock`` and ``load`` are checked here, against the
+    locks this client counts: a handle it never handed out, or one from before a
+    reconnect that it holds no lock on, raises :class:`UnknownNode`; one it handed out
+    in this session but holds no lock on raises :class:`LockUnderflow`. ``lock`` asks
+    the daemon (:class:`RemoteError` ``UNKNOWN_NODE`` for a handle it does not know).
+    ``None`` (a miss) is accepted by ``lock``, ``unlock`` and ``load`` and does nothing.
+
+    ``clock`` times the reconnect attempts (tests inject one); call timeouts are real
+    time.
+    """
+
     def __init__(
         self,
         endpoint: str,
@@ -127,19 +182,23 @@ class CacheClient:
         heartbeat: bool = True,
         reconnect_interval_s: float = 1.0,
         context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
         self.name = name or f"pid{os.getpid()}"
         self.reconnect_interval_s = reconnect_interval_s
+        self._clock = clock
         self._context = context or transport.new_context()
         self._own_context = context is None
         self._socket: zmq.Socket | None = None
         self._socket_lock = threading.Lock()  # the caller's calls and the heartbeats share the socket
         self._rcvtimeo = -1
+        self._admin_socket: zmq.Socket | None = None
+        self._admin_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._session = 0
+        self._session = 0  # the registered session's id; 0 before the first registration
         self.epoch = 0
         self._down_since: float | None = None
         self._next_retry = 0.0
@@ -152,13 +211,14 @@ class CacheClient:
         # What the engine holds, for re-registration after a daemon restart.
         self._private: set[int] = set()
         self._locked: Counter[NodeHandle] = Counter()
-        self._paths: dict[NodeHandle, PageIds] = {}  # device pages of handles handed out
-        self._orphan_refs: Counter[int] = Counter()
+        self._paths: dict[NodeHandle, PageIds] = {}  # the pages the engine was told to use, per handle
+        # Handles whose pages a load answered here must not hand out: still landing when
+        # last told, or (orphans) partly taken by an insert since.
+        self._stale: set[NodeHandle] = set()
+        self._orphan_refs: Counter[int] = Counter()  # page -> locked orphan handles whose path has it
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._want_heartbeat = heartbeat
-
-    # ------------------------------------------------------------------ transport
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -208,11 +268,46 @@ class CacheClient:
             raise RemoteError(reply.code, reply.message)
         return reply
 
-    # ------------------------------------------------------------------ sessions
+    def _admin(self, message: p._Request, timeout_s: float | None = None) -> p.Reply:
+        """An administrative request, on the client's admin connection: a late answer or
+        a timeout there never disturbs the session's connection."""
+        op = message.__struct_config__.tag
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._admin_lock:
+            sock = self._admin_socket
+            if sock is None:
+                sock = self._admin_socket = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.endpoint)
+            message.id = request_id = next(self._ids)
+            sock.send(p.encode(message))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not sock.poll(left_ms):
+                    sock.close(linger=0)  # and with it any answer still to come
+                    self._admin_socket = None
+                    raise Unavailable(f"{op}: no answer from {self.endpoint} within {timeout_s:g} s")
+                reply = p.decode_reply(sock.recv())
+                if reply.id == request_id:
+                    break
+        if isinstance(reply, p.Error):
+            raise RemoteError(reply.code, reply.message)
+        return reply
 
     @property
     def degraded(self) -> bool:
         return self._down_since is not None
+
+    @property
+    def session_id(self) -> int | None:
+        """The id of the daemon session this client holds now; ``None`` before the first
+        registration, in degraded mode and after :meth:`close`. It changes on each
+        reconnect (:attr:`epoch` counts them). Name it to the daemon's operators only:
+        the daemon accepts it from this client's connection alone, and never logs it."""
+        if not self._session or self._down_since is not None:
+            return None
+        return self._session
 
     def register(self, spec: KVSpec, pools: Sequence[PoolHandle]) -> None:
         """Register the engine's pool (one handle per TP rank, e.g. ``exported.handle``).
@@ -244,18 +339,18 @@ class CacheClient:
     def _open_session(self, in_use: Sequence[int]) -> None:
         spec, pools = self._registration
         hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
-        self._session = hello.session
-        self.lease_s = hello.lease_s
         fd_socket = self._fd_socket(hello)
         # The first registration of a spec after a daemon restart rebuilds its disk tier
         # before the answer (seconds for a large store): as long as a load may take.
         reply = self._call(p.Register(
-            id=0, session=self._session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()), fingerprint=spec.fingerprint,
+            id=0, session=hello.session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()), fingerprint=spec.fingerprint,
             key_check=key_self_test(spec.fingerprint, spec.page_size), pools=self._pool_messages(pools, fd_socket),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
         counters = CountersHandle.from_dict(p.as_dict(reply.counters))
         waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
+        self._session = hello.session
+        self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
             self.waiter.close()
@@ -266,13 +361,18 @@ class CacheClient:
         self._start_heartbeat()
         logger.info("registered with %s (epoch %d)", self.endpoint, self.epoch)
 
-    def _request(self, message: p._Request, timeout_s: float | None = None) -> p.Reply | None:
-        """A session request; ``None`` in degraded mode (the daemon is unreachable)."""
+    def _request(self, message: p._Request, timeout_s: float | None = None, *,
+                 epoch: int | None = None) -> p.Reply | None:
+        """A session request; ``None`` in degraded mode (the daemon is unreachable).
+        ``epoch``: a request naming a node handle of that epoch, never sent in another
+        (after a reconnect the handle is an orphan: ``None``)."""
         if self._registration is None:
             raise InvalidArgument("register the engine's pool first")
         if self._down_since is not None and not self._try_reconnect():  # degraded: no wait
             return None
         for retry in (False, True):
+            if epoch is not None and epoch != self.epoch:
+                return None
             message.session = self._session
             try:
                 return self._call(message, timeout_s)
@@ -291,7 +391,7 @@ class CacheClient:
     def _go_down(self) -> None:
         if self._down_since is None:
             logger.warning("hicache daemon at %s unavailable: degraded mode (misses, no allocations)", self.endpoint)
-            self._down_since = time.monotonic()
+            self._down_since = self._clock()
             self._next_retry = 0.0
 
     def _try_reconnect(self) -> bool:
@@ -303,16 +403,17 @@ class CacheClient:
         return self._reconnect()
 
     def _reconnect(self, force: bool = False) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         if not force and now < self._next_retry:
             return False
         self._next_retry = now + self.reconnect_interval_s
         self._answering.clear()
-        # Everything the engine still holds stays its own in the new session.
-        orphans = Counter()
-        for handle, count in self._locked.items():
-            for page in self._paths.get(handle, _NO_PAGES).tolist():
-                orphans[page] += count
+        # Everything the engine still holds stays its own in the new session: its private
+        # pages, and the pages of every path it holds a lock on (each counted once per
+        # handle, so that the last unlock of the last handle gives a page back).
+        orphans: Counter[int] = Counter()
+        for handle in self._locked:
+            orphans.update(set(self._paths.get(handle, _NO_PAGES).tolist()))
         in_use = self._private | set(orphans)
         try:
             self._open_session(in_use=in_use)
@@ -321,10 +422,11 @@ class CacheClient:
             self._go_down()
             return False
         self._private = in_use
-        self._orphan_refs.update(orphans)
+        self._orphan_refs = orphans
+        # Handles of the old session that nothing holds name nothing now.
+        self._paths = {h: pages for h, pages in self._paths.items() if h in self._locked}
+        self._stale.intersection_update(self._paths)
         return True
-
-    # ------------------------------------------------------------------ cache operations
 
     def match(self, tokens: Tokens, extra_key: str = "") -> Match:
         reply = self._request(p.Match(id=0, session=0, tokens=pack_tokens(tokens), extra_key=extra_key))
@@ -343,75 +445,118 @@ class CacheClient:
             return Match(None, _NO_PAGES, 0, 0, (), self.page_size)
         handle = NodeHandle(reply.node, self.epoch)
         pages = _pages(reply.device_pages)
-        self._remember(handle, pages)
-        wait = tuple(Ticket(*t) for t in reply.wait) if reply.wait else ()
-        return Match(handle, pages, reply.host_pages, reply.disk_pages, wait, self.page_size)
+        landing = tuple(Ticket(*t) for t in reply.wait) if reply.wait else ()
+        self._remember(handle, pages, landing)
+        return Match(handle, pages, reply.host_pages, reply.disk_pages, landing, self.page_size)
 
-    def _remember(self, handle: NodeHandle, pages: PageIds) -> None:
+    def _remember(self, handle: NodeHandle, pages: PageIds, landing: tuple[Ticket, ...] = ()) -> None:
         """Keep the path's pages of a handle handed out (needed if it gets locked)."""
         paths = self._paths
-        if len(paths) > 4096:  # forget unlocked handles' pages, oldest first
-            for old in [h for h in paths if h not in self._locked][:2048]:
+        if len(paths) > _MAX_PATHS:  # forget unlocked handles' pages, oldest first
+            for old in [h for h in paths if h not in self._locked][: _MAX_PATHS // 2]:
                 del paths[old]
+                self._stale.discard(old)
         if handle not in self._locked:
-            paths[handle] = pages
+            self._set_path(handle, pages, landing)
+
+    def _set_path(self, handle: NodeHandle, pages: PageIds, landing: tuple[Ticket, ...]) -> None:
+        self._paths[handle] = pages
+        if landing:
+            self._stale.add(handle)
+        else:
+            self._stale.discard(handle)
+
+    def _not_held(self, handle: NodeHandle, op: str) -> HicacheError:
+        """The error for ``op`` on a handle this client holds no lock on."""
+        if handle.epoch == self.epoch and handle in self._paths:
+            return LockUnderflow(f"{op}: this client holds no lock on node {handle.node}")
+        return UnknownNode(f"{op}: node handle {tuple(handle)} is not one this session handed out "
+                           f"(current epoch {self.epoch})")
 
     def lock(self, handle: NodeHandle | None) -> None:
+        """Protect the handle's path. Raises :class:`RemoteError` ``UNKNOWN_NODE`` if the
+        daemon does not know the handle. Without the daemon (degraded, or a handle from
+        before a reconnect) the lock is counted here only: a reconnect declares the
+        path's pages in use, and ``unlock`` pairs with it as usual."""
         if handle is None:
             return
-        if handle.epoch == self.epoch and not self.degraded:
-            self._request(p.Lock(id=0, session=0, node=handle.node))
-        # Counted even when the daemon is unreachable: the engine uses the path's pages,
-        # so a reconnect must declare them in use.
+        if handle.epoch == self.epoch:
+            self._request(p.Lock(id=0, session=0, node=handle.node), epoch=handle.epoch)
         self._locked[handle] += 1
 
     def unlock(self, handle: NodeHandle | None) -> None:
-        if handle is None or self._locked[handle] <= 0:
-            if handle is not None and not self._locked[handle]:
-                del self._locked[handle]
+        """Undo one :meth:`lock`. Raises :class:`UnknownNode` / :class:`LockUnderflow`
+        (see the class docstring) for a handle this client holds no lock on, in every
+        mode. The last unlock of an orphan gives its pages back."""
+        if handle is None:
             return
-        self._locked[handle] -= 1
-        last = self._locked[handle] == 0
-        if last:
+        count = self._locked.get(handle, 0)
+        if count <= 0:
+            raise self._not_held(handle, "unlock")
+        if count == 1:
             del self._locked[handle]
+        else:
+            self._locked[handle] = count - 1
         if handle.epoch == self.epoch:
-            self._request(p.Unlock(id=0, session=0, node=handle.node))
-            return
-        # An orphan from before a reconnect: its pages were declared in use; give them
-        # back once no orphan needs them and no insert adopted them.
-        if last:
-            done = []
-            for page in self._paths.pop(handle, _NO_PAGES).tolist():
-                self._orphan_refs[page] -= 1
-                if self._orphan_refs[page] <= 0:
-                    del self._orphan_refs[page]
-                    if page in self._private:
-                        done.append(page)
-            if done:
-                self.release(done)
+            self._request(p.Unlock(id=0, session=0, node=handle.node), epoch=handle.epoch)
+        elif count == 1:
+            self._give_back(handle)
+
+    def _give_back(self, handle: NodeHandle) -> None:
+        """An orphan's last unlock: its pages were declared in use at the reconnect; give
+        back those no other locked orphan needs and no insert adopted meanwhile."""
+        done = []
+        for page in set(self._paths.pop(handle, _NO_PAGES).tolist()):
+            refs = self._orphan_refs.pop(page, 0) - 1
+            if refs > 0:
+                self._orphan_refs[page] = refs
+            elif refs == 0 and page in self._private:
+                done.append(page)
+        self._stale.discard(handle)
+        if done:
+            self.release(sorted(done))
 
     def load(self, handle: NodeHandle | None) -> Loaded:
-        if handle is None or handle.epoch != self.epoch:
-            return Loaded(handle, self._paths.get(handle, _NO_PAGES) if handle else _NO_PAGES, 0, ())
-        reply = self._request(p.Load(id=0, session=0, node=handle.node), timeout_s=self.load_timeout_s)
-        if reply is None:
-            return Loaded(handle, self._paths.get(handle, _NO_PAGES), 0, ())
-        pages = _pages(reply.device_pages)
-        loaded = NodeHandle(reply.node, self.epoch)
-        self._paths[handle] = pages if reply.node == handle.node else self._paths.get(handle, pages)
-        self._remember(loaded, pages)
-        return Loaded(loaded, pages, reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait))
+        """Bring the host / disk part of a locked handle's path onto the device. Use the
+        answer's ``device_pages`` and wait on its ``wait`` (every load still landing in
+        them). Without the daemon (degraded, or a handle from before a reconnect) nothing
+        is loaded: the answer has the path's pages the engine was last given — none if
+        they were still landing then, as nothing could be waited on — and no tickets.
+        Raises :class:`UnknownNode` / :class:`LockUnderflow` for a handle this client
+        holds no lock on."""
+        if handle is None:
+            return Loaded(None, _NO_PAGES, 0, ())
+        if self._locked.get(handle, 0) <= 0:
+            raise self._not_held(handle, "load")
+        if handle.epoch == self.epoch:
+            reply = self._request(p.Load(id=0, session=0, node=handle.node), timeout_s=self.load_timeout_s,
+                                  epoch=handle.epoch)
+            if reply is not None:
+                pages = _pages(reply.device_pages)
+                wait = tuple(Ticket(*t) for t in reply.wait)
+                self._set_path(handle, pages, wait)  # what the engine uses now: declared on a reconnect
+                loaded = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
+                if loaded is not None:
+                    self._remember(loaded, pages, wait)
+                return Loaded(loaded, pages, reply.loaded_pages, wait)
+        usable = _NO_PAGES if handle in self._stale else self._paths.get(handle, _NO_PAGES)
+        return Loaded(handle, usable, 0, ())
 
     def wait_layer(self, wait: Sequence[Ticket], layer: int, *, timeout_s: float | None = None,
                    stream: Any = None) -> None:
         """Block (CPU mode) or make ``stream`` wait (GPU mode) until ``layer`` of every
-        load in ``wait`` has landed."""
+        load in ``wait`` (a :attr:`Loaded.wait`) has landed."""
         for ticket in wait:
             self.waiter.wait_layer(ticket, layer, timeout_s=timeout_s, stream=stream)
 
     def alloc(self, num_pages: int) -> PageIds | None:
+        """``num_pages`` private pages; ``None`` when the pool has not that many free
+        now (free some, or wait for other requests to, and retry). Raises
+        :class:`Unavailable` in degraded mode, at once: no daemon, no pages."""
         reply = self._request(p.Alloc(id=0, session=0, num_pages=num_pages))
-        if reply is None or (num_pages and not reply.pages):
+        if reply is None:
+            raise Unavailable(f"alloc: the hicache daemon at {self.endpoint} is unavailable (degraded mode)")
+        if num_pages and not reply.pages:
             return None
         pages = _pages(reply.pages)
         self._private.update(pages.tolist())
@@ -423,38 +568,51 @@ class CacheClient:
                                        extra_key=extra_key))
         if reply is None:
             return Inserted(None, ids, _NO_PAGES, 0)  # degraded: the pages stay ours
-        for page in ids.tolist():
-            self._private.discard(page)
-            self._orphan_refs.pop(page, None)
+        taken = ids.tolist()
+        self._private.difference_update(taken)
+        if self._orphan_refs:
+            adopted = {page for page in taken if self._orphan_refs.pop(page, None) is not None}
+            if adopted:
+                self._forget_taken(adopted)
         handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
         device = _pages(reply.device_pages)
         if handle is not None:
             self._remember(handle, device)
         return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages)
 
+    def _forget_taken(self, taken: set[int]) -> None:
+        """Pages of locked orphans that an insert gave to the new daemon (adopted by its
+        tree, or freed as duplicates) are the orphans' no longer: never declared again,
+        never given back by their unlock (the daemon may hand them out by then)."""
+        ids = np.fromiter(taken, PAGE_ID_DTYPE, len(taken))
+        for handle, pages in self._paths.items():
+            if handle.epoch != self.epoch:
+                kept = pages[~np.isin(pages, ids)]
+                if len(kept) != len(pages):
+                    self._paths[handle] = kept
+                    self._stale.add(handle)
+
     def release(self, pages: PageIdsLike) -> None:
+        """Give private pages back. In degraded mode they are dropped here (the daemon
+        takes them back with the old session), so a reconnect does not declare them."""
         ids = as_page_ids(pages)
         if not ids.size:
             return
-        if self._request(p.Release(id=0, session=0, pages=ids.tobytes())) is not None:
-            self._private.difference_update(ids.tolist())
-
-    # ------------------------------------------------------------------ admin (no session needed)
+        self._request(p.Release(id=0, session=0, pages=ids.tobytes()))
+        self._private.difference_update(ids.tolist())
 
     def stats(self) -> dict[str, Any]:
-        return p.as_dict(self._call(p.Stats(id=0)).stats)
+        return p.as_dict(self._admin(p.Stats(id=0)).stats)
 
     def health(self) -> p.HealthReply:
-        return self._call(p.Health(id=0))
+        return self._admin(p.Health(id=0))
 
     def flush(self, timeout_s: float = 120.0) -> None:
-        self._call(p.Flush(id=0), timeout_s=timeout_s)
+        self._admin(p.Flush(id=0), timeout_s=timeout_s)
 
     def check(self) -> None:
         """Run the daemon's invariant checks; raises :class:`RemoteError` if one fails."""
-        self._call(p.Check(id=0), timeout_s=60.0)
-
-    # ------------------------------------------------------------------ heartbeat and close
+        self._admin(p.Check(id=0), timeout_s=60.0)
 
     def _start_heartbeat(self) -> None:
         if not self._want_heartbeat or self._heartbeat is not None:
@@ -513,10 +671,15 @@ class CacheClient:
                 self._call(p.Bye(id=0, session=self._session), timeout_s=min(self.timeout_s, 2.0))
             except (Unavailable, RemoteError):
                 pass
+        self._session = 0
         if self.waiter is not None:
             self.waiter.close()
             self.waiter = None
         self._reset_socket()
+        with self._admin_lock:
+            if self._admin_socket is not None:
+                self._admin_socket.close(linger=0)
+                self._admin_socket = None
         if self._own_context:
             self._context.term()
 

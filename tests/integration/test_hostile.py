@@ -22,7 +22,7 @@ from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer
 from hicache import fdpass
 from hicache.client import CacheClient
 from hicache import protocol as p
-from hicache.errors import ErrorCode
+from hicache.errors import ErrorCode, Unavailable
 from hicache.pools import DeviceLayout
 from hicache.shm import SharedBuffer
 from tiers_util import SPEC, Engine
@@ -429,7 +429,8 @@ def test_degraded_mode_misses_at_once_until_the_daemon_answers_again(tmp_path):
         assert calls == ["match"]
         for _ in range(6):  # these do not: nothing is sent while the daemon is gone
             assert engine.client.match(SEQ).handle is None
-            assert engine.client.alloc(1) is None
+            with pytest.raises(Unavailable):
+                engine.client.alloc(1)
         assert calls == ["match"]
         daemon.start()
         eventually(lambda: engine.client._answering.is_set(), "a probe found the daemon back")

@@ -128,7 +128,7 @@ def test_sessions_cannot_touch_each_others_locks_and_pages(tmp_path, engines):
     theirs = ok(daemon.handle(p.Match(id=5, session=sb, tokens=tokens))).node
     assert theirs not in (inserted.node, -1)
     error(daemon.handle(p.Unlock(id=5, session=sb, node=theirs)), ErrorCode.LOCK_UNDERFLOW)
-    error(daemon.handle(p.Load(id=5, session=sb, node=theirs)), ErrorCode.INVALID_ARGUMENT)
+    error(daemon.handle(p.Load(id=5, session=sb, node=theirs)), ErrorCode.LOCK_UNDERFLOW)
     error(daemon.handle(p.Lock(id=5, session=sa, node=theirs)), ErrorCode.UNKNOWN_NODE)
     mine = ok(daemon.handle(p.Alloc(id=6, session=sa, num_pages=2))).pages
     error(daemon.handle(p.Release(id=7, session=sb, pages=mine)), ErrorCode.INVALID_ARGUMENT)

@@ -202,12 +202,14 @@ class TierManager:
         result = self.tree.match(namespace, tokens, pool_id)
         if result.node is None or result.node.parent is None:  # unknown namespace, or nothing matched
             return Hit(result, ())
-        node = self.writes.after_hit(result)
-        if node is not None:
-            self._backups.backup(pool, node)
+        if self.writes.backs_up_on_hit:
+            node = self.writes.after_hit(result)
+            if node is not None:
+                self._backups.backup(pool, node)
         if result.num_disk_pages >= self.config.prefetch_min_pages:
             self.disk.prefetch(result.node)
-        return Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id))
+        # (no transfer in flight, the common case: not even the call)
+        return Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id) if self._inflight else ())
 
     def lookup(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit | Future:
         """:meth:`match` when the prefetch policy answers at once, else

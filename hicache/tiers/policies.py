@@ -27,6 +27,7 @@ class WritePolicy:
 
     name: str
     backup_before_evict: bool = False
+    backs_up_on_hit: bool = False  # after_hit may name a node (the match path skips the call otherwise)
 
     def after_insert(self, node: Node) -> Node | None:
         """The node to back up once an insert ended at ``node`` (with its ancestors that
@@ -85,8 +86,8 @@ class PrefetchPolicy:
 
 _WRITE: dict[str, Callable[[int], WritePolicy]] = {
     "write_through": lambda threshold: WriteThrough("write_through"),
-    "write_through_selective": lambda threshold: WriteThroughSelective("write_through_selective",
-                                                                       threshold=threshold),
+    "write_through_selective": lambda threshold: WriteThroughSelective(
+        "write_through_selective", backs_up_on_hit=True, threshold=threshold),
     "write_back": lambda threshold: WritePolicy("write_back", backup_before_evict=True),
 }
 _DISK: dict[str, DiskPolicy] = {

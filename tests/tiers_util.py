@@ -52,7 +52,7 @@ class Engine:
         self.spec = spec
         self.exported = export_kv_pool(spec, num_pages)
         self.pool = self.exported.pool
-        self.waiters: dict[int, LayerWaiter] = {}
+        self.waiters: dict[int, tuple[object, LayerWaiter]] = {}  # id(counters) -> (counters, its waiter)
         self._regions = self.pool.layout.token_regions
 
     def write(self, page: int, key: bytes) -> None:
@@ -86,9 +86,11 @@ class Engine:
 
     def waiter(self, counters) -> LayerWaiter:
         """A waiter on a pool's ring (the tier manager's LayerCounters, in this process)."""
+        # The entry keeps the counters alive: a restarted manager's new counters could
+        # otherwise get the id of the old ones and be read through the old ring.
         if id(counters) not in self.waiters:
-            self.waiters[id(counters)] = counters.waiter()
-        return self.waiters[id(counters)]
+            self.waiters[id(counters)] = (counters, counters.waiter())
+        return self.waiters[id(counters)][1]
 
     def wait(self, counters, tickets) -> None:
         waiter = self.waiter(counters)
@@ -97,7 +99,7 @@ class Engine:
                 waiter.wait_layer(ticket, layer, timeout_s=30)
 
     def close(self) -> None:
-        for waiter in self.waiters.values():
+        for _, waiter in self.waiters.values():
             waiter.close()
         self.exported.close()
 

@@ -126,10 +126,6 @@ class TierManager:
         self._loads.on_timing = fn
 
     @property
-    def disk_capacity_pages(self) -> int:
-        return self.disk.capacity_pages
-
-    @property
     def host_bytes(self) -> int:
         return self.host_pool.nbytes
 

@@ -380,19 +380,21 @@ class FakeDaemon:
         session.locks[self._node(session, m.node)] += 1
         return p.Ok(id=0)
 
+    def _locked(self, session, handle: int):
+        """The node behind ``handle``, which this session must hold a lock on."""
+        prefix = self._node(session, handle)
+        if session.locks[prefix] <= 0:
+            raise _Refused(ErrorCode.LOCK_UNDERFLOW, f"no lock on node {handle}")
+        return prefix
+
     def _unlock(self, identity: bytes, m: p.Unlock) -> p.Ok:
         session = self._session(identity, m.session)
-        prefix = self._node(session, m.node)
-        if session.locks[prefix] <= 0:
-            raise _Refused(ErrorCode.LOCK_UNDERFLOW, f"no lock on node {m.node}")
-        session.locks[prefix] -= 1
+        session.locks[self._locked(session, m.node)] -= 1
         return p.Ok(id=0)
 
     def _load(self, identity: bytes, m: p.Load) -> p.LoadReply:
         session = self._session(identity, m.session)
-        prefix = self._node(session, m.node)
-        if session.locks[prefix] <= 0:
-            raise _Refused(ErrorCode.LOCK_UNDERFLOW, f"no lock on node {m.node}")
+        prefix = self._locked(session, m.node)
         path = self._path(prefix)
         loaded = 0
         for pre in path:

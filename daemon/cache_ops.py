@@ -1,5 +1,5 @@
 """The cache operations of a registered session: match, match_many, lock, unlock, load,
-alloc, insert, release.
+alloc, insert, release — and, for engine-owned pools, store and load_into.
 
 Each checks its input before anything changes — token buffers whole int32s within
 ``server.max_tokens``, page ids in the pool's range (whose private pages the tier
@@ -183,3 +183,46 @@ class CacheOps:
         session = self._session(m.session)
         session.manager.release(session.pool_id, session.manager.page_ids(session.pool_id, m.pages))
         return p.Ok(id=m.id)
+
+    def store(self, m: p.Store) -> Future:
+        session = self._session(m.session)
+        tokens = self._tokens(m.tokens)
+        manager = session.manager
+        namespace = self._namespace(session, m.extra_key)
+        if self._sharing_for(m.extra_key) is self._no_sharing:  # nothing is kept for these keys
+            manager.page_ids(session.pool_id, m.pages)  # (still checked)
+            done: Future = Future()
+            done.set_result(p.StoreReply(id=m.id, node=-1, copied=0, cached=0))
+            return done
+        future = manager.store(namespace, tokens, session.pool_id, m.pages)
+        out: Future = Future()
+
+        def answer(f: Future) -> None:
+            try:
+                r = f.result()
+                live = r.node is not None and self.sessions.get(session.session_id) is session
+                node = self.sessions.handle_for(session, r.node) if live else -1
+                out.set_result(p.StoreReply(id=0, node=node, copied=r.num_copied, cached=r.num_cached))
+            except BaseException as exc:  # noqa: BLE001 - the request's answer
+                out.set_exception(exc)
+
+        future.add_done_callback(answer)
+        return out
+
+    def load_into(self, m: p.LoadInto) -> Future:
+        session = self._session(m.session)
+        node = self.sessions.node(session, m.node)
+        self.sessions.require_lock(session, node, m.node)
+        future = session.manager.load_into(node, session.pool_id, m.pages, m.first)
+        out: Future = Future()
+
+        def answer(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+                return
+            r = f.result()
+            out.set_result(p.LoadIntoReply(id=0, loaded_pages=r.num_loaded, wait=[tuple(t) for t in r.wait]))
+
+        future.add_done_callback(answer)
+        return out

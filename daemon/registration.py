@@ -10,6 +10,12 @@ mapped before the session changes: a refused registration leaves it unregistered
 it was (and free to try again), and drops the descriptors it named (the engine offers
 them again with its retry). The first registration of a spec may wait for its disk
 tier's rebuild (:mod:`hicache.daemon.specs`): it is answered when that is done.
+
+An *engine-owned* pool (:mod:`hicache.foreign`: the engine's own blocks, in its own
+layout, e.g. vLLM's) registers the same way, with one shared buffer per backing
+allocation instead of one pool per TP rank, and optionally a name: ``attach`` lets
+another session of the same user (the engine's scheduler, in another process) join that
+pool, to match, lock and load into it. Attached sessions end with the pool's own.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.specs import Specs
 from hicache.errors import InvalidArgument, SpecMismatch, UnknownSession
 from hicache.fdpass import FdExchange
+from hicache.foreign import ForeignLayout, ForeignPool, OwnedPoolHandle, SharedMemory
 from hicache.keys import key_self_test
 from hicache.pages import distinct_page_ids
 from hicache.pools import DevicePool, PoolHandle
@@ -68,12 +75,20 @@ class Registrar:
             raise SpecMismatch("the spec's fingerprint differs between client and daemon (versions differ?)")
         if m.key_check != key_self_test(spec.fingerprint, spec.page_size):
             raise SpecMismatch("page keys differ between client and daemon: they could never share a page")
-        if len(m.pools) != spec.tp_size:
+        owned = None
+        if m.owned is not p.UNSET:
+            if m.pools or m.in_use:
+                raise InvalidArgument("an engine-owned pool registers its buffers alone (no pools, no in_use)")
+            owned = self._owned_handle(spec, m.owned)
+        elif len(m.pools) != spec.tp_size:
             raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
                                   f"got {len(m.pools)}")
         handles = [PoolHandle.from_dict(p.as_dict(handle)) for handle in m.pools]
         ranks: list[DevicePool] = []
         try:
+            if owned is not None:
+                ranks.append(self._map_owned(session, owned))
+                self.specs.refuse_mapped_twice(ranks)
             for handle in handles:
                 ranks.append(DevicePool.attach(handle, expected=spec, segment=lambda h: self._segment(session, h)))
                 self.specs.refuse_mapped_twice(ranks)
@@ -87,8 +102,9 @@ class Registrar:
             for rank in ranks:
                 rank.close()
             raise
+        name = owned.name if owned is not None else None
         if manager is not None:
-            return self._attach(session, m.id, spec, ranks, in_use, manager)
+            return self._attach(session, m.id, spec, ranks, in_use, manager, name)
         # The spec's disk tier is being rebuilt between other engines' requests: answer
         # when it is back.
         session.registering = True
@@ -104,14 +120,73 @@ class Registrar:
                 out.set_exception(result)
                 return
             try:
-                out.set_result(self._attach(session, m.id, spec, ranks, in_use, result))
+                out.set_result(self._attach(session, m.id, spec, ranks, in_use, result, name))
             except BaseException as exc:  # _attach closed the ranks
                 out.set_exception(exc)
 
         self.specs.wait(spec, session, ranks, rebuilt)
         return out
 
-    def _segment(self, session: Session, handle: PoolHandle) -> SharedBuffer:
+    def _owned_handle(self, spec: KVSpec, m: p.OwnedPoolMsg) -> OwnedPoolHandle:
+        data = p.as_dict(m.layout)
+        data["spec"] = spec.to_dict()
+        layout = ForeignLayout.from_dict(data)
+        buffers = tuple(SharedMemory(b.kind, b.nbytes, b.token or b"", p.as_dict(b.cuda_ipc) if b.cuda_ipc else None)
+                        for b in m.buffers)
+        handle = OwnedPoolHandle(layout, buffers, m.name or "")
+        if handle.name and self.owned_pool(handle.name) is not None:
+            raise InvalidArgument(f"a pool named {handle.name!r} is registered already")
+        return handle
+
+    def owned_pool(self, name: str) -> tuple[TierManager, PoolId] | None:
+        """The serving engine-owned pool registered under ``name``."""
+        for manager in self.specs.all_managers():
+            pool_id = manager.owned_pool(name)
+            if pool_id is not None:
+                return manager, pool_id
+        return None
+
+    def _map_owned(self, session: Session, handle: OwnedPoolHandle) -> ForeignPool:
+        owners, tensors = [], []
+        try:
+            for buffer in handle.buffers:
+                if buffer.kind == "memfd":
+                    owner = self._segment(session, buffer)
+                    owners.append(owner)
+                    tensors.append(owner.tensor)
+                else:
+                    from hicache.cuda_ipc import open_tensor, segment_id
+
+                    tensors.append(open_tensor(buffer.cuda_ipc, buffer.nbytes))
+                    owners.append(_CudaOwner(segment_id(buffer.cuda_ipc)))
+            return ForeignPool(handle.layout, tensors, owners)
+        except BaseException:
+            tensors.clear()
+            for owner in owners:
+                owner.close()
+            raise
+
+    def attach(self, session: Session, m: p.Attach) -> p.RegisterReply:
+        """``attach``: see the module docstring."""
+        if session.manager is not None or session.registering:
+            raise InvalidArgument("this session has registered its pool already")
+        found = self.owned_pool(m.name)
+        if found is None:
+            raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r}")
+        manager, pool_id = found
+        owner = self.sessions.owner_of(manager, pool_id)
+        if owner is None or (session.creds.uid is not None and owner.creds.uid != session.creds.uid):
+            raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r} by this user")
+        counters = manager.pools.get(pool_id).counters
+        fds = self._fds()
+        token = fds.publish(counters.reader_fd(), uid=session.creds.uid) if fds is not None else b""
+        self.sessions.attach(session, manager, pool_id, owner=owner)
+        logger.info("session #%d attached to pool %d of session #%d", session.serial, pool_id, owner.serial)
+        return p.RegisterReply(id=m.id, pool=pool_id,
+                               counters=p.from_dict(p.CountersMsg, counters.handle(token).to_dict()),
+                               page_size=manager.spec.page_size, num_pages=manager.num_pages(pool_id))
+
+    def _segment(self, session: Session, handle: PoolHandle | SharedMemory) -> SharedBuffer:
         """Map the memfd segment offered under ``handle.token``: only if the user who
         offered it is the session's (when the transport says who that is) and owns it."""
         fds = self._fds()
@@ -126,11 +201,17 @@ class Registrar:
         return SharedBuffer.attach(offer.fd, handle.nbytes, uid=offer.uid)
 
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
-                in_use: np.ndarray, manager: TierManager) -> p.RegisterReply:
-        """The end of a registration: the session's pool joins its spec's manager."""
+                in_use: np.ndarray, manager: TierManager, name: str | None = None) -> p.RegisterReply:
+        """The end of a registration: the session's pool joins its spec's manager.
+        ``name``: an engine-owned pool's (``None`` for a pool of hicache's own)."""
         pool_id = PoolId(next(self._pool_ids))
         try:
-            counters = manager.register_pool(pool_id, ranks)
+            if name is not None:
+                if name and self.owned_pool(name) is not None:  # (registered while this one waited)
+                    raise InvalidArgument(f"a pool named {name!r} is registered already")
+                counters = manager.register_owned_pool(pool_id, ranks[0], name)
+            else:
+                counters = manager.register_pool(pool_id, ranks)
         except BaseException:
             for rank in ranks:
                 rank.close()
@@ -145,3 +226,14 @@ class Registrar:
         return p.RegisterReply(id=request_id, pool=pool_id,
                                counters=p.from_dict(p.CountersMsg, counters.handle(token).to_dict()),
                                page_size=spec.page_size, num_pages=ranks[0].num_pages)
+
+
+class _CudaOwner:
+    """What keeps a CUDA IPC allocation of an engine-owned pool known (its segment id);
+    the mapping itself lives as long as its tensor."""
+
+    def __init__(self, segment_id) -> None:
+        self.segment_id = segment_id
+
+    def close(self) -> None:
+        pass

@@ -122,10 +122,11 @@ class Daemon:
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
                        defer=lambda fn, args: self._unsettled.append((fn, args)))
         handlers: dict[type, Callable[[Any], Any]] = {
-            p.Hello: self._hello, p.Register: self._register, p.Match: ops.match,
+            p.Hello: self._hello, p.Register: self._register, p.Attach: self._attach, p.Match: ops.match,
             p.MatchMany: ops.match_many, p.Lock: ops.lock, p.Unlock: ops.unlock,
             p.Load: ops.load, p.Alloc: ops.alloc, p.Insert: ops.insert,
-            p.Release: ops.release, p.Heartbeat: self._heartbeat, p.Bye: self._bye,
+            p.Release: ops.release, p.Store: ops.store, p.LoadInto: ops.load_into,
+            p.Heartbeat: self._heartbeat, p.Bye: self._bye,
             p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
         }
         # request type -> (handler, op name): one lookup on the request path
@@ -236,8 +237,12 @@ class Daemon:
         try:
             return self.registrar.register(self._session(m.session, registered=False), m)
         except BaseException:
-            self.registrar.drop_offers([pool.token for pool in m.pools if isinstance(pool.token, bytes)])
+            buffers = m.owned.buffers if m.owned is not p.UNSET else []
+            self.registrar.drop_offers([part.token for part in (*m.pools, *buffers) if isinstance(part.token, bytes)])
             raise
+
+    def _attach(self, m: p.Attach) -> p.RegisterReply:
+        return self.registrar.attach(self._session(m.session, registered=False), m)
 
     def _heartbeat(self, m: p.Heartbeat) -> p.Ok:
         self._session(m.session, registered=False)

@@ -90,6 +90,8 @@ class Session:
     handles: dict[int, int] = field(default_factory=dict)  # handle -> node id, oldest first
     handle_of: dict[int, int] = field(default_factory=dict)  # node id -> handle
     waiting: int = 0  # requests answered later (a load from disk): the engine is alive
+    owner: "Session | None" = None  # attached to another session's engine-owned pool: that session
+    attached: list["Session"] = field(default_factory=list)  # the sessions attached to this one's pool
 
 
 class Sessions(Mapping[int, Session]):
@@ -147,10 +149,22 @@ class Sessions(Mapping[int, Session]):
             raise InvalidArgument("register the engine's pool first")
         return session
 
-    def attach(self, session: Session, manager: TierManager, pool_id: PoolId) -> None:
-        """The session's pool has joined ``manager``: it is registered."""
+    def attach(self, session: Session, manager: TierManager, pool_id: PoolId, *,
+               owner: Session | None = None) -> None:
+        """The session's pool has joined ``manager`` — or, with ``owner``, the session
+        joins ``owner``'s engine-owned pool: it is registered."""
         self._registered_or_gone(session)
         session.manager, session.pool_id = manager, pool_id
+        if owner is not None:
+            session.owner = owner
+            owner.attached.append(session)
+
+    def owner_of(self, manager: TierManager, pool_id: PoolId) -> Session | None:
+        """The session that registered this pool."""
+        for session in self._by_id.values():
+            if session.manager is manager and session.pool_id == pool_id and session.owner is None:
+                return session
+        return None
 
     def _registered_or_gone(self, session: Session) -> None:
         """The session no longer counts against its peer's unregistered sessions."""
@@ -164,8 +178,11 @@ class Sessions(Mapping[int, Session]):
 
     def end(self, session: Session, reason: str) -> None:
         """Give back everything the session held. ``reason``: bye, lease_expired, shutdown."""
-        if self._by_id.pop(session.session_id, None) is None:
+        if self._by_id.get(session.session_id) is not session:
             return
+        for attached in list(session.attached):  # they use this session's pool: they go first
+            self.end(attached, reason if reason == "shutdown" else "pool_gone")
+        del self._by_id[session.session_id]
         self.metrics.session_ended(reason)
         manager = session.manager
         num_private = 0
@@ -176,8 +193,11 @@ class Sessions(Mapping[int, Session]):
                 node = manager.find(node_id)
                 for _ in range(count):
                     manager.unlock(node, session.pool_id)
-            num_private = manager.num_private(session.pool_id)
-            manager.retire_pool(session.pool_id)
+            if session.owner is not None:
+                session.owner.attached.remove(session)
+            else:
+                num_private = manager.num_private(session.pool_id)
+                manager.retire_pool(session.pool_id)
         logger.info("session #%d ended (%s): %d locks, %d private pages released", session.serial, reason,
                     sum(session.locks.values()), num_private)
 

@@ -129,14 +129,13 @@ class Specs:
     def refuse_mapped_twice(self, ranks: list[DevicePool]) -> None:
         """A pool's memory may be mapped as one pool only: not as another session's
         (the same segment under another token), nor twice in one TP group."""
-        new = ranks[-1].segment_id
-        if new is None:
+        new = [s for s in _segments(ranks[-1]) if s is not None]
+        if not new:
             return
-        mapped = [rank.segment_id for rank in ranks[:-1]]
-        mapped += [pool.segment_id for manager in self.all_managers() for pool in manager.device_pools()]
-        mapped += [rank.segment_id for rebuild in self._rebuilds.values() for w in rebuild.waiting
-                   for rank in w.ranks]
-        if new in mapped:
+        pools = [*ranks[:-1], *(pool for manager in self.all_managers() for pool in manager.device_pools()),
+                 *(rank for rebuild in self._rebuilds.values() for w in rebuild.waiting for rank in w.ranks)]
+        mapped = {s for pool in pools for s in _segments(pool)}
+        if len(set(new)) != len(new) or mapped.intersection(new):
             raise InvalidArgument("this memory is already registered as a pool")
 
     def _pause_gc(self) -> None:
@@ -199,3 +198,9 @@ class Specs:
                 waiting.answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
         self._rebuilds.clear()
         self._resume_gc()
+
+
+def _segments(pool) -> list:
+    """The segment ids of a pool's memory: one for a rank's pool, one per allocation
+    of an engine-owned pool."""
+    return list(getattr(pool, "segment_ids", None) or [pool.segment_id])

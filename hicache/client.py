@@ -67,6 +67,7 @@ from hicache.errors import (
 )
 from hicache.keys import Tokens, key_self_test, pack_tokens
 from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
+from hicache.foreign import OwnedPoolHandle
 from hicache.pools import PoolHandle
 from hicache.spec import KVSpec
 
@@ -122,6 +123,24 @@ class Loaded(NamedTuple):
     device_pages: PageIds  # the whole path: write into req_to_token
     num_loaded_pages: int
     wait: tuple[Ticket, ...]  # every load still landing in device_pages: the one list to wait on
+
+
+class Stored(NamedTuple):
+    """What a ``store`` cached: ``num_cached`` leading pages of the tokens are on host
+    now (``num_copied`` of them copied from the engine's blocks by this call; the others
+    were there already). The engine may reuse the blocks once it has this answer."""
+
+    handle: NodeHandle | None
+    num_copied: int
+    num_cached: int
+
+
+class LoadedInto(NamedTuple):
+    """``num_loaded_pages``: the first blocks given that receive KV, layer by layer —
+    wait on ``wait`` before reading a layer; the blocks after them get nothing."""
+
+    num_loaded_pages: int
+    wait: tuple[Ticket, ...]
 
 
 class Inserted(NamedTuple):
@@ -202,7 +221,9 @@ class CacheClient:
         self.epoch = 0
         self._down_since: float | None = None
         self._next_retry = 0.0
-        self._registration: tuple[KVSpec, list[PoolHandle]] | None = None
+        # What to register again after a reconnect: (spec, rank pools), (spec, an
+        # engine-owned pool) or the name of an engine-owned pool to attach to.
+        self._registration: tuple[KVSpec, list[PoolHandle]] | tuple[KVSpec, OwnedPoolHandle] | str | None = None
         self._answering = threading.Event()  # set by a probe that reached the daemon while degraded
         self.waiter: LayerWaiter | None = None
         self.page_size = 0
@@ -318,6 +339,24 @@ class CacheClient:
         self._registration = (spec, list(pools))
         self._open_session(in_use=())
 
+    def register_owned(self, spec: KVSpec, pool: OwnedPoolHandle) -> None:
+        """Register an engine-owned pool (:mod:`hicache.foreign`: the engine's own blocks
+        in its own layout; its ``memfd`` buffers with their descriptors in this
+        process). Then ``store`` and ``load_into`` move pages; ``alloc``, ``insert``,
+        ``load`` and ``release`` are refused. Raises like :meth:`register`."""
+        if spec.fingerprint != pool.layout.spec.fingerprint:
+            raise InvalidArgument("the pool's layout is for another spec")
+        self._registration = (spec, pool)
+        self._open_session(in_use=())
+
+    def attach(self, name: str) -> None:
+        """Join the engine-owned pool another session of this user registered under
+        ``name`` (an engine's scheduler, beside its worker): match, lock, unlock and
+        ``load_into`` on it; the worker waits on the tickets. Raises like
+        :meth:`register` (``INVALID_ARGUMENT``: no such pool, yet)."""
+        self._registration = name
+        self._open_session(in_use=())
+
     def _fd_socket(self, hello: p.HelloReply) -> str:
         """The daemon's descriptor socket: next to its ipc:// socket as this process
         sees that (a container may mount it elsewhere), else where the daemon says."""
@@ -336,17 +375,45 @@ class CacheClient:
             out.append(p.from_dict(p.PoolHandleMsg, data))
         return out
 
-    def _open_session(self, in_use: Sequence[int]) -> None:
-        spec, pools = self._registration
-        hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
-        fd_socket = self._fd_socket(hello)
+    def _owned_message(self, pool: OwnedPoolHandle, fd_socket: str) -> p.OwnedPoolMsg:
+        buffers = []
+        for buffer in pool.buffers:
+            data = buffer.to_dict()
+            if buffer.kind == "memfd":
+                if buffer.fd < 0:
+                    raise InvalidArgument("a memfd buffer without its descriptor in this process")
+                data["token"] = fdpass.offer(fd_socket, buffer.fd, timeout_s=self.timeout_s)
+            buffers.append(data)
+        layout = pool.layout.to_dict()
+        return p.from_dict(p.OwnedPoolMsg, {"layout": layout, "buffers": buffers, "name": pool.name})
+
+    def _register_call(self, registration, session: int, fd_socket: str, in_use: Sequence[int]) -> p.Reply:
+        if isinstance(registration, str):
+            return self._call(p.Attach(id=0, session=session, name=registration))
+        spec, pools = registration
+        owned = isinstance(pools, OwnedPoolHandle)
         # The first registration of a spec after a daemon restart rebuilds its disk tier
         # before the answer (seconds for a large store): as long as a load may take.
-        reply = self._call(p.Register(
-            id=0, session=hello.session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()), fingerprint=spec.fingerprint,
-            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=self._pool_messages(pools, fd_socket),
+        return self._call(p.Register(
+            id=0, session=session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()),
+            fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint, spec.page_size),
+            pools=[] if owned else self._pool_messages(pools, fd_socket),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
+            owned=self._owned_message(pools, fd_socket) if owned else p.UNSET,
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
+
+    def _open_session(self, in_use: Sequence[int]) -> None:
+        registration = self._registration
+        hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
+        fd_socket = self._fd_socket(hello)
+        try:
+            reply = self._register_call(registration, hello.session, fd_socket, in_use)
+        except RemoteError:
+            try:  # the session said hello: end it now rather than let it lapse
+                self._call(p.Bye(id=0, session=hello.session), timeout_s=min(self.timeout_s, 1.0))
+            except (Unavailable, RemoteError):
+                pass
+            raise
         counters = CountersHandle.from_dict(p.as_dict(reply.counters))
         waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
         self._session = hello.session
@@ -579,6 +646,40 @@ class CacheClient:
         if handle is not None:
             self._remember(handle, device)
         return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages)
+
+    def store(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "") -> Stored:
+        """Engine-owned pools: cache the whole pages of ``tokens`` from the engine's blocks
+        ``pages`` (one per whole page, from the first). The answer comes once the copy is
+        done: then the blocks may be reused. In degraded mode nothing is stored."""
+        ids = as_page_ids(pages)
+        reply = self._request(p.Store(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
+                                      extra_key=extra_key), timeout_s=self.load_timeout_s)
+        if reply is None:
+            return Stored(None, 0, 0)
+        handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
+        if handle is not None:
+            self._remember(handle, _NO_PAGES)
+        return Stored(handle, reply.copied, reply.cached)
+
+    def load_into(self, handle: NodeHandle | None, pages: PageIdsLike, first: int = 0) -> LoadedInto:
+        """Engine-owned pools: copy pages ``first ..`` of a locked handle's path into the
+        engine's blocks ``pages``; wait on the answer's ``wait`` before reading a layer.
+        Only the first ``num_loaded_pages`` blocks receive KV (a page evicted or a disk
+        read failed meanwhile shortens it); in degraded mode, or for a handle from
+        before a reconnect, none. Raises :class:`UnknownNode` / :class:`LockUnderflow`
+        for a handle this client holds no lock on."""
+        if handle is None:
+            return LoadedInto(0, ())
+        if self._locked.get(handle, 0) <= 0:
+            raise self._not_held(handle, "load_into")
+        ids = as_page_ids(pages)
+        if handle.epoch != self.epoch:
+            return LoadedInto(0, ())
+        reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first),
+                              timeout_s=self.load_timeout_s, epoch=handle.epoch)
+        if reply is None:
+            return LoadedInto(0, ())
+        return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait))
 
     def _forget_taken(self, taken: set[int]) -> None:
         """Pages of locked orphans that an insert gave to the new daemon (adopted by its

@@ -26,7 +26,7 @@ hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_dis
 hicache_transfer_duration_seconds (histogram)   direction
 hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
-hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown)
+hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)
@@ -59,9 +59,9 @@ STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed")
-SESSION_END_REASONS = ("bye", "lease_expired", "shutdown")
-OPS = ("hello", "register", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
-       "heartbeat", "bye", "stats", "health", "flush", "check", "decode")
+SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone")
+OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
+       "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "decode")
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
 _TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)

@@ -79,6 +79,7 @@ class KVSpecMsg(_Part, kw_only=True):
     tp_size: int | UnsetType = UNSET
     model: str | UnsetType = UNSET
     layers: Annotated[list[LayerMsg], msgspec.Meta(max_length=MAX_LAYERS)]
+    layout: str | UnsetType = UNSET
 
 
 class PoolLayoutMsg(_Part):
@@ -117,6 +118,43 @@ class PoolHandleMsg(_Part):
     cuda_ipc: CudaIpcMsg | None | UnsetType = UNSET
 
 
+class AllocationMsg(_Part):
+    """``hicache.foreign.Allocation.to_dict()`` (vLLM's ``KVCacheTensor``)."""
+
+    size: int
+    layers: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
+    layer_stride: int
+    block_stride: int
+    offset: int | UnsetType = UNSET
+
+
+class ForeignLayoutMsg(_Part):
+    """``hicache.foreign.ForeignLayout.to_dict()``: an engine's own block geometry."""
+
+    spec: KVSpecMsg
+    num_blocks: int
+    block_bytes: int
+    allocations: Annotated[list[AllocationMsg], msgspec.Meta(max_length=1024)]
+
+
+class SharedMemoryMsg(_Part):
+    """``hicache.foreign.SharedMemory.to_dict()``: one allocation's memory."""
+
+    kind: Literal["memfd", "cuda_ipc"]
+    nbytes: int
+    token: bytes | UnsetType = UNSET
+    cuda_ipc: CudaIpcMsg | None | UnsetType = UNSET
+
+
+class OwnedPoolMsg(_Part):
+    """An engine-owned pool: its layout, one buffer per allocation, and the name the
+    engine's other sessions attach by."""
+
+    layout: ForeignLayoutMsg
+    buffers: Annotated[list[SharedMemoryMsg], msgspec.Meta(max_length=1024)]
+    name: str | UnsetType = UNSET
+
+
 class Hello(_Request, tag="hello"):
     version: int
     client: str = ""
@@ -135,6 +173,16 @@ class Register(_Request, tag="register"):
     key_check: bytes
     pools: list[PoolHandleMsg]
     in_use: bytes = b""
+    owned: OwnedPoolMsg | UnsetType = UNSET  # an engine-owned pool (then ``pools`` is empty)
+
+
+class Attach(_Request, tag="attach"):
+    """Join the engine-owned pool registered under ``name`` by another session of the
+    same user (an engine's scheduler process, beside its worker): match, lock, unlock
+    and load_into on it, answered like a ``register``."""
+
+    session: int
+    name: str
 
 
 class Match(_Request, tag="match"):
@@ -181,6 +229,27 @@ class Release(_Request, tag="release"):
     pages: bytes
 
 
+class Store(_Request, tag="store"):
+    """Engine-owned pools: copy the blocks of the whole pages of ``tokens`` (one block
+    id per page, from the first) into the host tier; answered once the engine may reuse
+    them."""
+
+    session: int
+    tokens: bytes
+    pages: bytes
+    extra_key: str = ""
+
+
+class LoadInto(_Request, tag="load_into"):
+    """Engine-owned pools: copy pages ``first ..`` of a locked node's path into the
+    engine's blocks ``pages``, layer by layer."""
+
+    session: int
+    node: int
+    pages: bytes
+    first: int = 0
+
+
 class Heartbeat(_Request, tag="heartbeat"):
     session: int
 
@@ -206,7 +275,7 @@ class Check(_Request, tag="check"):
 
 
 Request = Union[
-    Hello, Register, Match, MatchMany, Lock, Unlock, Load, Alloc, Insert, Release,
+    Hello, Register, Attach, Match, MatchMany, Lock, Unlock, Load, Alloc, Insert, Release, Store, LoadInto,
     Heartbeat, Bye, Stats, Health, Flush, Check,
 ]
 
@@ -288,6 +357,17 @@ class InsertReply(_Reply, tag="insert"):
     prefix_pages: int
 
 
+class StoreReply(_Reply, tag="store"):
+    node: int  # the stored prefix's deepest node (-1: nothing cached)
+    copied: int  # pages copied from the engine's blocks
+    cached: int  # leading pages of the tokens now on host (the rest did not fit)
+
+
+class LoadIntoReply(_Reply, tag="load_into"):
+    loaded_pages: int  # pages that land in the first blocks given; the others get nothing
+    wait: list[tuple[int, int]]
+
+
 class TierAccountMsg(msgspec.Struct, kw_only=True, gc=False):
     """Pages of one place by state (``hicache.tiers.TierAccount``)."""
 
@@ -339,7 +419,7 @@ class HealthReply(_Reply, tag="health"):
 
 Reply = Union[
     Error, Ok, HelloReply, RegisterReply, MatchReply, MatchManyReply, LoadReply, AllocReply,
-    InsertReply, StatsReply, HealthReply,
+    InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -388,9 +468,14 @@ class _Offered(msgspec.Struct, gc=False):
     token: bytes = b""
 
 
+class _OwnedOffers(msgspec.Struct, gc=False):
+    buffers: list[_Offered] = []
+
+
 class _RegisterOffers(msgspec.Struct, gc=False):
     op: str = ""
     pools: list[_Offered] = []
+    owned: _OwnedOffers | None = None
 
 
 _offers_decoder = msgspec.msgpack.Decoder(_RegisterOffers)
@@ -403,7 +488,10 @@ def register_tokens(data: bytes) -> list[bytes]:
         message = _offers_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError, MemoryError):
         return []
-    return [pool.token for pool in message.pools if pool.token] if message.op == "register" else []
+    if message.op != "register":
+        return []
+    buffers = message.owned.buffers if message.owned is not None else []
+    return [part.token for part in (*message.pools, *buffers) if part.token]
 
 
 def decode_reply(data: bytes) -> Reply:

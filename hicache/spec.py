@@ -25,7 +25,8 @@ fingerprint, so e4m3 and e5m2 caches never mix.
 
 The fingerprint is a 16-byte blake2b digest of the canonical JSON of everything that
 affects the bytes (format version, page size, TP size, model identity, every layer's
-kind, shape and dtype). Two specs with equal fingerprints produce interchangeable pages.
+kind, shape and dtype, and an engine's own block layout when its pool is in one). Two
+specs with equal fingerprints produce interchangeable pages.
 """
 
 from __future__ import annotations
@@ -221,6 +222,10 @@ class KVSpec:
     layers: tuple[Layer, ...]
     model: str = ""  # weights identity, e.g. "org/name@revision"; part of the fingerprint
     tp_size: int = 1
+    # The engine's own block layout, for a pool in a foreign layout (e.g. vLLM's CPU
+    # backend, "vllm/cpu/LBHNC/amx"): its pages are opaque bytes per layer, never
+    # interchangeable with another layout's. "" is hicache's own layout.
+    layout: str = ""
     fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +240,8 @@ class KVSpec:
             raise InvalidArgument("KVSpec needs at least one layer with per-token KV")
         if not isinstance(self.model, str):
             raise InvalidArgument(f"KVSpec.model must be a str, got {self.model!r}")
+        if not isinstance(self.layout, str) or len(self.layout) > 256:
+            raise InvalidArgument(f"KVSpec.layout must be a str of at most 256 characters, got {self.layout!r}")
         object.__setattr__(self, "layers", layers)
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         digest = hashlib.blake2b(
@@ -253,10 +260,11 @@ class KVSpec:
         dtype: str = "float16",
         model: str = "",
         tp_size: int = 1,
+        layout: str = "",
     ) -> "KVSpec":
         _require_positive("KVSpec.mha", num_layers=num_layers)
         layer = MHALayer(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        return cls(page_size=page_size, layers=(layer,) * num_layers, model=model, tp_size=tp_size)
+        return cls(page_size=page_size, layers=(layer,) * num_layers, model=model, tp_size=tp_size, layout=layout)
 
     @classmethod
     def mla(
@@ -318,14 +326,18 @@ class KVSpec:
         return tuple(segments)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-able form; :meth:`from_dict` inverts it."""
-        return {
+        """Plain, JSON-able form; :meth:`from_dict` inverts it. (``layout`` only when
+        set: the fingerprints of specs in hicache's own layout stay what they were.)"""
+        out = {
             "format": SPEC_FORMAT_VERSION,
             "page_size": self.page_size,
             "tp_size": self.tp_size,
             "model": self.model,
             "layers": [_layer_to_dict(layer) for layer in self.layers],
         }
+        if self.layout:
+            out["layout"] = self.layout
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KVSpec":
@@ -336,7 +348,7 @@ class KVSpec:
                 f"spec format {data.get('format')!r} is not supported "
                 f"(this build reads format {SPEC_FORMAT_VERSION})"
             )
-        unknown = set(data) - {"format", "page_size", "tp_size", "model", "layers"}
+        unknown = set(data) - {"format", "page_size", "tp_size", "model", "layers", "layout"}
         if unknown:
             raise InvalidArgument(f"unknown spec fields: {sorted(unknown)}")
         layers = data.get("layers")
@@ -348,6 +360,7 @@ class KVSpec:
             page_size=data.get("page_size"),
             tp_size=data.get("tp_size", 1),
             model=data.get("model", ""),
+            layout=data.get("layout", ""),
             layers=tuple(_layer_from_dict(item) for item in layers),
         )
 

@@ -436,6 +436,65 @@ class HiRadixTree:
         return path[-1]
 
 
+    def add_host_path(self, namespace: NamespaceId, tokens: Tokens, first: int,
+                      host_pages: PageIdsLike) -> tuple[Node, PageIds]:
+        """Record host copies of the whole pages ``first ..`` of ``tokens`` (an engine's
+        ``store``), creating nodes as needed. The pages before ``first`` must be on host
+        already. Where a node has a host copy, it keeps it and the given pages come back
+        as duplicates for the caller to free. Returns the deepest node and the
+        duplicates."""
+        entry = self._namespace(namespace)
+        key = pack_tokens(tokens)
+        key = key[: len(key) - len(key) % entry.page_bytes]
+        ids = as_page_ids(host_pages)
+        if not 0 <= first or len(key) // entry.page_bytes != first + len(ids):
+            raise InvalidArgument(f"{len(key) // entry.page_bytes} whole pages of tokens, but host pages were "
+                                  f"given for {len(ids)} pages after the first {first}")
+        if not len(key):
+            return entry.root, _NO_PAGES
+        end = 0
+        for node in self._path_existing(entry, key[: first * entry.page_bytes]):
+            end += node.num_pages
+            if HOST_SLOT not in node.residency:
+                raise ResidencyError(f"page {end - 1} is not on host: the pages before a stored one must be")
+        if end < first:
+            raise ResidencyError(f"only {end} of the {first} pages before the stored ones are cached")
+        path = self._path(entry, key)
+        duplicates = []
+        pos = 0
+        for node in path:
+            start = pos
+            pos += node.num_pages
+            if pos <= first:
+                continue
+            if start < first:  # a node on host across the boundary: the stored part is a duplicate
+                self._split(node, first - start)
+                start = first
+            mine = ids[start - first : pos - first]
+            if HOST_SLOT in node.residency:
+                duplicates.append(mine)
+            else:
+                self._add_checked(node, HOST_SLOT, mine)
+        return path[-1], (np.concatenate(duplicates) if duplicates else _NO_PAGES)
+
+    def _path_existing(self, entry: _Namespace, key: bytes) -> list[Node]:
+        """The existing nodes along ``key`` (whole pages), without changing the tree:
+        the last may reach past the key; the walk stops where the tree does."""
+        page_bytes = entry.page_bytes
+        node = entry.root
+        path = []
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                break
+            path.append(child)
+            if not key.startswith(child.key, pos):
+                break
+            pos += len(child.key)
+            node = child
+        return path
+
     def lock(self, node: Node, pool: PoolId) -> None:
         """Protect ``node``'s path: its device pages in ``pool``, and its host pages and
         disk record. Locking a root is a no-op. O(depth)."""

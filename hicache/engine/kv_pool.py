@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hicache.errors import InvalidArgument
+from hicache.foreign import ForeignLayout, OwnedPoolHandle, SharedMemory
 from hicache.pools import DeviceLayout, DevicePool, PoolHandle
 from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec
@@ -58,3 +59,35 @@ def export_kv_pool(
     else:
         raise InvalidArgument(f"cannot export a KV pool on {device}")
     return ExportedKVPool(pool, handle)
+
+
+class ExportedOwnedPool:
+    """An engine-owned pool's memory as its engine shares it: ``tensors`` (one flat uint8
+    tensor per allocation, for the engine's own views) and ``handle`` for the daemon
+    (``client.register_owned(spec, exported.handle)``)."""
+
+    def __init__(self, buffers: list[SharedBuffer], handle: OwnedPoolHandle) -> None:
+        self.buffers = buffers
+        self.handle = handle
+        self.tensors = [b.tensor for b in buffers]
+
+    def close(self) -> None:
+        self.tensors = []
+        for buffer in self.buffers:
+            buffer.close()
+
+
+def export_owned_pool(layout: ForeignLayout, *, name: str = "") -> ExportedOwnedPool:
+    """Zeroed shared memory (sealed memfd segments) for each allocation of ``layout``,
+    described for the daemon. An engine that allocated its KV cache already moves it in
+    (copies it, then points its tensors at these buffers)."""
+    buffers: list[SharedBuffer] = []
+    try:
+        for i, alloc in enumerate(layout.allocations):
+            buffers.append(SharedBuffer.create(alloc.size, name=f"hicache-owned-{i}"))
+    except BaseException:
+        for buffer in buffers:
+            buffer.close()
+        raise
+    memory = tuple(SharedMemory("memfd", b.nbytes, fd=b.fd) for b in buffers)
+    return ExportedOwnedPool(buffers, OwnedPoolHandle(layout, memory, name))

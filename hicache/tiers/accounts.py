@@ -15,6 +15,8 @@ def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, Ti
     tree = core.tree
     out = {}
     for pool in pools:
+        if pool.owned:  # the engine's blocks: not a place hicache keeps pages in
+            continue
         sizes = tree.sizes(Tier.DEVICE, pool.pool_id)
         landing = core.inflight.landing(pool.pool_id)
         out[Place.device(pool.pool_id)] = TierAccount(

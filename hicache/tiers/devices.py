@@ -1,7 +1,10 @@
 """The device-pool registry: the engines' pools a tier manager has adopted.
 
 Each :class:`DevicePoolState` is one registered pool (one :class:`DevicePool` per TP
-rank): its page allocator, which pages are private to its engine (allocated and not
+rank), or an *engine-owned* pool (one :class:`~hicache.foreign.ForeignPool` in the
+engine's own layout: the engine allocates its blocks, so the pool's allocator stays
+empty, the tree never holds device pages of it, and pages only move by ``store`` and
+``load_into``): its page allocator, which pages are private to its engine (allocated and not
 inserted), its layer counters, the page movers between each rank and the host pool, and
 the copy engine its transfers use. A pool is retired when its engine goes; it is reaped
 (pages forgotten, memory unmapped) once no transfer uses it any more.
@@ -17,6 +20,7 @@ import numpy as np
 
 from hicache.counters import LayerCounters
 from hicache.errors import InvalidArgument, SpecMismatch
+from hicache.foreign import ForeignMover, ForeignPool
 from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pages import PageAllocator, PageIds, PageIdsLike, distinct_page_ids
 from hicache.pools import DevicePool, HostPool
@@ -40,6 +44,8 @@ class DevicePoolState:
     num_private: int = 0
     staging: int = 0  # pages reserved by loads still waiting for disk reads
     retired: bool = False
+    owned: bool = False  # engine-owned: see the module docstring
+    name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
 
     def checked_ids(self, pages: PageIdsLike) -> PageIds:
         """``pages`` as ids, checked: in the pool's range, none repeated."""
@@ -66,6 +72,9 @@ class DevicePoolState:
             rank.close()
 
     def check(self, cached: int) -> None:
+        if self.owned:
+            assert cached == 0 and self.allocator.num_allocated == 0 and not self.num_private, (
+                self.pool_id, cached, self.allocator.num_allocated)
         self.allocator.check_invariants()
         assert self.num_private == int(self.private.sum())
         assert self.allocator.num_allocated == self.num_private + cached + self.staging, (
@@ -105,6 +114,33 @@ class DevicePools:
                                 np.zeros(num_pages + 1, dtype=bool), counters, self._engines.for_device(device))
         self._pools[pool_id] = state
         return state
+
+    def register_owned(self, pool_id: PoolId, pool: ForeignPool, name: str = "") -> DevicePoolState:
+        """An engine-owned pool (see the module docstring)."""
+        if pool_id in self._pools:
+            raise InvalidArgument(f"pool {pool_id} is already registered")
+        if pool.spec.fingerprint != self.spec.fingerprint:
+            raise SpecMismatch("the pool has another KV spec")
+        if name and self.named(name) is not None:
+            raise InvalidArgument(f"a pool named {name!r} is registered already")
+        device = pool.device
+        counters = LayerCounters(
+            self._counter_slots, self.spec.num_layers,
+            cuda_device=device.index or 0 if device.type == "cuda" else None,
+        )
+        mover = ForeignMover(pool, self._host_pool, workers=self._copy_workers)
+        state = DevicePoolState(pool_id, [pool], [mover], PageAllocator.for_device(pool.num_pages),
+                                np.zeros(pool.num_pages + 1, dtype=bool), counters, self._engines.for_device(device),
+                                owned=True, name=name)
+        self._pools[pool_id] = state
+        return state
+
+    def named(self, name: str) -> DevicePoolState | None:
+        """The serving engine-owned pool of this name, if any."""
+        for pool in self._pools.values():
+            if pool.name == name and not pool.retired:
+                return pool
+        return None
 
     def get(self, pool_id: PoolId) -> DevicePoolState:
         """A registered pool that still takes work."""

@@ -40,6 +40,44 @@ class _Pending:
     reads_left: int = 0
 
 
+def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
+                done: Callable[[Transfer, BaseException | None], None]) -> None:
+    """Run a load's host -> pool copies layer by layer through the pool's copy engine,
+    stamping the transfer's ticket on the layer counters as each layer lands (failed,
+    every layer not landed, if a copy raises); ``done(transfer, error)`` on the owner
+    thread at the end. ``transfer.timing`` gets the first and last layers' instants."""
+    src = concat(e.src for e in transfer.entries)
+    dst = concat(e.dst for e in transfer.entries)
+    counters, movers, engine, ticket = pool.counters, pool.movers, pool.copy, transfer.ticket
+    timing = transfer.timing
+    timing["start"] = time.perf_counter()
+    last_layer = num_layers - 1
+
+    def on_layer(layer: int) -> None:
+        engine.layer_done(counters, ticket, layer)
+        if engine.timed:
+            if layer == 0:
+                timing["first"] = time.perf_counter()
+            if layer == last_layer:
+                timing["last"] = time.perf_counter()
+
+    def enqueue() -> None:
+        try:
+            if len(movers) == 1:
+                movers[0].load(src, dst, on_layer=on_layer)
+            else:
+                for layer in range(num_layers):
+                    for mover in movers:
+                        if mover.has_layer(layer):
+                            mover.load_layer(src, dst, layer)
+                    on_layer(layer)
+        except BaseException:
+            counters.fail(ticket)
+            raise
+
+    engine.run(enqueue, lambda error: done(transfer, error))
+
+
 class Loads:
     def __init__(self, core: Core, pools: DevicePools, disk: DiskTier,
                  alloc_device: Callable[[DevicePoolState, int], PageIds | None]) -> None:
@@ -138,37 +176,7 @@ class Loads:
         pending.future.set_result(self._result(pool, path[:keep], used, path[keep - 1]))
 
     def _copy(self, pool: DevicePoolState, transfer: Transfer) -> None:
-        src = concat(e.src for e in transfer.entries)
-        dst = concat(e.dst for e in transfer.entries)
-        counters, movers, engine, ticket = pool.counters, pool.movers, pool.copy, transfer.ticket
-        num_layers = self.core.spec.num_layers
-        timing = transfer.timing
-        timing["start"] = time.perf_counter()
-        last_layer = num_layers - 1
-
-        def on_layer(layer: int) -> None:
-            engine.layer_done(counters, ticket, layer)
-            if engine.timed:
-                if layer == 0:
-                    timing["first"] = time.perf_counter()
-                if layer == last_layer:
-                    timing["last"] = time.perf_counter()
-
-        def enqueue() -> None:
-            try:
-                if len(movers) == 1:
-                    movers[0].load(src, dst, on_layer=on_layer)
-                else:
-                    for layer in range(num_layers):
-                        for mover in movers:
-                            if mover.has_layer(layer):
-                                mover.load_layer(src, dst, layer)
-                        on_layer(layer)
-            except BaseException:
-                counters.fail(ticket)
-                raise
-
-        engine.run(enqueue, lambda error: self._done(transfer, error))
+        copy_layers(self.core.spec.num_layers, pool, transfer, self._done)
 
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:
         core = self.core

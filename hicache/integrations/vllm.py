@@ -41,6 +41,7 @@ client answers at once until the daemon is back), never a failed or hung request
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ from hicache.counters import Ticket
 from hicache.errors import HicacheError
 from hicache.foreign import Allocation, ForeignLayout, OwnedPoolHandle, SharedMemory
 from hicache.shm import SharedBuffer
-from hicache.spec import KVSpec, MHALayer
+from hicache.spec import KVSpec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -153,6 +154,10 @@ class HicacheConnector(KVConnectorBase_V1):
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
             self._num_layers = 0
+            # The worker's client is used by the step (stores, waits) and by a thread that
+            # brings the pool back to a daemon that returned while the engine was idle.
+            self._lock = threading.Lock()
+            self._stop = threading.Event()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -300,8 +305,24 @@ class HicacheConnector(KVConnectorBase_V1):
             self._client.register_owned(spec, handle)
             logger.info("hicache: registered pool %r (%d blocks, spec %s) at %s", self._pool_name,
                         layout.num_blocks, spec.fingerprint_hex, self._endpoint)
-        except HicacheError as exc:  # retried by the client at its next call
+        except HicacheError as exc:  # retried by the reviver
             logger.warning("hicache: cannot register with %s yet (%s): misses until it can", self._endpoint, exc)
+        threading.Thread(target=self._revive, name="hicache-revive", daemon=True).start()
+
+    def _revive(self) -> None:
+        """Re-register the pool as soon as a daemon that went away answers again, so
+        that the scheduler can attach before the next request comes."""
+        while not self._stop.wait(_RETRY_ATTACH_S):
+            client = self._client
+            if client is None:
+                return
+            if client.degraded or client.session_id is None:
+                with self._lock:
+                    try:
+                        if client.revive():
+                            logger.info("hicache: pool %r registered again", self._pool_name)
+                    except Exception:  # noqa: BLE001 - tried again in a second
+                        logger.debug("hicache: revive failed", exc_info=True)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[KVSpec, ForeignLayout]:
         """The spec and foreign layout of vLLM's KV cache (from ``KVCacheTensor``)."""
@@ -376,6 +397,10 @@ class HicacheConnector(KVConnectorBase_V1):
         self._wait(layer)
 
     def _wait(self, layer: int) -> None:
+        with self._lock:
+            self._wait_locked(layer)
+
+    def _wait_locked(self, layer: int) -> None:
         kept = []
         for load in self._pending:
             try:
@@ -396,17 +421,20 @@ class HicacheConnector(KVConnectorBase_V1):
             self._pending = []
         if self._client is None or not self.has_connector_metadata():
             return
-        for store in self._get_connector_metadata().stores:
-            try:
-                self._client.store(store.tokens, store.blocks, store.extra_key)
-            except HicacheError as exc:
-                logger.warning("hicache: store failed: %s", exc)
+        with self._lock:
+            for store in self._get_connector_metadata().stores:
+                try:
+                    self._client.store(store.tokens, store.blocks, store.extra_key)
+                except HicacheError as exc:
+                    logger.warning("hicache: store failed: %s", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self._stop.set()
         client, self._client = self._client, None
         if client is not None:
             client.close()

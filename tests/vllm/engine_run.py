@@ -9,8 +9,8 @@ batch after another); ``max_tokens``; ``logprobs``; optional ``pool_name``,
 ``multiprocessing`` (vLLM's separate engine-core / worker processes; default true),
 ``gate_dir`` (before batch ``i`` wait for the file ``go-<i>`` there, and write
 ``done-<i>`` after it), ``repeat`` (run the batches this many times: a long-running
-engine), ``reset_prefix_cache`` (empty vLLM's own prefix cache before each batch, so
-that hits come from hicache alone), ``engine`` (extra ``LLM`` keyword arguments), ``extra_config``.
+engine), ``reset_prefix_cache`` (empty vLLM's own prefix cache before each batch — or, given a
+list, before the batches of those indices — so that hits come from hicache alone), ``engine`` (extra ``LLM`` keyword arguments), ``extra_config``.
 
 The output (JSON): per batch, per request: ``tokens``, ``logprobs`` (per position, the
 logprob of every returned candidate, as ``[token, logprob]`` pairs), ``num_cached_tokens``,
@@ -85,7 +85,8 @@ def main(job_path: str, out_path: str) -> None:
             step = repeat * len(job["batches"]) + b
             if gate is not None:
                 _wait_for(gate / f"go-{step}")
-            if job.get("reset_prefix_cache"):
+            reset = job.get("reset_prefix_cache")
+            if reset is True or (isinstance(reset, list) and b in reset):
                 llm.reset_prefix_cache()
             t0 = time.monotonic()
             results = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in batch], params,

@@ -1,0 +1,262 @@
+"""Real vLLM engines (the CPU wheel) with the hicache connector and a real daemon.
+
+Run by ``make test-vllm`` (in ``.venv-vllm``); skipped where vLLM is not installed.
+Every engine is a process of its own (``engine_run.py``), started as vLLM is in
+production: the multiprocess engines run the scheduler and the worker in separate
+processes, so loads and locks taken on one side are used on the other. Engine starts
+cost ~10-40 s each on 2 cores, so the suite keeps to a handful.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from daemon_util import DaemonProcess  # noqa: E402
+from hicache.client import CacheClient  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "engine_run.py"
+BLOCK = 32
+MAX_TOKENS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    """Five prompts: three share a 200-token prefix, one shares 96 of it, one is alone."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    prefix = words(200)
+    return [prefix + words(57), prefix + words(90), prefix + words(31), prefix[:96] + words(77), words(140)]
+
+
+def whole_blocks_but_last(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    sys.path.insert(0, str(HERE))
+    from engine_run import write_model
+
+    return str(write_model(tmp_path_factory.mktemp("model")))
+
+
+class Daemon:
+    """``hicache serve`` with a metrics port, a state directory that survives restarts."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.process = DaemonProcess(
+            directory, server={"lease_s": 2.0}, host={"bytes": 64 << 20},
+            disk={"path": str(directory / "lmdb"), "capacity_bytes": 256 << 20},
+            metrics={"enabled": True, "port": self.port})
+        self.endpoint = self.process.endpoint
+
+    def start(self) -> "Daemon":
+        self.process.start()
+        return self
+
+    def stop(self) -> None:
+        assert self.process.stop() == 0, self.process.log.read_text()
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{{want}}}") or (not labels and line.startswith(name + " ")):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"no sample {name}{{{want}}}")
+
+    def check(self) -> dict:
+        client = CacheClient(self.endpoint, heartbeat=False)
+        try:
+            client.check()
+            return client.stats()
+        finally:
+            client.close()
+
+
+def job(tmp_path: Path, name: str, model: str, endpoint: str | None, batches, **extra) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"model_dir": model, "endpoint": endpoint, "prompts": prompts(), "batches": batches,
+                                "max_tokens": MAX_TOKENS, "logprobs": 3, **extra}))
+    return path
+
+
+def start_engine(tmp_path: Path, name: str, job_path: Path) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / f"{name}.out.json"
+    log = open(tmp_path / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(RUNNER), str(job_path), str(out)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout_s: float = 600) -> dict:
+    code = proc.wait(timeout_s)
+    assert code == 0, (out.with_suffix("").with_suffix(".log").name, _tail(proc, out))
+    return json.loads(out.read_text())
+
+
+def _tail(proc, out: Path) -> str:
+    log = out.parent / (out.name.replace(".out.json", ".log"))
+    return log.read_text(errors="replace")[-4000:]
+
+
+def run(tmp_path: Path, name: str, job_path: Path) -> dict:
+    return finish(*start_engine(tmp_path, name, job_path))
+
+
+def by_prompt(result: dict) -> dict[int, dict]:
+    return {r["prompt"]: r for batch in result["batches"] for r in batch["requests"]}
+
+
+def assert_same_outputs(result: dict, baseline: dict) -> None:
+    want = by_prompt(baseline)
+    for batch in result["batches"]:
+        for r in batch["requests"]:
+            assert r["tokens"] == want[r["prompt"]]["tokens"], r["prompt"]
+            assert r["logprobs"] == want[r["prompt"]]["logprobs"], r["prompt"]
+
+
+@pytest.fixture(scope="module")
+def baseline(model, tmp_path_factory) -> dict:
+    """Every prompt, without hicache, in one engine (vLLM's own prefix cache emptied
+    before each prompt: cold prefills)."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    return run(tmp, "baseline", job(tmp, "baseline", model, None, [[i] for i in range(5)], multiprocessing=False,
+                                    reset_prefix_cache=True))
+
+
+def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_restart(tmp_path, model, baseline):
+    daemon = Daemon(tmp_path / "d").start()
+    try:
+        # Engine A computes every prompt and stores their whole pages.
+        a = run(tmp_path, "a", job(tmp_path, "a", model, daemon.endpoint, [[0, 1, 2, 3, 4]]))
+        assert_same_outputs(a, baseline)
+        host_before = daemon.metric("hicache_matched_tokens_total", tier="host")
+        # Engine B, a new process with its own prefix cache empty: each prompt alone, so
+        # every cached token comes from hicache.
+        b = run(tmp_path, "b", job(tmp_path, "b", model, daemon.endpoint, [[i] for i in range(5)],
+                                   reset_prefix_cache=True))
+        assert_same_outputs(b, baseline)
+        for i, r in by_prompt(b).items():
+            assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[i]), (i, r["num_cached_tokens"])
+        host_hits = daemon.metric("hicache_matched_tokens_total", tier="host") - host_before
+        assert host_hits >= sum(whole_blocks_but_last(p) for p in prompts())
+        assert daemon.check()["sessions"] == 0
+        host = next(iter(daemon.check()["specs"].values()))["host"]
+        assert host["cached_protected"] == 0 and host["cached_evictable"] > 0
+        client = CacheClient(daemon.endpoint, heartbeat=False)
+        client.flush()
+        client.close()
+    finally:
+        daemon.stop()
+    # The host tier is gone with the daemon; the disk tier is not.
+    daemon = Daemon(tmp_path / "d")
+    daemon.start()
+    try:
+        c = run(tmp_path, "c", job(tmp_path, "c", model, daemon.endpoint, [[i] for i in range(5)],
+                                   multiprocessing=False, reset_prefix_cache=True))
+        assert_same_outputs(c, baseline)
+        for i, r in by_prompt(c).items():
+            assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[i]), (i, r["num_cached_tokens"])
+        assert daemon.metric("hicache_matched_tokens_total", tier="disk") > 0
+        daemon.check()
+    finally:
+        daemon.stop()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"engine exited with {proc.returncode} before {path.name}"
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.1)
+
+
+def test_an_engine_killed_mid_generation_leaves_the_other_correct_and_gives_everything_back(
+        tmp_path, model, baseline):
+    daemon = Daemon(tmp_path / "d").start()
+    gates = {name: tmp_path / f"gate-{name}" for name in ("x", "y")}
+    for gate in gates.values():
+        gate.mkdir()
+    try:
+        x_proc, _ = start_engine(tmp_path, "x", job(
+            tmp_path, "x", model, daemon.endpoint, [[0, 1, 2, 3, 4]], multiprocessing=False, repeat=50,
+            reset_prefix_cache=True, gate_dir=str(gates["x"]), engine={"max_num_batched_tokens": 64}))
+        y_proc, y_out = start_engine(tmp_path, "y", job(
+            tmp_path, "y", model, daemon.endpoint, [[i] for i in range(5)], multiprocessing=False, repeat=2,
+            reset_prefix_cache=True, gate_dir=str(gates["y"])))
+        # X runs its first batch (and stores), then keeps generating: kill it mid-batch.
+        (gates["x"] / "go-0").write_text("")
+        _wait_file(gates["x"] / "done-0", x_proc)
+        for step in range(1, 50):
+            (gates["x"] / f"go-{step}").write_text("")
+        time.sleep(1.0)  # (in its next batches: chunked prefill of 64 tokens a step, loads, stores)
+        os.killpg(x_proc.pid, signal.SIGKILL)
+        x_proc.wait(30)
+        # Y generates all its batches, hitting what X stored, with correct outputs.
+        for step in range(10):
+            (gates["y"] / f"go-{step}").write_text("")
+        y = finish(y_proc, y_out)
+        assert_same_outputs(y, baseline)
+        assert sum(r["num_cached_tokens"] for r in y["batches"][0]["requests"]) > 0
+        # After X's lease everything it held is back: one engine fewer, nothing protected.
+        deadline = time.monotonic() + 30
+        while daemon.check()["sessions"] != 0:
+            assert time.monotonic() < deadline, "the killed engine's sessions never ended"
+            time.sleep(0.5)
+        stats = daemon.check()
+        for spec in stats["specs"].values():
+            assert spec["host"]["cached_protected"] == 0 and spec["host"]["staging"] == 0
+        assert daemon.metric("hicache_sessions_ended_total", reason="lease_expired") >= 1
+    finally:
+        daemon.stop()
+
+
+def test_requests_complete_while_the_daemon_is_down_and_hit_again_when_it_returns(tmp_path, model, baseline):
+    daemon = Daemon(tmp_path / "d").start()
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proc, out = start_engine(tmp_path, "e", job(
+        tmp_path, "e", model, daemon.endpoint, [[0, 3], [1, 4], [2]], multiprocessing=True,
+        reset_prefix_cache=True, gate_dir=str(gate)))
+    try:
+        (gate / "go-0").write_text("")  # up: computes and stores prompts 0 and 3
+        _wait_file(gate / "done-0", proc)
+        daemon.stop()
+        (gate / "go-1").write_text("")  # down: misses, but the requests complete
+        _wait_file(gate / "done-1", proc)
+        daemon.start()
+        time.sleep(3.0)  # (the engine's clients find the daemon back within a second or two)
+        (gate / "go-2").write_text("")  # back: prompt 2 shares the prefix prompt 0 stored (on disk now)
+        result = finish(proc, out)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if daemon.process.proc is not None:
+            daemon.stop()
+    assert_same_outputs(result, baseline)
+    down = {r["prompt"]: r["num_cached_tokens"] for r in result["batches"][1]["requests"]}
+    assert down == {1: 0, 4: 0}
+    back = result["batches"][2]["requests"][0]
+    assert back["num_cached_tokens"] >= 192  # the shared 200-token prefix: six whole blocks

@@ -80,6 +80,7 @@ class ForeignLayout:
     block_bytes: int  # one block of one layer
     allocations: tuple[Allocation, ...]
     where: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)  # layer -> (alloc, index)
+    host_offset: dict[int, int] = field(init=False, repr=False, compare=False)  # layer -> its run in a host page
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -104,6 +105,10 @@ class ForeignLayout:
             missing = sorted(kv_layers - set(where))
             raise InvalidArgument(f"every KV layer of the spec lies in exactly one allocation; missing: {missing}")
         object.__setattr__(self, "where", where)
+        host: dict[int, int] = {}
+        for segment in spec.host_page_layout():  # (in address order: a layer's first segment first)
+            host.setdefault(segment.layer, segment.offset)
+        object.__setattr__(self, "host_offset", host)
 
     def _check_allocation(self, a: int, alloc: Allocation, where: dict[int, tuple[int, int]]) -> None:
         name = f"allocation {a}"
@@ -165,8 +170,7 @@ class ForeignLayout:
         """Block -> host page copy of one layer: (its allocation, the one segment)."""
         a, i = self.where[layer]
         alloc = self.allocations[a]
-        host = min(s.offset for s in self.spec.host_page_layout() if s.rank == 0 and s.layer == layer)
-        return a, Segments((alloc.layer_offset(i),), (alloc.block_stride,), (host,),
+        return a, Segments((alloc.layer_offset(i),), (alloc.block_stride,), (self.host_offset[layer],),
                            (self.spec.host_page_bytes,), (self.block_bytes,))
 
     def allocation_segments(self, a: int) -> Segments:

@@ -3,6 +3,8 @@
 #   - CUDA IPC pool export / import between two processes, pinned host pool,
 #     interprocess layer events, Triton kernels compiled for real vs their references
 #     (pytest -m gpu tests/gpu);
+#   - an engine-owned pool (vLLM-shaped layout) in CUDA memory: IPC registration,
+#     store / load_into through a real daemon (tests/gpu too);
 #   - H2D / D2H bandwidth of the page kernels next to a plain pinned copy_ of the same
 #     bytes (benchmarks/bench_copy.py --device cuda).
 # Uses the machine's own torch / triton (a venv with --system-site-packages), installs

@@ -1,5 +1,6 @@
 """The package layering, read from the source's import statements (nothing is imported):
 
+    hicache.integrations                   engine adapters (vLLM's connector): nothing imports them
     hicache.daemon                         the daemon: server, service, sessions, CLI, demo
         |
     hicache (top package), hicache.engine  core, client library, engine-side helpers
@@ -114,6 +115,15 @@ def test_the_distribution_is_what_the_checks_walk():
     assert {"hicache.client", "hicache.protocol", "hicache.daemon.service", "hicache.kernels.page_copy",
             "hicache.storage.lmdb_backend", "hicache.engine.reference"} <= names
     assert imports(everywhere=False)["hicache.daemon.service"] >= {"hicache.protocol", "hicache.daemon.sessions"}
+
+
+def test_nothing_imports_the_engine_integrations():
+    """An integration imports its engine (vLLM): nothing else may import it, or hicache
+    would need that engine installed."""
+    graph = imports(everywhere=True)
+    assert "hicache.integrations.vllm" in graph
+    users = {name for name, targets in graph.items() if any(_in(t, "hicache.integrations") for t in targets)}
+    assert {u for u in users if not _in(u, "hicache.integrations")} == set()
 
 
 def test_every_package_is_in_the_distribution():

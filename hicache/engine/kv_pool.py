@@ -66,10 +66,11 @@ class ExportedOwnedPool:
     tensor per allocation, for the engine's own views) and ``handle`` for the daemon
     (``client.register_owned(spec, exported.handle)``)."""
 
-    def __init__(self, buffers: list[SharedBuffer], handle: OwnedPoolHandle) -> None:
+    def __init__(self, buffers: list[SharedBuffer], handle: OwnedPoolHandle,
+                 tensors: list[torch.Tensor] | None = None) -> None:
         self.buffers = buffers
         self.handle = handle
-        self.tensors = [b.tensor for b in buffers]
+        self.tensors = tensors if tensors is not None else [b.tensor for b in buffers]
 
     def close(self) -> None:
         self.tensors = []
@@ -77,10 +78,21 @@ class ExportedOwnedPool:
             buffer.close()
 
 
-def export_owned_pool(layout: ForeignLayout, *, name: str = "") -> ExportedOwnedPool:
-    """Zeroed shared memory (sealed memfd segments) for each allocation of ``layout``,
-    described for the daemon. An engine that allocated its KV cache already moves it in
-    (copies it, then points its tensors at these buffers)."""
+def export_owned_pool(layout: ForeignLayout, *, name: str = "",
+                      device: str | torch.device = "cpu") -> ExportedOwnedPool:
+    """Zeroed shared memory for each allocation of ``layout`` — sealed memfd segments
+    on the CPU, CUDA memory shared by IPC handles on a GPU — described for the daemon.
+    An engine that allocated its KV cache already moves it in (copies it, then points
+    its tensors at these buffers)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from hicache.cuda_ipc import export_tensor
+
+        tensors = [torch.zeros(alloc.size, dtype=torch.uint8, device=device) for alloc in layout.allocations]
+        memory = tuple(SharedMemory("cuda_ipc", t.numel(), cuda_ipc=export_tensor(t)) for t in tensors)
+        return ExportedOwnedPool([], OwnedPoolHandle(layout, memory, name), tensors)
+    if device.type != "cpu":
+        raise InvalidArgument(f"cannot export an engine-owned pool on {device}")
     buffers: list[SharedBuffer] = []
     try:
         for i, alloc in enumerate(layout.allocations):

@@ -136,9 +136,11 @@ class DevicePools:
         return state
 
     def named(self, name: str) -> DevicePoolState | None:
-        """The serving engine-owned pool of this name, if any."""
+        """The serving engine-owned pool of this name, if any ("" names none)."""
+        if not name:
+            return None
         for pool in self._pools.values():
-            if pool.name == name and not pool.retired:
+            if pool.owned and pool.name == name and not pool.retired:
                 return pool
         return None
 

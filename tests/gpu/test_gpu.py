@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket  # noqa: E402
-from hicache.engine.kv_pool import export_kv_pool  # noqa: E402
+from hicache.engine.kv_pool import export_kv_pool, export_owned_pool  # noqa: E402
 from hicache.kernels.kv_indices import build_kv_indices, build_kv_page_indices  # noqa: E402
 from hicache.kernels.page_copy import copy_pages_reference, copy_pages_triton  # noqa: E402
 from hicache.kernels.slot_alloc import alloc_decode, alloc_extend  # noqa: E402
@@ -171,3 +171,57 @@ def test_slot_and_index_kernels_compiled():
     got = build_kv_page_indices(table, rows, lens, ps)
     ref = build_kv_page_indices_torch(table.cpu(), rows.cpu(), lens.cpu(), ps)
     assert torch.equal(got.indices.cpu(), ref.indices) and torch.equal(got.indptr.cpu(), ref.indptr)
+
+
+@pytest.mark.gpu
+def test_engine_owned_cuda_pool_in_a_vllm_shaped_layout_through_the_daemon(tmp_path):
+    """An engine-owned pool in CUDA memory (one allocation, each layer's blocks one run,
+    as vLLM 0.32 lays out its KV cache), shared by IPC with a real daemon: store from
+    some blocks, load_into others layer by layer (waited on a stream), bytes equal."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from daemon_util import DaemonProcess
+    from hicache.client import CacheClient
+    from owned_util import OWNED_SPEC, layer_major
+
+    daemon = DaemonProcess(tmp_path, host={"bytes": 64 * OWNED_SPEC.host_page_bytes},
+                           disk={"path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * OWNED_SPEC.host_page_bytes})
+    daemon.start()
+    layout = layer_major(64)
+    exported = export_owned_pool(layout, name="gpu", device="cuda")
+    client = CacheClient(daemon.endpoint)
+    try:
+        client.register_owned(OWNED_SPEC, exported.handle)
+        buffer = exported.tensors[0]
+        alloc = layout.allocations[0]
+        bb = layout.block_bytes
+
+        def block(layer, b):
+            start = alloc.layer_offset(layer) + b * alloc.block_stride
+            return buffer[start : start + bb]
+
+        tokens = list(range(5 * OWNED_SPEC.page_size))
+        src, dst = [3, 9, 4, 20, 7], [40, 41, 2, 63, 5]
+        for b in src:
+            for layer in range(OWNED_SPEC.num_layers):
+                block(layer, b).copy_(torch.randint(0, 256, (bb,), dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+        assert client.store(tokens, src).num_copied == 5
+        m = client.match(tokens)
+        assert m.num_host_pages == 5
+        client.lock(m.handle)
+        done = client.load_into(m.handle, dst)
+        stream = torch.cuda.current_stream()
+        for layer in range(OWNED_SPEC.num_layers):
+            client.wait_layer(done.wait, layer, stream=stream)
+        client.unlock(m.handle)
+        torch.cuda.synchronize()
+        for s, d in zip(src, dst):
+            for layer in range(OWNED_SPEC.num_layers):
+                assert torch.equal(block(layer, s), block(layer, d)), (s, d, layer)
+        client.check()
+    finally:
+        client.close()
+        exported.close()
+        daemon.stop()

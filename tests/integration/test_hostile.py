@@ -23,6 +23,8 @@ from hicache import fdpass
 from hicache.client import CacheClient
 from hicache import protocol as p
 from hicache.errors import ErrorCode, Unavailable
+from hicache.keys import key_self_test
+from hicache.spec import KVSpec
 from hicache.pools import DeviceLayout
 from hicache.shm import SharedBuffer
 from tiers_util import SPEC, Engine
@@ -439,3 +441,49 @@ def test_degraded_mode_misses_at_once_until_the_daemon_answers_again(tmp_path):
     finally:
         engine.close()
         assert daemon.stop() == 0, daemon.log.read_text()[-3000:]
+
+
+def test_engine_owned_pool_messages_from_a_hostile_peer(daemon, victim, raw):
+    """Attach, store, load_into and owned registrations that are wrong in every way get
+    their error, and the victim is untouched (its fixture checks it after)."""
+    from hicache.engine.kv_pool import export_owned_pool
+    from owned_util import OWNED_SPEC, OwnedEngine, layer_major
+
+    owner = OwnedEngine(daemon.endpoint, layer_major(16), name="owned")
+    try:
+        owner.compute(SEQ[: 2 * OWNED_SPEC.page_size], [1, 2])
+        owner.client.store(SEQ[: 2 * OWNED_SPEC.page_size], [1, 2])
+        session = raw.hello()
+        bad = ErrorCode.INVALID_ARGUMENT
+        error(raw.call(p.Store(id=0, session=session, tokens=b"\0" * 8, pages=b"")), bad)  # not registered
+        error(raw.call(p.LoadInto(id=0, session=session, node=1, pages=b"")), bad)
+        for name in ("", "nobody", "x" * 100_000, "owned\0"):
+            error(raw.call(p.Attach(id=0, session=session, name=name)), bad)
+        # A spec of the most layers a spec may have, in as many allocations as allowed.
+        wide = KVSpec.mha(num_layers=4096, num_kv_heads=1, head_dim=8, page_size=1, dtype="uint8", layout="x")
+        bb = wide.page_bytes(0)
+        allocations = [{"size": 4 * bb * 4, "layers": list(range(i * 4, i * 4 + 4)), "layer_stride": 2 * bb,
+                        "block_stride": bb} for i in range(1024)]
+        exported = export_owned_pool(layer_major(4))
+        try:
+            for owned in (
+                {"layout": {"spec": wide.to_dict(), "num_blocks": 2, "block_bytes": bb, "allocations": allocations},
+                 "buffers": [{"kind": "memfd", "nbytes": 4 * bb * 4, "token": b"t" * 16}] * 1024},
+                {"layout": {"spec": OWNED_SPEC.to_dict(), "num_blocks": 1 << 40, "block_bytes": 1,
+                            "allocations": []}, "buffers": []},
+                {"layout": {"spec": OWNED_SPEC.to_dict(), "num_blocks": 4, "block_bytes": -1,
+                            "allocations": [{"size": 1 << 62, "layers": [0, 1, 2], "layer_stride": 1 << 61,
+                                             "block_stride": 1 << 60}]},
+                 "buffers": [{"kind": "memfd", "nbytes": 1 << 62, "token": raw.offer(exported.handle.buffers[0].fd)}]},
+            ):
+                spec = KVSpec.from_dict(owned["layout"]["spec"])
+                reply = raw.call(p.Register(id=0, session=session, spec=spec.to_dict(), fingerprint=spec.fingerprint,
+                                            key_check=key_self_test(spec.fingerprint, spec.page_size), pools=[],
+                                            owned=owned))
+                error(reply, bad)
+        finally:
+            exported.close()
+        # The owner's pool, its pages and its name are still there.
+        assert owner.client.match(SEQ[: 2 * OWNED_SPEC.page_size]).num_host_pages == 2
+    finally:
+        owner.close()

@@ -49,7 +49,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest tests/vllm
+	$(VPY) -m pytest tests/with_vllm
 
 bench: $(VENV)/.installed
 	$(PIP) install -e '.[bench]'

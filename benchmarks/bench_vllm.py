@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "tests" / "vllm" / "engine_run.py"
+RUNNER = ROOT / "tests" / "with_vllm" / "engine_run.py"
 sys.path.insert(0, str(RUNNER.parent))
 
 from engine_run import write_model  # noqa: E402

@@ -28,7 +28,6 @@ the same interface.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from hicache.kernels.copy_plan import CpuCopyWorkers, Segments, check_page_ids
 from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
 from hicache.pools import MAX_POOL_PAGES, HostPool
 from hicache.spec import KVSpec
+from hicache.transfer import spread_layers
 
 MAX_ALLOCATIONS = 1024
 MAX_NAME = 256  # characters of a pool's name
@@ -319,20 +319,8 @@ class ForeignMover:
         if self.workers is None or self.pool.device.type != "cpu" or len(src) < 2:
             self._layers(src, dst, on_layer)
             return
-        parts = min(self.workers.num_threads, len(src))
-        bounds = [len(src) * i // parts for i in range(parts + 1)]
-        remaining = [parts] * self.num_layers
-        lock = threading.Lock()
-
-        def layer_done(layer: int) -> None:
-            with lock:
-                remaining[layer] -= 1
-                last = remaining[layer] == 0
-            if last and on_layer is not None:
-                on_layer(layer)
-
-        self.workers.run(lambda part: self._layers(src[part[0]:part[1]], dst[part[0]:part[1]], layer_done),
-                         [(bounds[i], bounds[i + 1]) for i in range(parts)])
+        spread_layers(self.workers, self.num_layers, len(src), on_layer,
+                      lambda lo, hi, done: self._layers(src[lo:hi], dst[lo:hi], done))
 
     def _layers(self, src: torch.Tensor, dst: torch.Tensor, on_layer: Callable[[int], None] | None) -> None:
         for layer in range(self.num_layers):

@@ -25,6 +25,28 @@ from hicache.pools import DevicePool, HostPool, layer_segment_ranges, page_segme
 PageList = Sequence[int] | torch.Tensor
 
 
+def spread_layers(workers: CpuCopyWorkers, num_layers: int, num_pages: int,
+                  on_layer: Callable[[int], None] | None,
+                  run: Callable[[int, int, Callable[[int], None]], None]) -> None:
+    """A layer-by-layer load spread over CPU copy threads: each thread takes a share of
+    the pages (``run(lo, hi, layer_done)``) through every layer without waiting for the
+    others; a layer is reported (``on_layer``) by whichever thread finishes it last, and
+    since every thread goes through the layers in order, the reports come in order too."""
+    parts = min(workers.num_threads, num_pages)
+    bounds = [num_pages * i // parts for i in range(parts + 1)]
+    remaining = [parts] * num_layers
+    lock = threading.Lock()
+
+    def layer_done(layer: int) -> None:
+        with lock:
+            remaining[layer] -= 1
+            last = remaining[layer] == 0
+        if last and on_layer is not None:
+            on_layer(layer)
+
+    workers.run(lambda part: run(part[0], part[1], layer_done), [(bounds[i], bounds[i + 1]) for i in range(parts)])
+
+
 class PageMover:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, workers: CpuCopyWorkers | None = None) -> None:
@@ -75,32 +97,15 @@ class PageMover:
         """Host -> device layer by layer; ``on_layer(i)`` once layer ``i`` is complete
         (every layer of the spec is reported, state layers included, in order).
 
-        With CPU ``workers``, each thread takes a share of the pages through every
-        layer without waiting for the others; a layer is reported by whichever thread
-        finishes it last, and since every thread goes through the layers in order, the
-        reports come in order too.
+        With CPU ``workers``, the pages are spread over them (:func:`spread_layers`).
         """
         host_ids, device_ids = self._checked(host_pages, device_pages, self.host_pool.pages,
                                              self.device_pool.buffer, self._restore)
         if self.workers is None or self.device_pool.device.type != "cpu" or len(host_ids) < 2:
             self._load_layers(host_ids, device_ids, on_layer)
             return
-        parts = min(self.workers.num_threads, len(host_ids))
-        bounds = [len(host_ids) * i // parts for i in range(parts + 1)]
-        remaining = [parts] * self.num_layers
-        lock = threading.Lock()
-
-        def layer_done(layer: int) -> None:
-            with lock:
-                remaining[layer] -= 1
-                last = remaining[layer] == 0
-            if last and on_layer is not None:
-                on_layer(layer)
-
-        self.workers.run(
-            lambda part: self._load_layers(host_ids[part[0] : part[1]], device_ids[part[0] : part[1]], layer_done),
-            [(bounds[i], bounds[i + 1]) for i in range(parts)],
-        )
+        spread_layers(self.workers, self.num_layers, len(host_ids), on_layer,
+                      lambda lo, hi, done: self._load_layers(host_ids[lo:hi], device_ids[lo:hi], done))
 
     def _load_layers(self, host_ids: torch.Tensor, device_ids: torch.Tensor,
                      on_layer: Callable[[int], None] | None) -> None:

@@ -78,6 +78,24 @@ def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
     engine.run(enqueue, lambda error: done(transfer, error))
 
 
+def end_load(core: Core, pool: DevicePoolState, transfer: Transfer, error: BaseException | None,
+             on_error: Callable[[], None] | None = None) -> None:
+    """A load's copies are over (owner thread): its layers stamped complete (or failed,
+    by :func:`copy_layers`), its hold released, its ticket's slot given back;
+    ``on_error()`` undoes what the failed load had claimed, before the hold goes."""
+    core.inflight.remove(transfer)
+    if error is None:
+        pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
+        core.report(transfer)
+    else:
+        logger.error("load into pool %s failed: %s", transfer.pool, error)
+        core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
+        if on_error is not None:
+            on_error()
+    core.tree.unlock(transfer.hold, transfer.pool)
+    pool.counters.finish(transfer.ticket)
+
+
 class Loads:
     def __init__(self, core: Core, pools: DevicePools, disk: DiskTier,
                  alloc_device: Callable[[DevicePoolState, int], PageIds | None]) -> None:
@@ -181,19 +199,14 @@ class Loads:
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:
         core = self.core
         tree = core.tree
-        core.inflight.remove(transfer)
         pool = self.pools[transfer.pool]
-        if error is None:
-            pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
-            core.report(transfer)
-        else:
-            logger.error("load into pool %s failed: %s", transfer.pool, error)
-            core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
+
+        def undo() -> None:  # the pages that will never be written leave the tree
             first = transfer.entries[0].node
             if tree.is_live(first) and first.device_pages(transfer.pool) is not None:
                 pool.allocator.free(tree.discard(first, Tier.DEVICE, transfer.pool))
-        tree.unlock(transfer.hold, transfer.pool)
-        pool.counters.finish(transfer.ticket)
+
+        end_load(core, pool, transfer, error, undo)
         timing = transfer.timing
         if error is None and "last" in timing:
             core.metrics.first_layer(timing["first"] - timing["start"])

@@ -33,7 +33,7 @@ from hicache.pages import PageIds
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePools, DevicePoolState
 from hicache.tiers.disk import DiskTier
-from hicache.tiers.loads import copy_layers
+from hicache.tiers.loads import copy_layers, end_load
 from hicache.tiers.policies import DiskPolicy
 from hicache.tiers.transfers import Entry, Kind, Transfer
 from hicache.tree import Node
@@ -197,7 +197,7 @@ class OwnedTransfers:
         ticket = pool.counters.begin() if entries else None
         if ticket is None:  # nothing on host, or no free counter slot: nothing loads
             tree.unlock(hold, pool.pool_id)
-            if used and core.metrics is not None:
+            if used:
                 core.metrics.missed("load_failed", used * core.spec.page_size)
             future.set_result(LoadedInto(0, ()))
             return
@@ -207,14 +207,4 @@ class OwnedTransfers:
         future.set_result(LoadedInto(used, (ticket,)))
 
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:
-        core = self.core
-        core.inflight.remove(transfer)
-        pool = self.pools[transfer.pool]
-        if error is None:
-            pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
-            core.report(transfer)
-        else:
-            logger.error("load into pool %s failed: %s", transfer.pool, error)
-            core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
-        core.tree.unlock(transfer.hold, transfer.pool)
-        pool.counters.finish(transfer.ticket)
+        end_load(self.core, self.pools[transfer.pool], transfer, error)

@@ -1,0 +1,119 @@
+"""Engine-owned pools below the daemon: the tree's host-path insert (an engine's store),
+the foreign layout's copy plan, and the mover over CPU copy threads."""
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.errors import InvalidArgument, ResidencyError
+from hicache.foreign import Allocation, ForeignLayout, ForeignMover, ForeignPool
+from hicache.keys import namespace_id
+from hicache.kernels.copy_plan import CpuCopyWorkers
+from hicache.pools import HostPool
+from hicache.tree import HiRadixTree, Tier
+from owned_util import BLOCK_BYTES, OWNED_SPEC, layer_major, split_layout
+from tree_util import evict
+
+NS = namespace_id(b"model-fp")
+PS = 4
+
+
+@pytest.fixture
+def tree():
+    t = HiRadixTree()
+    t.add_namespace(NS, PS)
+    yield t
+    t.check_invariants()
+
+
+def test_add_host_path_extends_a_host_prefix_and_returns_duplicates(tree):
+    tokens = list(range(6 * PS))
+    node, dup = tree.add_host_path(NS, tokens[: 3 * PS], 0, [10, 11, 12])
+    assert len(dup) == 0 and node.num_pages == 3
+    # Pages 0-2 on host already: a store of 0-5 that copied 2-5 (2 is a duplicate).
+    node, dup = tree.add_host_path(NS, tokens, 2, [20, 21, 22, 23])
+    assert dup.tolist() == [20]
+    m = tree.match(NS, tokens, 0)
+    assert m.num_host_pages == 6 and m.node is node
+    tree.check_invariants()
+    path = [n.host_pages.tolist() for n in tree.path(node)]
+    assert sum(path, []) == [10, 11, 12, 21, 22, 23]
+
+
+def test_add_host_path_refuses_a_gap_before_the_stored_pages(tree):
+    tokens = list(range(4 * PS))
+    with pytest.raises(ResidencyError):
+        tree.add_host_path(NS, tokens, 2, [1, 2])  # pages 0-1 are nowhere
+    tree.add_host_path(NS, tokens[:PS], 0, [5])
+    evict(tree, Tier.HOST, 1)  # gone again
+    with pytest.raises(ResidencyError):
+        tree.add_host_path(NS, tokens, 1, [1, 2, 3])
+    with pytest.raises(InvalidArgument):
+        tree.add_host_path(NS, tokens, 0, [1, 2])  # two host pages for four pages
+    assert len(tree) == 0
+
+
+def test_add_host_path_cuts_a_host_node_across_the_first_stored_page(tree):
+    tokens = list(range(5 * PS))
+    tree.add_host_path(NS, tokens[: 3 * PS], 0, [1, 2, 3])
+    node, dup = tree.add_host_path(NS, tokens, 1, [7, 8, 9, 10])
+    assert dup.tolist() == [7, 8]  # pages 1 and 2 were on host
+    assert sum((n.host_pages.tolist() for n in tree.path(node)), []) == [1, 2, 3, 9, 10]
+
+
+def test_a_layer_major_layout_maps_each_block_to_its_layers_run_of_a_host_page():
+    layout = layer_major(10)
+    for layer in range(OWNED_SPEC.num_layers):
+        a, segments = layout.layer_segments(layer)
+        assert a == 0
+        assert segments.src_offset == (layer * 10 * BLOCK_BYTES,) and segments.src_stride == (BLOCK_BYTES,)
+        assert segments.dst_offset == (layer * BLOCK_BYTES,) and segments.dst_stride == (OWNED_SPEC.host_page_bytes,)
+    assert layout.num_pages == 9
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("make", [layer_major, split_layout])
+def test_mover_round_trip_is_byte_exact_and_reports_every_layer_in_order(threads, make):
+    layout = make(12)
+    buffers = [torch.randint(0, 256, (a.size,), dtype=torch.uint8) for a in layout.allocations]
+    pool = ForeignPool(layout, buffers, [None] * len(buffers))
+    host = HostPool(OWNED_SPEC, 8, pinned=False)
+    workers = CpuCopyWorkers(threads) if threads > 1 else None
+    mover = ForeignMover(pool, host, workers=workers)
+    try:
+        before = [b.clone() for b in buffers]
+        mover.backup([3, 7, 1, 11], [0, 5, 2, 7])
+        layers = []
+        mover.load([0, 5, 2, 7], [9, 2, 4, 6], on_layer=layers.append)
+        assert layers == list(range(OWNED_SPEC.num_layers))
+
+        def block(bufs, layer, b):
+            a, i = layout.where[layer]
+            alloc = layout.allocations[a]
+            start = alloc.layer_offset(i) + b * alloc.block_stride
+            return bufs[a][start : start + BLOCK_BYTES]
+
+        for src, dst in ((3, 9), (7, 2), (1, 4), (11, 6)):
+            for layer in range(OWNED_SPEC.num_layers):
+                assert torch.equal(block(buffers, layer, dst), block(before, layer, src))
+        untouched = [b for b in range(12) if b not in (9, 2, 4, 6)]
+        for b in untouched:
+            for layer in range(OWNED_SPEC.num_layers):
+                assert torch.equal(block(buffers, layer, b), block(before, layer, b))
+        with pytest.raises(InvalidArgument):
+            mover.load([0], [12])  # past the last block
+        assert np.array_equal(host.page(0).numpy()[:BLOCK_BYTES], block(before, 0, 3).numpy())
+    finally:
+        if workers is not None:
+            workers.close()
+        host.close()
+
+
+def test_a_layout_checks_what_it_describes():
+    bb = BLOCK_BYTES
+    with pytest.raises(InvalidArgument, match="overlap"):
+        ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(100 * bb, (0, 1, 2), 2 * bb, bb),))
+    with pytest.raises(InvalidArgument, match="past its size"):
+        ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb - 1, (0, 1, 2), 4 * bb, bb),))
+    ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb, (0, 1, 2), 4 * bb, bb),))  # exactly fits
+    ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb, (0, 1, 2), bb, 3 * bb),))  # block-major

@@ -2,6 +2,8 @@
 in the engines' own layouts, through host and disk — and every bad input refused with
 its code, nothing changed."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -332,3 +334,46 @@ def test_two_allocations_with_one_memfd_each_are_mapped_as_one_pool(daemon):
         engine.check(seq, [4, 3])
     finally:
         engine.close()
+
+
+def test_a_daemon_restart_degrades_both_sides_and_revive_brings_the_pool_back(tmp_path):
+    daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="r", timeout_s=0.5,
+                         reconnect_interval_s=0.1)
+    scheduler = CacheClient(daemon.endpoint, timeout_s=0.5, reconnect_interval_s=0.1)
+    seq = toks(77, 3)
+    try:
+        scheduler.attach("r")
+        worker.compute(seq, [1, 2, 3])
+        assert worker.client.store(seq, [1, 2, 3]).num_cached == 3
+        admin_client = admin(daemon.endpoint)
+        admin_client.flush()
+        admin_client.close()
+        assert daemon.stop() == 0
+        # Down: every call answers without the daemon — nothing stored, nothing matched.
+        assert worker.client.store(seq, [1, 2, 3]).num_cached == 0 and worker.client.degraded
+        m = scheduler.match(seq)
+        assert m.handle is None and scheduler.degraded
+        assert scheduler.load_into(m.handle, [5]).num_loaded_pages == 0
+        assert not worker.client.revive()
+        daemon.start()
+        # The scheduler cannot attach before the worker's pool is back...
+        deadline = time.monotonic() + 20
+        while not worker.client.revive():
+            assert time.monotonic() < deadline, "the worker never registered again"
+            time.sleep(0.1)
+        while not scheduler.revive():
+            assert time.monotonic() < deadline, "the scheduler never attached again"
+            time.sleep(0.1)
+        # ...and then hits what the first daemon wrote to disk.
+        m = scheduler.match(seq)
+        assert m.num_disk_pages == 3
+        worker.wipe([7, 8, 9])
+        _, done = load(worker, scheduler, seq, [7, 8, 9])
+        assert done.num_loaded_pages == 3
+        worker.check(seq, [7, 8, 9])
+    finally:
+        scheduler.close()
+        worker.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0

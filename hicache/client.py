@@ -664,8 +664,10 @@ class CacheClient:
         ``pages`` (one per whole page, from the first). The answer comes once the copy is
         done: then the blocks may be reused. In degraded mode nothing is stored."""
         ids = as_page_ids(pages)
+        # (a plain call's timeout: the copy is from memory; a daemon that is gone must
+        # not hold the engine's step for a load's timeout)
         reply = self._request(p.Store(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
-                                      extra_key=extra_key), timeout_s=self.load_timeout_s)
+                                      extra_key=extra_key))
         if reply is None:
             return Stored(None, 0, 0)
         handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None

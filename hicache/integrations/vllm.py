@@ -9,7 +9,7 @@ Use it with::
 or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. Extra
 config keys (all optional): ``hicache.endpoint`` (default: the daemon's default socket),
 ``hicache.timeout_s`` (1.0: how long a call waits for a daemon that may be gone),
-``hicache.load_timeout_s`` (30.0), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
+``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, and a layer's wait), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
 what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
 failed request).
@@ -129,7 +129,7 @@ class HicacheConnector(KVConnectorBase_V1):
         extra = dict(transfer.kv_connector_extra_config or {})
         self._endpoint = str(extra.get("hicache.endpoint") or ServerConfig().endpoints[0])
         self._timeout_s = float(extra.get("hicache.timeout_s", 1.0))
-        self._load_timeout_s = float(extra.get("hicache.load_timeout_s", 30.0))
+        self._load_timeout_s = float(extra.get("hicache.load_timeout_s", 5.0))
         self._pool_name = str(extra.get("hicache.pool_name") or f"vllm-{transfer.engine_id}")
         self._block_size = vllm_config.cache_config.block_size
         self._vllm_config = vllm_config

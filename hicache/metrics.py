@@ -26,6 +26,8 @@ hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_dis
 hicache_transfer_duration_seconds (histogram)   direction
 hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
+hicache_backups_deferred_total                  — (device -> host backups the host tier
+                                                had no room for yet: retried, not dropped)
 hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
@@ -92,6 +94,8 @@ class Metrics:
                                              "Time from the start of a load's copies until layer 0 is usable",
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.evicted_pages = Counter("hicache_evicted_pages", "Pages evicted, by tier", ["tier"], registry=r)
+        self.backups_deferred = Counter("hicache_backups_deferred",
+                                        "Backups the host tier had no room for yet (retried, not dropped)", registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
         for tier in TIERS:
             self.evicted_pages.labels(tier)
@@ -139,6 +143,9 @@ class Metrics:
         if num_pages:
             self.evicted_pages.labels(tier.label).inc(num_pages)
 
+    def backup_deferred(self) -> None:
+        self.backups_deferred.inc()
+
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
 
@@ -163,6 +170,7 @@ class NullMetrics:
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None: ...
     def first_layer(self, seconds: float) -> None: ...
     def evicted(self, tier: Tier, num_pages: int) -> None: ...
+    def backup_deferred(self) -> None: ...
     def session_ended(self, reason: str) -> None: ...
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
 

@@ -1,6 +1,13 @@
 """Device -> host: backing up a node's device pages (and its ancestors' that lack a host
 copy) into host pages, per the write policy; once on host, on to disk per the disk
-policy."""
+policy.
+
+A backup the host tier has no room for now (its pages pinned by disk writes still
+running, or locked) is *deferred*, not dropped: it is counted, kept in order, retried
+whenever the manager polls (:meth:`Backups.retry`), and the device eviction backs such a
+node up before it lets its device copy go — so a page the write policy wanted backed up
+is never lost while it is cached somewhere. (A path longer than the whole host tier can
+never be backed up at once: it is not deferred.)"""
 
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ class Backups:
         self.pools = pools
         self.disk = disk
         self.disk_policy = disk_policy
+        self.deferred: dict[int, DevicePoolState] = {}  # node id -> its pool: backups waiting for host room
 
     def backup(self, pool: DevicePoolState, node: Node, *, then_drop: bool = False) -> bool:
         """Copy ``node`` and its ancestors that lack one to host; False if not now.
@@ -36,7 +44,11 @@ class Backups:
         total = sum(n.num_pages for n in path)
         host_pages = core.alloc_host(total)
         if host_pages is None:
+            if node.node_id not in self.deferred and total <= core.host_alloc.capacity:
+                self.deferred[node.node_id] = pool
+                core.metrics.backup_deferred()
             return False
+        self.deferred.pop(node.node_id, None)
         entries = []
         offset = 0
         for n in path:
@@ -62,6 +74,26 @@ class Backups:
 
         pool.copy.run(enqueue, lambda error: self._done(transfer, error))
         return True
+
+    def is_deferred(self, node: Node) -> bool:
+        return node.node_id in self.deferred
+
+    def retry(self) -> int:
+        """Start the deferred backups the host tier has room for now, oldest first (the
+        first that still does not fit stops the round); returns how many started."""
+        started = 0
+        tree = self.core.tree
+        for node_id, pool in list(self.deferred.items()):
+            node = tree.find(node_id)
+            if node is None or pool.retired or node.device_pages(pool.pool_id) is None or node.host_pages is not None:
+                del self.deferred[node_id]  # gone, or backed up meanwhile (as some other node's ancestor)
+                continue
+            if not self.backup(pool, node):
+                if node_id in self.deferred:
+                    break
+                continue  # (nothing left to copy: its path is on host or on its way)
+            started += 1
+        return started
 
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:
         core = self.core

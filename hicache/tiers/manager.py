@@ -341,7 +341,7 @@ class TierManager:
         for node in self.tree.iter_evictable(Tier.DEVICE, pool.pool_id):
             if freed >= num_pages:
                 break
-            if back_up and node.host_pages is None and not node.on_disk:
+            if (back_up or self._backups.is_deferred(node)) and node.host_pages is None and not node.on_disk:
                 self._backups.backup(pool, node, then_drop=True)
                 continue
             self._core.misses.evicted(node, Tier.DEVICE)
@@ -412,6 +412,8 @@ class TierManager:
         ran = self.completions.drain(timeout_s)
         if ran and self.pools.any_retired():
             self.pools.reap(self._inflight.pools(), self.tree)
+        if ran and self._backups.deferred:  # (transfers that ended may have made host room)
+            ran += self._backups.retry()
         return ran + self._timers.run_due()
 
     def wait(self, future: Future, timeout_s: float = 60.0):
@@ -426,6 +428,11 @@ class TierManager:
     def idle(self) -> bool:
         return not self._inflight and not self.disk.pending
 
+    @property
+    def deferred_backups(self) -> int:
+        """Backups waiting for room in the host tier."""
+        return len(self._backups.deferred)
+
     def persist(self) -> int:
         """Start writing every host page that has no disk record yet (a draining daemon
         keeps what it can); returns the pages queued."""
@@ -434,10 +441,15 @@ class TierManager:
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until no transfer is in flight and storage has committed everything."""
         deadline = time.monotonic() + timeout_s
-        while not self.idle():
-            if time.monotonic() > deadline:
-                raise TimeoutError("transfers still in flight")
-            self.poll(0.01)
+        while True:
+            while not self.idle():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("transfers still in flight")
+                self.poll(0.01)
+            # Deferred backups that fit now start; those that still do not (host pages
+            # held by locks) are left for later: they are not in flight.
+            if not (self._backups.deferred and self._backups.retry()):
+                break
         self.disk.flush()
 
     def next_timer(self) -> float | None:

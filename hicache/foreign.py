@@ -39,7 +39,7 @@ from hicache.kernels.copy_plan import CpuCopyWorkers, Segments, check_page_ids
 from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
 from hicache.pools import MAX_POOL_PAGES, HostPool
 from hicache.spec import KVSpec
-from hicache.transfer import spread_layers
+from hicache.transfer import ids_on, spread_layers
 
 MAX_ALLOCATIONS = 1024
 MAX_NAME = 256  # characters of a pool's name
@@ -289,9 +289,7 @@ class ForeignMover:
              segments: Segments, *, check: bool = True, spread: bool = True) -> None:
         if check:
             check_page_ids(src_ids, dst_ids, segments, src.numel(), dst.numel())
-        if self.pool.device.type == "cuda":
-            src_ids = src_ids.pin_memory().to(self.pool.device, non_blocking=True)
-            dst_ids = dst_ids.pin_memory().to(self.pool.device, non_blocking=True)
+        src_ids, dst_ids = ids_on(self.pool.device, src_ids), ids_on(self.pool.device, dst_ids)
         copy_pages(src, dst, src_ids, dst_ids, segments, max_programs=self.max_programs,
                    workers=self.workers if spread else None, check=False)
 

@@ -25,6 +25,14 @@ from hicache.pools import DevicePool, HostPool, layer_segment_ranges, page_segme
 PageList = Sequence[int] | torch.Tensor
 
 
+def ids_on(device: torch.device, pages: PageList) -> torch.Tensor:
+    """Page ids as an int64 tensor on ``device`` (moved there without a sync)."""
+    ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+    if device.type == "cuda" and ids.device.type == "cpu":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    return ids
+
+
 def spread_layers(workers: CpuCopyWorkers, num_layers: int, num_pages: int,
                   on_layer: Callable[[int], None] | None,
                   run: Callable[[int, int, Callable[[int], None]], None]) -> None:
@@ -70,11 +78,7 @@ class PageMover:
         return self._backup.bytes_per_pair
 
     def _ids(self, pages: PageList) -> torch.Tensor:
-        """Page ids as an int64 tensor on the pool's device (moved there without a sync)."""
-        ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
-        if self.device_pool.device.type == "cuda" and ids.device.type == "cpu":
-            ids = ids.pin_memory().to(self.device_pool.device, non_blocking=True)
-        return ids
+        return ids_on(self.device_pool.device, pages)
 
     def _copy(self, src, dst, src_pages, dst_pages, segments) -> None:
         src_ids, dst_ids = self._checked(src_pages, dst_pages, src, dst, segments)

@@ -34,7 +34,7 @@ import numpy as np
 from hicache.counters import LayerCounters
 from hicache.errors import InvalidArgument
 from hicache.jobs import Completions, Workers
-from hicache.keys import NamespaceId, PageKey, Tokens, pack_tokens
+from hicache.keys import TOKEN_BYTES, NamespaceId, PageKey, Tokens, pack_tokens
 from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.metrics import NullMetrics
 from hicache.pages import PageAllocator, PageIds, PageIdsLike
@@ -182,9 +182,9 @@ class TierManager:
         pool = self._owned_pool(pool_id)
         ids = pool.checked_ids(blocks)
         packed = pack_tokens(tokens)
-        if len(ids) != len(packed) // 4 // self.spec.page_size:
+        if len(ids) != len(packed) // TOKEN_BYTES // self.spec.page_size:
             raise InvalidArgument("one block per whole page of tokens")
-        return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * 4], ids)
+        return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * TOKEN_BYTES], ids)
 
     def load_into(self, node: Node, pool_id: PoolId, blocks: PageIdsLike, first: int = 0) -> Future:
         """Copy pages ``first ..`` of ``node``'s path (host / disk) into the engine's

@@ -28,7 +28,7 @@ import numpy as np
 
 from hicache.counters import Ticket
 from hicache.errors import InvalidArgument, UnknownNode
-from hicache.keys import NamespaceId
+from hicache.keys import TOKEN_BYTES, NamespaceId
 from hicache.pages import PageIds
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePools, DevicePoolState
@@ -95,7 +95,7 @@ class OwnedTransfers:
         src = blocks[skip : skip + count].astype(np.int64)
         dst = host_pages.astype(np.int64)
         mover = pool.movers[0]
-        end_tokens = tokens[: (skip + count) * core.spec.page_size * 4]
+        end_tokens = tokens[: (skip + count) * core.spec.page_size * TOKEN_BYTES]
 
         def done(error: BaseException | None) -> None:
             core.inflight.remove_detached(transfer)

@@ -106,7 +106,13 @@ class Engine:
 
 class Driver:
     """An engine driving a tier manager the way the daemon's clients will: every page it
-    gets back is checked against the bytes derived from its key."""
+    gets back is checked against the bytes derived from its key.
+
+    ``seen``, ``locks`` and ``private`` grow with every call whatever its outcome (a
+    prompt that could not be cached, a match with nothing to lock, an allocation that
+    failed leave ``None`` or are still recorded): how many entries they hold depends on
+    the calls made, never on the tiers' thread timing, so that a caller choosing among
+    them (hypothesis draws) makes the same choices when an example is replayed."""
 
     def __init__(self, tm, engine: Engine, handle, pool: int = 0) -> None:
         self.tm = tm
@@ -126,6 +132,8 @@ class Driver:
         hit = self.tm.match(ns, tokens, self.pool)
         self.check_hit(ns, tokens, hit)
         node = hit.match.node
+        if len(tokens) >= ps:
+            self.seen.append((ns, tokens))
         # Lock what we reuse before allocating: an allocation may evict unlocked pages.
         self.tm.lock(node, self.pool)
         try:
@@ -137,8 +145,6 @@ class Driver:
             result = self.tm.insert(ns, tokens, self.pool, pages)
         finally:
             self.tm.unlock(node, self.pool)
-        if len(tokens) >= ps:
-            self.seen.append((ns, tokens))
         assert len(result.device_pages) == len(tokens) // ps
         # The canonical pages hold the request's KV (a duplicate's twin holds the same).
         self.engine.wait(self.handle, self.tm.match(ns, tokens, self.pool).wait)
@@ -149,6 +155,8 @@ class Driver:
         self.check_hit(ns, tokens, hit)
         node = hit.match.node
         if node.is_root:
+            if keep_lock:
+                self.locks.append(None)
             return
         self.tm.lock(node, self.pool)
         loaded = self.tm.wait(self.tm.load(node, self.pool))
@@ -161,15 +169,17 @@ class Driver:
             self.tm.unlock(node, self.pool)
 
     def unlock(self, index: int) -> None:
-        self.tm.unlock(self.locks.pop(index), self.pool)
+        node = self.locks.pop(index)
+        if node is not None:
+            self.tm.unlock(node, self.pool)
 
     def hold_private(self, num_pages: int) -> None:
-        pages = self.tm.alloc(self.pool, num_pages)
-        if pages is not None:
-            self.private.append(pages)
+        self.private.append(self.tm.alloc(self.pool, num_pages))
 
     def release_private(self) -> None:
-        self.tm.release(self.pool, self.private.pop())
+        pages = self.private.pop()
+        if pages is not None:
+            self.tm.release(self.pool, pages)
 
     def release_everything(self) -> None:
         while self.locks:

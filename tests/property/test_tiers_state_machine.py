@@ -8,8 +8,11 @@ manager's invariants hold, every page a match or a load hands out holds exactly 
 bytes inserted for its key once its tickets are waited on, and after each flush every
 page of every tier — device, host, disk — does too.
 
-Transfers settle between steps (hypothesis needs a step's outcome not to depend on
-thread timing); tests/integration/test_tiers_stress.py runs steps that race them.
+Transfers settle between steps; tests/integration/test_tiers_stress.py runs steps that
+race them. What a step draws never depends on the tiers' state: the order in which
+transfers complete (copy threads, the disk writer) can change what the tiers hold after
+a flush, and hypothesis replays an example expecting the same draws — so the driver's
+lists grow with every call whatever its outcome (see ``tiers_util.Driver``).
 """
 
 import shutil
@@ -139,9 +142,8 @@ class TiersMachine(RuleBasedStateMachine):
     def consistent(self):
         if getattr(self, "tm", None) is not None:
             self.tm.check_invariants()
-            # Let every transfer land before the next step, so that what the next step
-            # draws never depends on thread timing (hypothesis replays examples).
-            # tests/integration/test_tiers_stress.py covers steps racing transfers.
+            # Let every transfer land before the next step (each step starts settled;
+            # tests/integration/test_tiers_stress.py covers steps racing transfers).
             self.tm.flush()
             self.tm.check_invariants()
 

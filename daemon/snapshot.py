@@ -38,8 +38,8 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
 
 def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage) -> dict[str, Any]:
     """The state figures of :meth:`hicache.metrics.Metrics.add_state_collector`: pages
-    by tier and state (every spec together), sessions, the oldest lock's age, storage
-    figures and the build."""
+    by tier and state (every spec together), sessions, the oldest lock's age, the queues
+    between the tiers (every spec together), storage figures and the build."""
     managers = list(managers)
     pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
                                         for tier in TIERS}
@@ -48,10 +48,18 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
             tier = pages[place.tier.label]
             for state, value in account._asdict().items():
                 tier[state] += value
+    queues: dict[str, list] = {}
+    for manager in managers:
+        for queue, (pages_in, limit) in manager.queues().items():
+            total = queues.setdefault(queue, [0, None])
+            total[0] += pages_in
+            if limit is not None:
+                total[1] = (total[1] or 0) + limit
     gpu = any(pool.device.type == "cuda" for manager in managers for pool in manager.device_pools())
     return {
         "pages": pages, "sessions": sessions,
         "storage": storage.stats()._asdict() if storage is not None else None,
         "oldest_lock_s": oldest_lock_s,
+        "queues": queues,
         "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
     }

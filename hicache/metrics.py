@@ -28,12 +28,18 @@ hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
 hicache_backups_deferred_total                  — (device -> host backups the host tier
                                                 had no room for yet: retried, not dropped)
+hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
+                                                queue bound: retried, not dropped)
 hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)
 hicache_sessions                       (gauge)  —
 hicache_oldest_lock_age_seconds        (gauge)  — (0 when no lock is held)
+hicache_queue_pages                    (gauge)  queue (backup_deferred, host_staging,
+                                                disk_write, disk_write_deferred)
+hicache_queue_limit_pages              (gauge)  queue (the bounded ones: host_staging,
+                                                disk_write)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
 hicache_disk_corrupt_records_total              —
 hicache_build_info                     (gauge)  version, protocol_version, mode
@@ -59,6 +65,8 @@ logger = logging.getLogger(__name__)
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
+QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred")
+BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed")
 SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone")
@@ -96,6 +104,9 @@ class Metrics:
         self.evicted_pages = Counter("hicache_evicted_pages", "Pages evicted, by tier", ["tier"], registry=r)
         self.backups_deferred = Counter("hicache_backups_deferred",
                                         "Backups the host tier had no room for yet (retried, not dropped)", registry=r)
+        self.disk_writes_deferred = Counter(
+            "hicache_disk_writes_deferred", "Disk writes over the writer's queue bound (retried, not dropped)",
+            registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
         for tier in TIERS:
             self.evicted_pages.labels(tier)
@@ -146,6 +157,9 @@ class Metrics:
     def backup_deferred(self) -> None:
         self.backups_deferred.inc()
 
+    def disk_write_deferred(self) -> None:
+        self.disk_writes_deferred.inc()
+
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
 
@@ -171,6 +185,7 @@ class NullMetrics:
     def first_layer(self, seconds: float) -> None: ...
     def evicted(self, tier: Tier, num_pages: int) -> None: ...
     def backup_deferred(self) -> None: ...
+    def disk_write_deferred(self) -> None: ...
     def session_ended(self, reason: str) -> None: ...
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
 
@@ -217,6 +232,7 @@ class StateCollector:
          "sessions": n,
          "storage": StorageStats._asdict() or None (no disk tier),
          "oldest_lock_s": seconds,           # age of the oldest lock held, 0.0 if none
+         "queues": {queue: [pages, limit or None]},  # every spec together
          "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
 
     It is called from the HTTP thread, so it must only hand over that copy.
@@ -241,6 +257,17 @@ class StateCollector:
         yield GaugeMetricFamily("hicache_oldest_lock_age_seconds",
                                 "How long the oldest lock an engine still holds has been held (0: none)",
                                 value=snap.get("oldest_lock_s", 0.0))
+        queues = GaugeMetricFamily("hicache_queue_pages", "Pages in each queue between the tiers",
+                                   labels=["queue"])
+        limits = GaugeMetricFamily("hicache_queue_limit_pages", "The bound of each bounded queue between the tiers",
+                                   labels=["queue"])
+        for queue in QUEUES:
+            pages_in, limit = snap.get("queues", {}).get(queue, (0, None))
+            queues.add_metric([queue], pages_in)
+            if queue in BOUNDED_QUEUES:
+                limits.add_metric([queue], limit or 0)
+        yield queues
+        yield limits
         storage = snap.get("storage")
         if storage is not None:
             yield GaugeMetricFamily("hicache_disk_bytes", "Payload bytes in the disk tier", value=storage["bytes"])

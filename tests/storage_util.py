@@ -16,3 +16,51 @@ def stored_run(store: StorageBackend, keys: Sequence[bytes]) -> int:
         if bytes(key) not in listed:
             return i
     return len(keys)
+
+
+class SlowStore:
+    """A store whose writes are slowed on purpose: each ``put`` waits on one thread of
+    its own, ``delay_s`` first, then writes through the real store — a disk that cannot
+    keep up. ``max_in_flight`` is the most puts ever waiting at once. Everything else
+    goes straight to the real store."""
+
+    def __init__(self, inner: StorageBackend, delay_s: float) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._inner = inner
+        self._delay_s = delay_s
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="slow-store")
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.puts = 0
+
+    def put(self, records, *, fingerprint: bytes):
+        import time
+
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.puts += 1
+
+        def slow():
+            try:
+                time.sleep(self._delay_s)
+                return self._inner.put(records, fingerprint=fingerprint).result()
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+
+        return self._thread.submit(slow)
+
+    def flush(self) -> None:
+        self._thread.submit(lambda: None).result()
+        self._inner.flush()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._inner.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)

@@ -27,11 +27,16 @@ class TierConfig:
     eviction: str = "lru"
     copy_threads: int = 2  # CPU copy threads inside a transfer
     io_threads: int = 2  # storage readers
+    # Pages queued to the disk writer at most (written, not committed: their host pages
+    # stay pinned meanwhile); 0: half the host tier.
+    disk_write_backlog: int = 0
 
     def __post_init__(self) -> None:
         self.writes(), self.disk(), self.prefetch()  # each names a registered policy
         if self.write_threshold < 1 or self.prefetch_min_pages < 1 or self.counter_slots < 1:
             raise InvalidArgument("write_threshold, prefetch_min_pages and counter_slots must be >= 1")
+        if self.disk_write_backlog < 0:
+            raise InvalidArgument("disk_write_backlog must be >= 0 (0: half the host tier)")
         if self.prefetch_timeout_s < 0:
             raise InvalidArgument("prefetch_timeout_s must be >= 0")
 

@@ -36,6 +36,16 @@ class DiskTier(Protocol):
 
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool: ...
 
+    @property
+    def write_limit(self) -> int:
+        """Pages the writer's queue holds at most (0: no writer)."""
+
+    def deferred_writes(self) -> int:
+        """Pages of the writes deferred by the queue's bound."""
+
+    def retry_writes(self) -> int:
+        """Start the deferred writes the queue has room for; returns how many started."""
+
     def read(self, nodes: list[Node]) -> list[Transfer]: ...
 
     def prefetch(self, node: Node) -> None: ...
@@ -63,6 +73,14 @@ class NoDisk:
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
         return False
 
+    write_limit = 0
+
+    def deferred_writes(self) -> int:
+        return 0
+
+    def retry_writes(self) -> int:
+        return 0
+
     def read(self, nodes: list[Node]) -> list[Transfer]:
         return []
 
@@ -89,11 +107,13 @@ class NoDisk:
 class LocalDisk:
     enabled = True
 
-    def __init__(self, core: Core, storage: StorageBackend) -> None:
+    def __init__(self, core: Core, storage: StorageBackend, write_backlog: int) -> None:
+        """``write_backlog``: pages queued to the writer at most (see
+        :mod:`hicache.tiers.disk_writes`)."""
         self.core = core
         self.storage = storage
         self.capacity_pages = storage.stats().capacity_bytes // core.spec.host_page_bytes
-        self._writer = DiskWriter(core, storage, self)
+        self._writer = DiskWriter(core, storage, self, write_backlog)
         self._reader = DiskReader(core, storage, self)
         # Told the keys the store evicted to make room for this tree's writes. A store
         # shared by several managers (one per KV spec) needs them all told: the owner
@@ -106,6 +126,16 @@ class LocalDisk:
 
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
         return self._writer.write(node, then_drop_host=then_drop_host)
+
+    @property
+    def write_limit(self) -> int:
+        return self._writer.limit
+
+    def deferred_writes(self) -> int:
+        return self._writer.deferred_pages()
+
+    def retry_writes(self) -> int:
+        return self._writer.retry() if self._writer.deferred else 0
 
     def read(self, nodes: list[Node]) -> list[Transfer]:
         return self._reader.read(nodes)

@@ -1,9 +1,17 @@
 """Host -> disk: writing a node's pages (and its ancestors' that lack a record) to the
-store, with the metadata a warm restart rebuilds the tree from."""
+store, with the metadata a warm restart rebuilds the tree from.
+
+The writer's queue is bounded: at most ``limit`` pages written and not yet committed
+(their host pages are pinned until then, so an unbounded queue pins the whole host tier
+when the disk is slower than the traffic). A write beyond the bound is *deferred*, not
+dropped: counted (``hicache_disk_writes_deferred_total``), kept in order and started as
+earlier writes commit; host eviction writes such a page before it lets its host copy go.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,20 +28,32 @@ logger = logging.getLogger(__name__)
 
 
 class DiskWriter:
-    def __init__(self, core: Core, storage: StorageBackend, disk: "LocalDisk") -> None:
+    def __init__(self, core: Core, storage: StorageBackend, disk: "LocalDisk", limit: int) -> None:
         self.core = core
         self.storage = storage
         self.disk = disk
+        self.limit = max(1, limit)  # pages queued (written, not committed) at most
         self.pending = 0  # pages written and not committed yet
+        self.deferred: OrderedDict[int, bool] = OrderedDict()  # node id -> then_drop_host: over the bound
 
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
-        """Write ``node`` and its ancestors that lack a disk record (all on host)."""
+        """Write ``node`` and its ancestors that lack a disk record (all on host);
+        False if not now (deferred when only the queue's bound is in the way)."""
         core = self.core
         tree = core.tree
         path = [n for n in tree.path(node) if not n.on_disk and not core.inflight.busy(n, Kind.DISK_WRITE)]
         if not path or any(n.host_pages is None for n in path):
+            self.deferred.pop(node.node_id, None)  # nothing to write, or nothing that can be
             return False
         total = sum(n.num_pages for n in path)
+        if self.pending and self.pending + total > self.limit:  # (a path over the bound goes alone)
+            if node.node_id not in self.deferred:
+                self.deferred[node.node_id] = then_drop_host
+                core.metrics.disk_write_deferred()
+            elif then_drop_host:
+                self.deferred[node.node_id] = True
+            return False
+        self.deferred.pop(node.node_id, None)
         if not self.disk.room(total):
             return False
         records = []
@@ -79,3 +99,25 @@ class DiskWriter:
         for entry in transfer.entries:
             if entry.node.node_id in transfer.then_drop:
                 core.drop_host_if_evictable(entry.node)
+        if self.deferred:
+            self.retry()
+
+    def retry(self) -> int:
+        """Start the deferred writes the queue has room for now, oldest first; returns
+        how many started."""
+        started = 0
+        tree = self.core.tree
+        for node_id, then_drop_host in list(self.deferred.items()):
+            node = tree.find(node_id)
+            if node is None or node.on_disk or node.host_pages is None:
+                del self.deferred[node_id]  # gone, or written meanwhile (as some other node's ancestor)
+                continue
+            if self.write(node, then_drop_host=then_drop_host):
+                started += 1
+            elif node_id in self.deferred:
+                break  # the queue is full again
+        return started
+
+    def deferred_pages(self) -> int:
+        tree = self.core.tree
+        return sum(n.num_pages for node_id in self.deferred if (n := tree.find(node_id)) is not None)

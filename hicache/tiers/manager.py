@@ -96,8 +96,9 @@ class TierManager:
         self._core = Core(spec, self.tree, self.host_pool, self.host_alloc, self.metrics, self.completions,
                           self.workers, inflight, MissReasons(self.metrics), alloc_host=self._host_alloc)
         self._inflight = inflight
-        self.disk: DiskTier = (LocalDisk(self._core, storage) if storage is not None and self.disk_policy.enabled
-                               else NoDisk())
+        backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
+        self.disk: DiskTier = (LocalDisk(self._core, storage, backlog)
+                               if storage is not None and self.disk_policy.enabled else NoDisk())
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
@@ -351,19 +352,42 @@ class TierManager:
         return freed
 
     def _evict_host(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` host pages if possible; returns the pages freed now.
+        Pages that have a disk copy go first; a page without one is written before it
+        is dropped (:meth:`_write_before_drop`), so that it is freed later."""
         freed = 0
-        write_first = self.disk_policy.write_before_drop and self.disk.enabled
+        later = []
         for node in self.tree.iter_evictable(Tier.HOST):
             if freed >= num_pages:
-                break
-            if write_first and not node.on_disk and not node.device_pools:
-                self.disk.write(node, then_drop_host=True)
+                return freed
+            if not node.on_disk and self.disk.enabled:
+                later.append(node)
                 continue
-            self._core.misses.evicted(node, Tier.HOST)
-            pages = self.tree.drop(node, Tier.HOST)
-            self.host_alloc.free(pages)
-            freed += len(pages)
+            freed += self._drop_host(node)
+        for node in later:
+            if freed >= num_pages:
+                break
+            if not (self.tree.is_live(node) and self.tree.is_evictable(node, Tier.HOST)):
+                continue
+            if self._write_before_drop(node):
+                self.disk.write(node, then_drop_host=True)
+            else:
+                freed += self._drop_host(node)
         return freed
+
+    def _write_before_drop(self, node: Node) -> bool:
+        """Must ``node``'s host copy reach disk before it goes? Under ``write_through``
+        to disk it should be there already (its write was deferred): yes. Under
+        ``write_back``: when no device holds it either."""
+        if node.on_disk or not self.disk.enabled:
+            return False
+        return self.disk_policy.write_on_host or (self.disk_policy.write_before_drop and not node.device_pools)
+
+    def _drop_host(self, node: Node) -> int:
+        self._core.misses.evicted(node, Tier.HOST)
+        pages = self.tree.drop(node, Tier.HOST)
+        self.host_alloc.free(pages)
+        return len(pages)
 
     def evict(self, tier: Tier, num_pages: int, pool_id: PoolId | None = None) -> int:
         """Evict from one tier on request; returns the pages freed now."""
@@ -433,6 +457,21 @@ class TierManager:
         """Backups waiting for room in the host tier."""
         return len(self._backups.deferred)
 
+    def queues(self) -> dict[str, tuple[int, int | None]]:
+        """The queues between the tiers: name -> (pages in it, its bound or None).
+        ``backup_deferred`` / ``disk_write_deferred``: work waiting for room (retried,
+        never dropped while the page is cached); ``host_staging``: host pages reserved
+        by backups and disk reads landing; ``disk_write``: pages written and not yet
+        committed."""
+        tree = self.tree
+        deferred = sum(n.num_pages for i in self._backups.deferred if (n := tree.find(i)) is not None)
+        return {
+            "backup_deferred": (deferred, None),
+            "host_staging": (self._core.host_staging, self.host_alloc.capacity),
+            "disk_write": (self.disk.pending, self.disk.write_limit if self.disk.enabled else None),
+            "disk_write_deferred": (self.disk.deferred_writes(), None),
+        }
+
     def persist(self) -> int:
         """Start writing every host page that has no disk record yet (a draining daemon
         keeps what it can); returns the pages queued."""
@@ -448,7 +487,8 @@ class TierManager:
                 self.poll(0.01)
             # Deferred backups that fit now start; those that still do not (host pages
             # held by locks) are left for later: they are not in flight.
-            if not (self._backups.deferred and self._backups.retry()):
+            started = (self._backups.retry() if self._backups.deferred else 0) + self.disk.retry_writes()
+            if not started:
                 break
         self.disk.flush()
 

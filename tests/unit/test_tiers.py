@@ -501,3 +501,53 @@ def test_write_through_under_a_full_host_tier_defers_backups_and_loses_nothing(t
         tm.close()
         store.close()
         engine.close()
+
+
+def test_a_slow_disk_writer_defers_writes_within_its_bound_and_loses_nothing(tmp_path):
+    """A disk four times slower than the traffic: the writer's queue never holds more
+    than its bound (the host tier keeps room), writes over it are deferred and counted,
+    host eviction writes a page before it drops it, every page stays cached somewhere
+    after every step, and after a flush every page is on disk with its bytes."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import SlowStore
+
+    engine = Engine(num_pages=24)
+    store = SlowStore(LmdbBackend(tmp_path / "lmdb", capacity_bytes=1024 * SPEC.host_page_bytes), 0.01)
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=12, storage=store, metrics=metrics, config=TierConfig(disk_write_backlog=4))
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+    written = []
+    try:
+        assert tm.queues()["disk_write"] == (0, 4)
+        for i in range(30):
+            toks = tokens(1000 * i, 2)
+            new = tm.alloc(0, 2)
+            while new is None:  # device pages come back as backups land: backpressure
+                tm.poll(0.005)
+                new = tm.alloc(0, 2)
+            engine.compute(NS, toks, new)
+            tm.insert(NS, toks, 0, new)
+            written.append(toks)
+            tm.poll()
+            tm.check_invariants()
+            queued, bound = tm.queues()["disk_write"]
+            assert queued <= bound
+            for earlier in written:  # cached somewhere: the whole prompt still matches
+                assert tm.match(NS, earlier, 0).match.num_tokens == len(earlier)
+        assert metrics.registry.get_sample_value("hicache_disk_writes_deferred_total") > 0
+        assert store.max_in_flight * 2 <= 4  # (each put here is one node of two pages)
+        tm.flush()
+        tm.check_invariants()
+        assert tm.queues()["disk_write_deferred"] == (0, None)
+        assert disk_pages(tm) == 60 and store.stats().records == 60
+        buffer = np.empty(SPEC.host_page_bytes, dtype=np.uint8)
+        for toks in written:
+            for key in page_keys(NS, toks, PS):
+                assert store.get([key], [buffer], fingerprint=SPEC.fingerprint) == [True]
+                assert buffer.tobytes() == expected_page(key)
+    finally:
+        tm.close()
+        store.close()
+        engine.close()

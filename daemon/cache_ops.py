@@ -64,19 +64,25 @@ class CacheOps:
 
     def _account_match(self, session: Session, namespace: NamespaceId, tokens: bytes, hit: Hit | None,
                        sharing_off: bool) -> None:
-        """Matched tokens by tier; the rest of the request as missed, with the reason
-        for its first missing page."""
+        """Device tokens served; what a load could not deliver now as missed
+        (``no_room``); the rest of the request as missed, with the reason for its first
+        missing page."""
         num_tokens = len(tokens) // TOKEN_BYTES
         if hit is None or hit.match.node is None:
             self.metrics.missed("never_stored" if sharing_off else "namespace_unknown", num_tokens)
             return
         m = hit.match
         ps = m.page_size
-        self.metrics.matched(m.num_device_pages * ps, m.num_host_pages * ps, m.num_disk_pages * ps)
-        missing = num_tokens - m.num_tokens
+        # Device pages are served now; host and disk pages count once a load delivers
+        # them (the tier manager counts those).
+        self.metrics.matched(m.num_device_pages * ps, 0, 0)
+        full = hit.unclipped or m
+        if full is not m:
+            self.metrics.missed("no_room", (full.num_pages - m.num_pages) * ps)
+        missing = num_tokens - full.num_tokens
         if not missing:
             return
-        reason = session.manager.why_missed(namespace, tokens, m)
+        reason = session.manager.why_missed(namespace, tokens, full)
         self.metrics.missed(reason, missing)
 
     def _match_reply(self, session: Session, hit: Hit | None) -> p.MatchReply:

@@ -16,16 +16,26 @@ hicache_requests_total                          op, status (``OK`` or an error c
                                                 op ``loop``, status ``DROPPED``: a step
                                                 the loop dropped)
 hicache_request_duration_seconds (histogram)    op
-hicache_matched_tokens_total                    tier (device, host, disk)
+hicache_matched_tokens_total                    tier (device, host, disk): tokens served
+                                                from the cache — device pages when a
+                                                match hands them out, host / disk pages
+                                                when a load has delivered them
 hicache_missed_tokens_total                     reason (never_stored, evicted_device,
                                                 evicted_host, evicted_disk,
                                                 namespace_unknown, corrupt_record,
-                                                load_failed)
+                                                load_failed, no_room: cached, but no
+                                                room to load it now)
+hicache_load_short_tokens_total                 — (tokens a match reported on host / disk
+                                                that the load could not bring)
 hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_disk,
                                                 disk_to_host)
 hicache_transfer_duration_seconds (histogram)   direction
 hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
+hicache_pages_dropped_total                     tier (device, host, disk): pages that left
+                                                the cache from their last tier — disk: the
+                                                disk tier's capacity; device / host: never
+                                                written to disk (lost, under write-through)
 hicache_backups_deferred_total                  — (device -> host backups the host tier
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
@@ -68,7 +78,7 @@ DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
-                "corrupt_record", "load_failed")
+                "corrupt_record", "load_failed", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "decode")
@@ -92,6 +102,7 @@ class Metrics:
         self.latency_sum: dict[str, float] = dict.fromkeys(OPS, 0.0)
         self.matched_tokens: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.missed_tokens: dict[str, int] = dict.fromkeys(MISS_REASONS, 0)
+        self.short_tokens = 0
         r.register(_RequestCollector(self))
         self.transfer_bytes = Counter("hicache_transfer_bytes", "Bytes moved between tiers, by direction",
                                       ["direction"], registry=r)
@@ -102,6 +113,9 @@ class Metrics:
                                              "Time from the start of a load's copies until layer 0 is usable",
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.evicted_pages = Counter("hicache_evicted_pages", "Pages evicted, by tier", ["tier"], registry=r)
+        self.dropped_pages = Counter("hicache_pages_dropped",
+                                     "Pages that left the cache from their last tier, by that tier", ["tier"],
+                                     registry=r)
         self.backups_deferred = Counter("hicache_backups_deferred",
                                         "Backups the host tier had no room for yet (retried, not dropped)", registry=r)
         self.disk_writes_deferred = Counter(
@@ -110,6 +124,7 @@ class Metrics:
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
         for tier in TIERS:
             self.evicted_pages.labels(tier)
+            self.dropped_pages.labels(tier)
         for direction in DIRECTIONS:
             self.transfer_bytes.labels(direction)
             self.transfer_seconds.labels(direction)
@@ -143,6 +158,10 @@ class Metrics:
         if tokens:
             self.missed_tokens[reason] += tokens
 
+    def load_short(self, tokens: int) -> None:
+        """A load brought ``tokens`` fewer than the match had reported (owner thread)."""
+        self.short_tokens += tokens
+
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(num_bytes)
         self.transfer_seconds.labels(direction).observe(seconds)
@@ -153,6 +172,10 @@ class Metrics:
     def evicted(self, tier: Tier, num_pages: int) -> None:
         if num_pages:
             self.evicted_pages.labels(tier.label).inc(num_pages)
+
+    def dropped(self, tier: Tier, num_pages: int) -> None:
+        if num_pages:
+            self.dropped_pages.labels(tier.label).inc(num_pages)
 
     def backup_deferred(self) -> None:
         self.backups_deferred.inc()
@@ -181,9 +204,11 @@ class NullMetrics:
     def request(self, op: str, status: str, seconds: float) -> None: ...
     def matched(self, device: int, host: int, disk: int) -> None: ...
     def missed(self, reason: str, tokens: int) -> None: ...
+    def load_short(self, tokens: int) -> None: ...
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None: ...
     def first_layer(self, seconds: float) -> None: ...
     def evicted(self, tier: Tier, num_pages: int) -> None: ...
+    def dropped(self, tier: Tier, num_pages: int) -> None: ...
     def backup_deferred(self) -> None: ...
     def disk_write_deferred(self) -> None: ...
     def session_ended(self, reason: str) -> None: ...
@@ -214,13 +239,17 @@ class _RequestCollector:
             latency.add_metric([op], list(zip(bounds, cumulative)), sum_value=m.latency_sum.get(op, 0.0))
         yield latency
         for name, doc, label, values in (
-                ("hicache_matched_tokens", "Tokens found cached by match, by tier", "tier", m.matched_tokens),
+                ("hicache_matched_tokens", "Tokens served from the cache (device: by match; host, disk: by a "
+                 "load that delivered them), by tier", "tier", m.matched_tokens),
                 ("hicache_missed_tokens", "Tokens a match or load could not serve, by reason", "reason",
                  m.missed_tokens)):
             family = CounterMetricFamily(name, doc, labels=[label])
             for key, count in dict(values).items():
                 family.add_metric([key], count)
             yield family
+        yield CounterMetricFamily("hicache_load_short_tokens",
+                                  "Tokens a match reported on host or disk that the load could not bring",
+                                  value=m.short_tokens)
 
 
 class StateCollector:

@@ -116,9 +116,11 @@ class ClientEngine:
     def ns(self, extra_key: str = "") -> bytes:
         return namespace_id(SPEC.fingerprint, extra_key or None)
 
-    def prefill(self, tokens: list[int], extra_key: str = "") -> tuple:
+    def prefill(self, tokens: list[int], extra_key: str = "", *, wait_for_pages: bool = False) -> tuple:
         """match, lock, load, alloc, compute, insert, unlock: one request. Returns the
-        match and the insert's canonical pages, after checking every page's bytes."""
+        match and the insert's canonical pages, after checking every page's bytes.
+        ``wait_for_pages``: an allocation the daemon cannot serve yet (backpressure: its
+        pages wait for room below) is retried, as an engine's scheduler would."""
         ps = SPEC.page_size
         m = self.client.match(tokens, extra_key)
         self.client.lock(m.handle)
@@ -127,7 +129,12 @@ class ClientEngine:
             for layer in range(SPEC.num_layers):
                 self.client.wait_layer(loaded.wait, layer, timeout_s=30)
             self.engine.check(self.ns(extra_key), tokens, loaded.device_pages)
-            new = self.client.alloc(len(tokens) // ps - len(loaded.device_pages))
+            need = len(tokens) // ps - len(loaded.device_pages)
+            new = self.client.alloc(need)
+            deadline = time.monotonic() + 60
+            while new is None and wait_for_pages and time.monotonic() < deadline:
+                time.sleep(0.005)
+                new = self.client.alloc(need)
             assert new is not None, "the daemon had no pages"
             pages = np.concatenate((loaded.device_pages, new))
             self.engine.compute(self.ns(extra_key), tokens, pages)

@@ -20,9 +20,10 @@ def stored_run(store: StorageBackend, keys: Sequence[bytes]) -> int:
 
 class SlowStore:
     """A store whose writes are slowed on purpose: each ``put`` waits on one thread of
-    its own, ``delay_s`` first, then writes through the real store — a disk that cannot
-    keep up. ``max_in_flight`` is the most puts ever waiting at once. Everything else
-    goes straight to the real store."""
+    its own — for ``gate`` to be open (it starts open; ``close_gate`` holds every write
+    back), then ``delay_s`` — and then writes through the real store: a disk that
+    cannot keep up. ``max_pages_in_flight``: the most pages ever handed to ``put`` and
+    not yet written. Everything else goes straight to the real store."""
 
     def __init__(self, inner: StorageBackend, delay_s: float) -> None:
         import threading
@@ -32,25 +33,35 @@ class SlowStore:
         self._delay_s = delay_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="slow-store")
         self._lock = threading.Lock()
-        self.in_flight = 0
-        self.max_in_flight = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.pages_in_flight = 0
+        self.max_pages_in_flight = 0
         self.puts = 0
+
+    def close_gate(self) -> None:
+        self.gate.clear()
+
+    def open_gate(self) -> None:
+        self.gate.set()
 
     def put(self, records, *, fingerprint: bytes):
         import time
 
+        records = list(records)
         with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.pages_in_flight += len(records)
+            self.max_pages_in_flight = max(self.max_pages_in_flight, self.pages_in_flight)
             self.puts += 1
 
         def slow():
             try:
+                self.gate.wait()
                 time.sleep(self._delay_s)
                 return self._inner.put(records, fingerprint=fingerprint).result()
             finally:
                 with self._lock:
-                    self.in_flight -= 1
+                    self.pages_in_flight -= len(records)
 
         return self._thread.submit(slow)
 
@@ -59,6 +70,7 @@ class SlowStore:
         self._inner.flush()
 
     def close(self) -> None:
+        self.gate.set()
         self._thread.shutdown(wait=True)
         self._inner.close()
 

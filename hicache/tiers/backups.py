@@ -42,7 +42,14 @@ class Backups:
         if not path or (then_drop and path[-1] is not node):
             return False
         total = sum(n.num_pages for n in path)
-        host_pages = core.alloc_host(total)
+        # The allocation may evict host pages: not those of the ancestor this path hangs
+        # from (the copy would land below a parent with no host copy, and be thrown away).
+        anchor = path[0].parent
+        tree.pin(anchor)
+        try:
+            host_pages = core.alloc_host(total)
+        finally:
+            tree.unpin(anchor)
         if host_pages is None:
             if node.node_id not in self.deferred and total <= core.host_alloc.capacity:
                 self.deferred[node.node_id] = pool

@@ -30,11 +30,17 @@ class TierConfig:
     # Pages queued to the disk writer at most (written, not committed: their host pages
     # stay pinned meanwhile); 0: half the host tier.
     disk_write_backlog: int = 0
+    # Evicted page keys remembered for miss reasons (8 bytes each; see
+    # hicache.tiers.misses for the error bounds): the last quarter of this many
+    # evictions are reported exactly.
+    eviction_log_slots: int = 1 << 22
 
     def __post_init__(self) -> None:
         self.writes(), self.disk(), self.prefetch()  # each names a registered policy
         if self.write_threshold < 1 or self.prefetch_min_pages < 1 or self.counter_slots < 1:
             raise InvalidArgument("write_threshold, prefetch_min_pages and counter_slots must be >= 1")
+        if self.eviction_log_slots < 16:
+            raise InvalidArgument("eviction_log_slots must be >= 16")
         if self.disk_write_backlog < 0:
             raise InvalidArgument("disk_write_backlog must be >= 0 (0: half the host tier)")
         if self.prefetch_timeout_s < 0:

@@ -9,8 +9,9 @@ evicting allocation.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.jobs import Completions, Workers
 from hicache.pages import PageAllocator, PageIds
@@ -19,6 +20,9 @@ from hicache.spec import KVSpec
 from hicache.tiers.misses import MissReasons
 from hicache.tiers.transfers import InFlight, Transfer
 from hicache.tree import HiRadixTree, Node, Tier
+
+
+_READS_REMEMBERED = 1 << 16
 
 
 def _no_eviction(num_pages: int) -> PageIds | None:
@@ -38,12 +42,25 @@ class Core:
     misses: MissReasons
     host_staging: int = 0  # host pages reserved by transfers still landing
     alloc_host: Callable[[int], PageIds | None] = _no_eviction
+    # Nodes a disk read brought to host that no load has taken yet: a load counts their
+    # pages as disk hits (a match's prefetch reads them before the load asks).
+    read_from_disk: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def report(self, transfer: Transfer, num_pages: int | None = None) -> None:
         """A transfer's bytes and time, in the transfer metrics."""
         pages = transfer.num_pages if num_pages is None else num_pages
         seconds = time.perf_counter() - transfer.timing["submitted"]
         self.metrics.transfer(transfer.kind.value, pages * self.spec.host_page_bytes, seconds)
+
+    def note_read(self, node: Node) -> None:
+        self.read_from_disk[node.node_id] = None
+        if len(self.read_from_disk) > _READS_REMEMBERED:
+            self.read_from_disk.popitem(last=False)
+
+    def disk_pages_of(self, nodes: list[Node]) -> int:
+        """Pages of ``nodes`` a disk read brought to host for this load (forgotten now)."""
+        reads = self.read_from_disk
+        return sum(n.num_pages for n in nodes if reads.pop(n.node_id, 0) is None)
 
     def drop_host_if_evictable(self, node: Node) -> None:
         """Drop ``node``'s host copy if it may go now (a write-back that finished)."""

@@ -104,4 +104,5 @@ class DiskReader:
                 failed = True
                 continue
             tree.add_host(node, entry.dst)
+            core.note_read(node)
         transfer.finished()

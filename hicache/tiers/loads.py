@@ -37,6 +37,7 @@ class _Pending:
     segment: list[Node]  # nodes to bring to the device (the last one is locked)
     pages: np.ndarray  # reserved device pages for the segment
     future: Future
+    wanted: int  # pages of the requested node's path: what the match reported
     reads_left: int = 0
 
 
@@ -87,6 +88,8 @@ def end_load(core: Core, pool: DevicePoolState, transfer: Transfer, error: BaseE
     if error is None:
         pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
         core.report(transfer)
+        ps = core.spec.page_size  # delivered: these hits count now (see hicache.metrics)
+        core.metrics.matched(0, (transfer.num_pages - transfer.from_disk) * ps, transfer.from_disk * ps)
     else:
         logger.error("load into pool %s failed: %s", transfer.pool, error)
         core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
@@ -126,12 +129,13 @@ class Loads:
             if pages is not None:
                 break
             segment.pop()
+        wanted = sum(n.num_pages for n in path)
         if not segment:
-            future.set_result(self._device_only(pool, path[:device_len], node))
+            future.set_result(self._device_only(pool, path[:device_len], node, wanted))
             return future
         tree.lock(segment[-1], pool.pool_id)
         pool.staging += len(pages)
-        pending = _Pending(pool, segment, pages, future)
+        pending = _Pending(pool, segment, pages, future, wanted)
         from_disk = [n for n in segment if n.host_pages is None]
         reads = self.disk.read(from_disk) if from_disk else []
         if not reads:
@@ -178,7 +182,7 @@ class Loads:
             if to_load:
                 pool.allocator.free(pending.pages[:used])
             tree.unlock(hold, pool.pool_id)
-            pending.future.set_result(self._device_only(pool, path[:first], hold))
+            pending.future.set_result(self._device_only(pool, path[:first], hold, pending.wanted))
             return
         entries = []
         offset = 0
@@ -188,10 +192,11 @@ class Loads:
             tree.add_device(n, pool.pool_id, dst)
             entries.append(Entry(n, n.host_pages.astype(np.int64), dst.astype(np.int64)))
         # The lock taken at load() covers the whole segment; the transfer keeps it.
-        transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket)
+        transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket,
+                            from_disk=core.disk_pages_of(to_load))
         core.inflight.add(transfer)
         self._copy(pool, transfer)
-        pending.future.set_result(self._result(pool, path[:keep], used, path[keep - 1]))
+        pending.future.set_result(self._result(pool, path[:keep], used, path[keep - 1], pending.wanted))
 
     def _copy(self, pool: DevicePoolState, transfer: Transfer) -> None:
         copy_layers(self.core.spec.num_layers, pool, transfer, self._done)
@@ -214,12 +219,16 @@ class Loads:
                 self.on_timing(LoadTiming(transfer.num_pages, transfer.num_pages * core.spec.host_page_bytes,
                                           timing["start"], timing["first"], timing["last"]))
 
-    def _device_only(self, pool: DevicePoolState, device: list[Node], node: Node) -> LoadResult:
+    def _device_only(self, pool: DevicePoolState, device: list[Node], node: Node, wanted: int) -> LoadResult:
         """A load that brought nothing: the device part of ``node``'s path."""
         last = device[-1] if device else self.core.tree.root(node.namespace)
-        return self._result(pool, device, 0, last)
+        return self._result(pool, device, 0, last, wanted)
 
-    def _result(self, pool: DevicePoolState, nodes: list[Node], loaded: int, last: Node) -> LoadResult:
+    def _result(self, pool: DevicePoolState, nodes: list[Node], loaded: int, last: Node, wanted: int) -> LoadResult:
+        """The answer; what falls short of ``wanted`` pages is counted
+        (``hicache_load_short_tokens_total``)."""
         parts = [n.device_pages(pool.pool_id) for n in nodes]
         pages = np.concatenate(parts) if parts else np.empty(0, dtype=PAGE_ID_DTYPE)
+        if len(pages) < wanted:
+            self.core.metrics.load_short((wanted - len(pages)) * self.core.spec.page_size)
         return LoadResult(last, pages, loaded, self.core.inflight.tickets_on(last, pool.pool_id))

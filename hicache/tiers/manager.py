@@ -94,7 +94,7 @@ class TierManager:
         self.workers = Workers(self.completions, io_threads=self.config.io_threads)
         self._copy_workers = CpuCopyWorkers(self.config.copy_threads) if self.config.copy_threads > 1 else None
         self._core = Core(spec, self.tree, self.host_pool, self.host_alloc, self.metrics, self.completions,
-                          self.workers, inflight, MissReasons(self.metrics), alloc_host=self._host_alloc)
+                          self.workers, inflight, MissReasons(self.metrics, self.config.eviction_log_slots), alloc_host=self._host_alloc)
         self._inflight = inflight
         backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
         self.disk: DiskTier = (LocalDisk(self._core, storage, backlog)
@@ -105,6 +105,7 @@ class TierManager:
         self._loads = Loads(self._core, self.pools, self.disk, self._device_alloc)
         self._owned = OwnedTransfers(self._core, self.pools, self.disk, self.disk_policy)
         self._timers = Timers(clock)
+        self._host_room_tried: tuple[int, int] | None = None  # the host tier when backups were last retried
 
     @property
     def storage(self) -> StorageBackend | None:
@@ -253,10 +254,46 @@ class TierManager:
             node = self.writes.after_hit(result)
             if node is not None:
                 self._backups.backup(pool, node)
-        if result.num_disk_pages >= self.config.prefetch_min_pages:
-            self.disk.prefetch(result.node)
+        clipped = self._deliverable(result, pool)
+        if clipped.num_disk_pages >= self.config.prefetch_min_pages:
+            self.disk.prefetch(clipped.node)
         # (no transfer in flight, the common case: not even the call)
-        return Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id) if self._inflight else ())
+        wait = self._inflight.tickets_on(result.last_device_node, pool_id) if self._inflight else ()
+        return Hit(clipped, wait, None if clipped is result else result)
+
+    def _deliverable(self, result: MatchResult, pool: DevicePoolState) -> MatchResult:
+        """The part of ``result`` a load can deliver now, cut at a node boundary: its
+        host and disk part must fit in the pool's free and evictable pages (not for an
+        engine-owned pool: the engine brings the blocks), its disk part in the host
+        tier's free and evictable pages (it is staged there). ``result`` itself when all
+        of it fits (the common case: two O(1) counts)."""
+        extra = result.num_host_pages + result.num_disk_pages
+        if not extra:
+            return result
+        room = extra
+        if not pool.owned:
+            device = self.tree.sizes(Tier.DEVICE, pool.pool_id)
+            room = pool.allocator.num_free + max(0, device.evictable - result.num_device_pages)
+        if result.num_disk_pages:
+            host_room = self.host_alloc.num_free + self.tree.sizes(Tier.HOST).evictable
+            room = min(room, result.num_host_pages + host_room)
+        if room >= extra:
+            return result
+        node = last_host = result.last_device_node
+        host = disk = 0
+        for n in self.tree.path(result.node):
+            if n.device_pages(pool.pool_id) is not None:
+                continue  # (the device part: a prefix of the path)
+            if host + disk + n.num_pages > room:
+                break
+            if n.host_pages is not None:
+                host += n.num_pages
+                last_host = n
+            else:
+                disk += n.num_pages
+            node = n
+        return MatchResult(node, result.last_device_node, last_host, result.device_bytes, host, disk,
+                           result.page_size)
 
     def lookup(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit | Future:
         """:meth:`match` when the prefetch policy answers at once, else
@@ -270,6 +307,7 @@ class TierManager:
         ``wait_complete`` once the disk part is in host memory; ``timeout`` then, or
         after ``prefetch_timeout_s``, whichever comes first."""
         hit = self.match(namespace, tokens, pool_id)
+        pool = self.pools.get(pool_id)
         future: Future = Future()
         if not self.prefetch.waits or not hit.match.num_disk_pages or not self.disk.enabled:
             future.set_result(hit)
@@ -279,7 +317,9 @@ class TierManager:
         def answer() -> None:
             if not future.done():
                 result = self.tree.match(namespace, packed, pool_id, touch=False)
-                future.set_result(Hit(result, self._inflight.tickets_on(result.last_device_node, pool_id)))
+                clipped = self._deliverable(result, pool)
+                future.set_result(Hit(clipped, self._inflight.tickets_on(result.last_device_node, pool_id),
+                                      None if clipped is result else result))
 
         reads = [t for n in self.tree.path(hit.match.node) for t in self._inflight.on(n, Kind.DISK_READ)]
         answer_after(reads, answer, self.prefetch, self._timers)
@@ -436,9 +476,20 @@ class TierManager:
         ran = self.completions.drain(timeout_s)
         if ran and self.pools.any_retired():
             self.pools.reap(self._inflight.pools(), self.tree)
-        if ran and self._backups.deferred:  # (transfers that ended may have made host room)
-            ran += self._backups.retry()
+        if self._backups.deferred:
+            ran += self._retry_backups()
         return ran + self._timers.run_due()
+
+    def _retry_backups(self) -> int:
+        """Retry the deferred backups if the host tier changed since the last try (its
+        free or evictable pages: the owner of the completions may be the daemon, so a
+        transfer's end is not seen here). O(1) when nothing changed."""
+        room = (self.host_alloc.num_free, self.tree.sizes(Tier.HOST).evictable)
+        if room == self._host_room_tried:
+            return 0
+        started = self._backups.retry()
+        self._host_room_tried = (self.host_alloc.num_free, self.tree.sizes(Tier.HOST).evictable)
+        return started
 
     def wait(self, future: Future, timeout_s: float = 60.0):
         """Poll until ``future`` is done; return its result (tests and draining)."""
@@ -474,7 +525,10 @@ class TierManager:
 
     def persist(self) -> int:
         """Start writing every host page that has no disk record yet (a draining daemon
-        keeps what it can); returns the pages queued."""
+        keeps what it can), after starting the deferred backups that fit; returns the
+        pages queued to disk."""
+        if self._backups.deferred:
+            self._backups.retry()
         return self.disk.persist()
 
     def flush(self, timeout_s: float = 60.0) -> None:

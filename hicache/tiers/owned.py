@@ -139,6 +139,7 @@ class OwnedTransfers:
                 break
             loadable.append(n)
         if not loadable:
+            self._short(len(blocks), 0)
             future.set_result(LoadedInto(0, ()))
             return future
         hold = loadable[-1]
@@ -178,6 +179,10 @@ class OwnedTransfers:
             start = end
         return out
 
+    def _short(self, wanted: int, loaded: int) -> None:
+        if loaded < wanted:
+            self.core.metrics.load_short((wanted - loaded) * self.core.spec.page_size)
+
     def _start(self, pool: DevicePoolState, hold: Node, first: int, blocks: PageIds, future: Future) -> None:
         """The reads are done: load what is on host from ``first`` on, in order."""
         core = self.core
@@ -197,13 +202,14 @@ class OwnedTransfers:
         ticket = pool.counters.begin() if entries else None
         if ticket is None:  # nothing on host, or no free counter slot: nothing loads
             tree.unlock(hold, pool.pool_id)
-            if used:
-                core.metrics.missed("load_failed", used * core.spec.page_size)
+            self._short(len(blocks), 0)
             future.set_result(LoadedInto(0, ()))
             return
-        transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket)
+        transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket,
+                            from_disk=core.disk_pages_of([e.node for e in entries]))
         core.inflight.add(transfer)
         copy_layers(core.spec.num_layers, pool, transfer, self._done)
+        self._short(len(blocks), used)
         future.set_result(LoadedInto(used, (ticket,)))
 
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:

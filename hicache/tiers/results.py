@@ -10,10 +10,13 @@ from hicache.tree import MatchResult, Node
 
 
 class Hit(NamedTuple):
-    """A match, plus the tickets of loads still landing in its device part."""
+    """A match, plus the tickets of loads still landing in its device part.
+    ``unclipped``: the match as the tree had it, when more was cached than a load could
+    deliver now (``match`` is then the deliverable part)."""
 
     match: MatchResult
     wait: tuple[Ticket, ...]
+    unclipped: MatchResult | None = None
 
 
 class LoadResult(NamedTuple):

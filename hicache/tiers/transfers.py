@@ -46,6 +46,7 @@ class Transfer:
     waiters: list[Callable[[], None]] = field(default_factory=list)
     then_drop: set[int] = field(default_factory=set)  # node ids to drop from the source tier after
     timing: dict[str, float] = field(default_factory=dict)
+    from_disk: int = 0  # a load: how many of its pages were read from disk for it
 
     @property
     def num_pages(self) -> int:

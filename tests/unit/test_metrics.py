@@ -179,8 +179,18 @@ def test_daemon_requests_hits_misses_sessions_and_occupancy(engine, tmp_path):
     (manager,) = daemon.managers.values()
     manager.flush()
     manager.evict(Tier.DEVICE, 3, daemon.sessions[sid].pool_id)
-    daemon.handle(p.Match(id=7, session=sid, tokens=tokens))
+    reply = daemon.handle(p.Match(id=7, session=sid, tokens=tokens))
+    assert reply.host_pages == 3
+    # A host hit counts once a load has delivered it.
+    assert value(metrics, "hicache_matched_tokens_total", tier="host") == 0
+    daemon.handle(p.Lock(id=70, session=sid, node=reply.node))
+    loaded = daemon.handle(p.Load(id=71, session=sid, node=reply.node))
+    manager.flush()
+    assert loaded.result().loaded_pages == 3
     assert value(metrics, "hicache_matched_tokens_total", tier="host") == 3 * PS
+    assert value(metrics, "hicache_load_short_tokens_total") == 0
+    daemon.handle(p.Unlock(id=72, session=sid, node=reply.node))
+    manager.evict(Tier.DEVICE, 3, daemon.sessions[sid].pool_id)
     manager.evict(Tier.HOST, 3)
     daemon.handle(p.Match(id=8, session=sid, tokens=tokens))
     assert value(metrics, "hicache_missed_tokens_total", reason="evicted_host") == 3 * PS

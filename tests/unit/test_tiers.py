@@ -403,9 +403,10 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
     # records: a call every 2 of each.
     assert progress == [2, 4, 6, 8, 10] * 2 + [2, 4, 6] + [2, 4, 6, 8, 10] + [2, 4, 6] + [2, 4, 6, 8, 10]
     tm.check_invariants()
-    assert tm.match(NS, tokens(0, 2) + tokens(100, 3), 0).match.num_disk_pages == 5
-    assert tm.match(NS, tokens(0, 2) + tokens(200, 1), 0).match.num_disk_pages == 3
-    assert tm.match(NS, tokens(300, 4), 0).match.num_disk_pages == 1
+    # (the tree's match: the tier manager's reports only what its 4 host pages can stage)
+    assert tm.tree.match(NS, tokens(0, 2) + tokens(100, 3), 0).num_disk_pages == 5
+    assert tm.tree.match(NS, tokens(0, 2) + tokens(200, 1), 0).num_disk_pages == 3
+    assert tm.tree.match(NS, tokens(300, 4), 0).num_disk_pages == 1
     assert other not in tm.tree.namespaces()
     tm.close()
     gone = [r.key for r in broken[2:] + stray]
@@ -537,7 +538,7 @@ def test_a_slow_disk_writer_defers_writes_within_its_bound_and_loses_nothing(tmp
             for earlier in written:  # cached somewhere: the whole prompt still matches
                 assert tm.match(NS, earlier, 0).match.num_tokens == len(earlier)
         assert metrics.registry.get_sample_value("hicache_disk_writes_deferred_total") > 0
-        assert store.max_in_flight * 2 <= 4  # (each put here is one node of two pages)
+        assert store.max_pages_in_flight <= 4
         tm.flush()
         tm.check_invariants()
         assert tm.queues()["disk_write_deferred"] == (0, None)
@@ -547,6 +548,77 @@ def test_a_slow_disk_writer_defers_writes_within_its_bound_and_loses_nothing(tmp
             for key in page_keys(NS, toks, PS):
                 assert store.get([key], [buffer], fingerprint=SPEC.fingerprint) == [True]
                 assert buffer.tobytes() == expected_page(key)
+    finally:
+        tm.close()
+        store.close()
+        engine.close()
+
+
+def test_a_match_reports_only_what_a_load_can_deliver_and_loads_count_what_they_delivered(tmp_path):
+    """Five pages on disk (two nodes: 2 pages, then 3), a host tier of six of which a
+    locked prompt holds three: the match reports the first node only (its disk part
+    must be staged on host; clipped at a node boundary) and keeps the tree's answer
+    aside; a load of it delivers exactly that, counted as disk hits once the copies
+    land. With room again the whole path is reported; a load that then falls short
+    (the engine took every device page) is counted as short, not as a hit."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    engine = Engine(num_pages=16)
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=6, storage=store, metrics=metrics)
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+    value = metrics.registry.get_sample_value
+
+    def prefill_and_settle(toks):
+        hit = tm.match(NS, toks, 0).match
+        new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+        pages = np.concatenate((hit.device_pages, new))
+        engine.compute(NS, toks, pages)
+        node = tm.insert(NS, toks, 0, pages).node
+        tm.flush()
+        return node
+
+    try:
+        first, second = tokens(0, 2), tokens(0, 2) + tokens(100, 3)
+        prefill_and_settle(first)
+        prefill_and_settle(second)
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 6)
+        tm.flush()
+        assert tm.tree.sizes(Tier.HOST).cached == 0 and tm.tree.sizes(Tier.DISK).cached == 5
+        other = prefill_and_settle(tokens(500, 3))
+        tm.lock(other, 0)  # three host pages nobody may evict
+        hit = tm.match(NS, second, 0)
+        assert hit.unclipped.num_disk_pages == 5
+        assert hit.match.num_disk_pages == 2 and hit.match.num_tokens == 2 * PS
+        tm.lock(hit.match.node, 0)
+        loaded = tm.wait(tm.load(hit.match.node, 0))
+        tm.flush()
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        engine.check(NS, first, loaded.device_pages)
+        assert value("hicache_matched_tokens_total", {"tier": "disk"}) == 2 * PS
+        assert value("hicache_load_short_tokens_total") == 0
+        tm.unlock(hit.match.node, 0)
+        tm.check_invariants()
+        # Room for the rest now (the first node on device, host room to stage the
+        # second): all of it is reported.
+        hit = tm.match(NS, second, 0)
+        assert hit.unclipped is None and hit.match.num_device_pages + hit.match.num_disk_pages == 5
+        # The engine takes every free device page meanwhile: the load falls short.
+        held = tm.alloc(0, tm.pools.get(0).allocator.num_free)
+        tm.lock(hit.match.node, 0)
+        loaded = tm.wait(tm.load(hit.match.node, 0))
+        tm.flush()
+        assert len(loaded.device_pages) == 2 and loaded.num_loaded_pages == 0
+        assert value("hicache_load_short_tokens_total") == 3 * PS
+        assert value("hicache_matched_tokens_total", {"tier": "disk"}) == 2 * PS  # nothing more delivered
+        tm.unlock(hit.match.node, 0)
+        tm.unlock(other, 0)
+        tm.release(0, held)
+        tm.check_invariants()
     finally:
         tm.close()
         store.close()

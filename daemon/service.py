@@ -52,6 +52,10 @@ __all__ = ["LOCAL", "Daemon", "PeerCreds"]
 
 logger = logging.getLogger(__name__)
 
+# Transfer completions run per loop turn at most: each is O(nodes) to O(pages of one
+# transfer), so a request arriving behind a backlog waits for one slice, not for all.
+COMPLETIONS_PER_POLL = 32
+
 
 def _as_error(exc: BaseException) -> HicacheError:
     """What a request that raised ``exc`` is answered with (never INTERNAL for what is
@@ -310,9 +314,11 @@ class Daemon:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Run transfer completions and timers, expire leases, answer idle waiters, and
         take a slice of a background rebuild."""
-        ran = self.completions.drain(timeout_s)
+        # A slice of the completions per turn: the loop answers requests between slices
+        # (next_deadline says "now" while some are left).
+        ran = self.completions.drain(timeout_s, COMPLETIONS_PER_POLL)
         for manager in self.managers.values():
-            ran += manager.poll(0)
+            ran += manager.poll(0, limit=0)
         self.sessions.expire()
         now = self.clock()
         if now >= self._next_snapshot:
@@ -333,8 +339,8 @@ class Daemon:
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's
         timer), if ever."""
-        if self.specs.rebuilding:
-            return self.clock()  # a rebuild's next slice
+        if self.specs.rebuilding or self.completions.pending:
+            return self.clock()  # a rebuild's next slice, the next slice of completions
         due = [self.sessions.next_lease_check] if self.sessions else []
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
         return min(due, default=None)

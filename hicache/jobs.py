@@ -37,11 +37,18 @@ class Completions:
         if self._wakeup is not None:
             self._wakeup()
 
-    def drain(self, timeout_s: float = 0.0) -> int:
-        """Run every queued callback on this (the owner) thread; if none is queued, wait
-        up to ``timeout_s`` for one. Returns how many ran."""
+    @property
+    def pending(self) -> bool:
+        """Callbacks are waiting for the owner thread."""
+        return not self._queue.empty()
+
+    def drain(self, timeout_s: float = 0.0, limit: int | None = None) -> int:
+        """Run the queued callbacks on this (the owner) thread — at most ``limit`` of
+        them (``None``: all), so that a caller serving requests between slices never
+        keeps one waiting behind a backlog; if none is queued, wait up to ``timeout_s``
+        for one. Returns how many ran."""
         ran = 0
-        if timeout_s <= 0 and self._queue.empty():
+        if limit == 0 or (timeout_s <= 0 and self._queue.empty()):
             return 0  # the usual case on every loop turn: no exception raised and caught
         try:
             fn = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
@@ -50,6 +57,8 @@ class Completions:
         while True:
             fn()
             ran += 1
+            if ran == limit:
+                return ran
             try:
                 fn = self._queue.get_nowait()
             except queue.Empty:
@@ -68,13 +77,15 @@ class Completions:
 
 
 class Workers:
-    """A FIFO copy thread (transfers complete in submission order) and a few I/O
-    threads (storage reads), both reporting through :class:`Completions`."""
+    """A FIFO copy thread (transfers complete in submission order), a few I/O threads
+    (storage reads) and a FIFO thread that prepares storage writes, all reporting
+    through :class:`Completions`."""
 
     def __init__(self, completions: Completions, *, io_threads: int = 2) -> None:
         self.completions = completions
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="hicache-transfer")
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-io")
+        self._prepare = ThreadPoolExecutor(1, thread_name_prefix="hicache-write-prep")
 
     def copy(self, work: Callable[[], T], done: Done) -> None:
         self.completions.forward(self._copy.submit(work), done)
@@ -82,6 +93,24 @@ class Workers:
     def io(self, work: Callable[[], T], done: Done) -> None:
         self.completions.forward(self._io.submit(work), done)
 
+    def write(self, submit: Callable[[], Future], done: Done) -> None:
+        """Run ``submit`` on the write-preparation thread (in order): it builds the
+        records and hands them to the store, returning the store's future; ``done``
+        is posted with that future's outcome (or with what ``submit`` raised). The
+        per-page work of a write — records, buffer views, metadata — stays off the
+        owner thread."""
+
+        def run() -> None:
+            try:
+                stored = submit()
+            except BaseException as exc:  # noqa: BLE001 - reported through done
+                self.completions.post(lambda: done(None, exc))
+                return
+            self.completions.forward(stored, done)
+
+        self._prepare.submit(run)
+
     def close(self) -> None:
+        self._prepare.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._io.shutdown(wait=True)

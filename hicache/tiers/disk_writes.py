@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.keys import PAGE_KEY_BYTES
 from hicache.storage.base import PageMeta, PageRecord, StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
@@ -56,17 +57,13 @@ class DiskWriter:
         self.deferred.pop(node.node_id, None)
         if not self.disk.room(total):
             return False
-        records = []
+        # Only O(nodes) here; the records (O(pages)) are built on the write-preparation
+        # thread from what the path holds now — its host pages stay pinned until done.
         entries = []
+        parts = []
         for n in path:
             host = n.host_pages.astype(np.int64)
-            parent = n.parent.last_page_key
-            page_bytes = len(n.key) // n.num_pages
-            for i in range(n.num_pages):
-                key = n.page_key(i)
-                meta = PageMeta(n.namespace, parent, n.key[i * page_bytes : (i + 1) * page_bytes])
-                records.append(PageRecord(key, core.host_pool.page(int(host[i])), meta))
-                parent = key
+            parts.append((n.namespace, n.parent.last_page_key, n.key, n.page_keys, n.num_pages, host))
             entries.append(Entry(n, host, host))
         hold = path[-1]
         tree.pin(hold)
@@ -75,8 +72,12 @@ class DiskWriter:
             transfer.then_drop.add(node.node_id)
         core.inflight.add(transfer)
         self.pending += total
-        future = self.storage.put(records, fingerprint=core.spec.fingerprint)
-        core.completions.forward(future, lambda result, error: self._done(transfer, result, error))
+        storage, fingerprint, host_pool = self.storage, core.spec.fingerprint, core.host_pool
+
+        def submit():
+            return storage.put(_records(parts, host_pool), fingerprint=fingerprint)
+
+        core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
         return True
 
     def _done(self, transfer: Transfer, result, error: BaseException | None) -> None:
@@ -121,3 +122,17 @@ class DiskWriter:
     def deferred_pages(self) -> int:
         tree = self.core.tree
         return sum(n.num_pages for node_id in self.deferred if (n := tree.find(node_id)) is not None)
+
+
+def _records(parts, host_pool) -> list[PageRecord]:
+    """The store's records for a path's nodes: ``(namespace, parent key, tokens, page
+    keys, pages, host page ids)`` each (write-preparation thread)."""
+    records = []
+    for namespace, parent, tokens, page_keys, num_pages, host in parts:
+        page_bytes = len(tokens) // num_pages
+        for i in range(num_pages):
+            key = page_keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES]
+            meta = PageMeta(namespace, parent, tokens[i * page_bytes : (i + 1) * page_bytes])
+            records.append(PageRecord(key, host_pool.page(int(host[i])), meta))
+            parent = key
+    return records

@@ -471,9 +471,10 @@ class TierManager:
         """:meth:`rebuild_from_storage` as a generator of the records done so far."""
         return self.disk.rebuild_steps(every)
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Run completed transfers' callbacks and due timers (owner thread)."""
-        ran = self.completions.drain(timeout_s)
+    def poll(self, timeout_s: float = 0.0, limit: int | None = None) -> int:
+        """Run completed transfers' callbacks (at most ``limit``; 0: none, for an owner
+        that drains them itself) and due timers (owner thread)."""
+        ran = self.completions.drain(timeout_s, limit)
         if ran and self.pools.any_retired():
             self.pools.reap(self._inflight.pools(), self.tree)
         if self._backups.deferred:

@@ -104,7 +104,7 @@ class Workers:
             try:
                 stored = submit()
             except BaseException as exc:  # noqa: BLE001 - reported through done
-                self.completions.post(lambda: done(None, exc))
+                self.completions.post(lambda error=exc: done(None, error))
                 return
             self.completions.forward(stored, done)
 

@@ -623,3 +623,40 @@ def test_a_match_reports_only_what_a_load_can_deliver_and_loads_count_what_they_
         tm.close()
         store.close()
         engine.close()
+
+
+def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_clean(tmp_path):
+    """A put that raises (on the write-preparation thread) reaches the writer as a
+    failed write: nothing is marked on disk, its pin and queue room are given back, the
+    pages stay cached on host, and the next write goes through."""
+    from hicache.errors import StorageUnavailable
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    class Refusing:
+        def __init__(self, inner):
+            self.inner, self.refuse = inner, True
+
+        def put(self, records, *, fingerprint):
+            if self.refuse:
+                raise StorageUnavailable("the disk is gone")
+            return self.inner.put(records, fingerprint=fingerprint)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    engine = Engine(num_pages=16)
+    store = Refusing(LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes))
+    tm, _ = make_tm(engine, host_pages=12, storage=store)
+    try:
+        result = prefill(tm, engine, tokens(100, 3))
+        settle(tm)
+        assert not result.node.on_disk and result.node.host_pages is not None
+        assert tm.queues()["disk_write"][0] == 0 and disk_pages(tm) == 0
+        store.refuse = False
+        prefill(tm, engine, tokens(100, 3) + tokens(500, 2))
+        settle(tm)
+        assert disk_pages(tm) == 5 and store.stats().records == 5
+    finally:
+        tm.close()
+        store.close()
+        engine.close()

@@ -270,9 +270,20 @@ class Daemon:
                              sessions=len(self.sessions), uptime_s=self.clock() - self.started, version=__version__)
 
     def _flush(self, m: p.Flush) -> Future:
+        started = self.clock()
+        written = sum(manager.disk.committed for manager in self.managers.values())
         for manager in self.managers.values():
             manager.persist()
-        return self.when_idle(lambda: p.Ok(id=m.id))
+
+        def reply() -> p.FlushReply:
+            totals = Counter()
+            for manager in self.managers.values():
+                totals.update(manager.durability())
+            return p.FlushReply(id=m.id, written_pages=totals["written_pages"] - written,
+                                on_disk_pages=totals["on_disk_pages"], not_on_disk_pages=totals["not_on_disk_pages"],
+                                deferred_backups=totals["deferred_backups"], seconds=self.clock() - started)
+
+        return self.when_idle(reply)
 
     def _check(self, m: p.Check) -> p.Ok:
         """Every structure's invariants; a broken one is answered as an INTERNAL error
@@ -356,12 +367,21 @@ class Daemon:
         for manager in self.managers.values():
             manager.persist()
         self._flush_all(deadline)
+        for fingerprint, manager in self.managers.items():
+            figures = manager.durability()
+            logger.info("drained spec %s: %d pages on disk, %d written in all, %d cached only on device / host "
+                        "(lost at exit), %d backups deferred", fingerprint.hex()[:12], figures["on_disk_pages"],
+                        figures["written_pages"], figures["not_on_disk_pages"], figures["deferred_backups"])
 
     def _flush_all(self, deadline: float) -> None:
+        def progress(writing: int, deferred: int) -> None:
+            logger.info("draining: %d pages being written, %d more waiting", writing, deferred)
+            self.keepalive(0)
+
         for manager in self.managers.values():
             remaining = max(0.0, deadline - self.clock())
             try:
-                manager.flush(timeout_s=remaining)
+                manager.flush(timeout_s=remaining, progress=progress)
             except TimeoutError:
                 logger.warning("drain timed out with transfers in flight")
 

@@ -722,8 +722,13 @@ class CacheClient:
     def health(self) -> p.HealthReply:
         return self._admin(p.Health(id=0))
 
-    def flush(self, timeout_s: float = 120.0) -> None:
-        self._admin(p.Flush(id=0), timeout_s=timeout_s)
+    def flush(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait until every host page is on disk (per the disk policy) and nothing is in
+        flight; returns what the flush wrote and what is (not) durable now:
+        ``written_pages``, ``on_disk_pages``, ``not_on_disk_pages``,
+        ``deferred_backups``, ``seconds``."""
+        figures = p.as_dict(self._admin(p.Flush(id=0), timeout_s=timeout_s))
+        return {k: v for k, v in figures.items() if k not in ("op", "id")}
 
     def check(self) -> None:
         """Run the daemon's invariant checks; raises :class:`RemoteError` if one fails."""

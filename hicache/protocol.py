@@ -293,6 +293,16 @@ class Ok(_Reply, tag="ok"):
     pass
 
 
+class FlushReply(_Reply, tag="flushed"):
+    """``flush`` is done: what it wrote, and what is (not) durable now (every spec)."""
+
+    written_pages: int  # pages that reached disk while the flush ran
+    on_disk_pages: int
+    not_on_disk_pages: int  # cached on device / host only: a crash loses them
+    deferred_backups: int  # backups still waiting for host room
+    seconds: float
+
+
 class HelloReply(_Reply, tag="hello"):
     session: int
     version: int
@@ -418,7 +428,7 @@ class HealthReply(_Reply, tag="health"):
 
 
 Reply = Union[
-    Error, Ok, HelloReply, RegisterReply, MatchReply, MatchManyReply, LoadReply, AllocReply,
+    Error, Ok, FlushReply, HelloReply, RegisterReply, MatchReply, MatchManyReply, LoadReply, AllocReply,
     InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply,
 ]
 

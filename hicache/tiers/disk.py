@@ -46,6 +46,10 @@ class DiskTier(Protocol):
     def retry_writes(self) -> int:
         """Start the deferred writes the queue has room for; returns how many started."""
 
+    @property
+    def committed(self) -> int:
+        """Pages that reached the disk tier, ever."""
+
     def read(self, nodes: list[Node]) -> list[Transfer]: ...
 
     def prefetch(self, node: Node) -> None: ...
@@ -74,6 +78,7 @@ class NoDisk:
         return False
 
     write_limit = 0
+    committed = 0
 
     def deferred_writes(self) -> int:
         return 0
@@ -137,6 +142,10 @@ class LocalDisk:
     def retry_writes(self) -> int:
         return self._writer.retry() if self._writer.deferred else 0
 
+    @property
+    def committed(self) -> int:
+        return self._writer.committed
+
     def read(self, nodes: list[Node]) -> list[Transfer]:
         return self._reader.read(nodes)
 
@@ -165,12 +174,15 @@ class LocalDisk:
         for node in core.tree.iter_evictable(Tier.DISK):
             if freed >= num_pages:
                 break
-            core.misses.evicted(node, Tier.DISK)
-            keys = node.page_key_list()
-            core.tree.drop(node, Tier.DISK)
-            self.storage.delete(keys)
-            freed += len(keys)
+            freed += self._drop(node)
         return freed
+
+    def _drop(self, node: Node) -> int:
+        self.core.misses.evicted(node, Tier.DISK)
+        keys = node.page_key_list()
+        self.core.tree.drop(node, Tier.DISK)
+        self.storage.delete(keys)
+        return len(keys)
 
     def forget_keys(self, keys: Iterable[bytes]) -> None:
         """The store dropped these records on its own: forget them (and what hangs

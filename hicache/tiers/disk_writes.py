@@ -35,6 +35,7 @@ class DiskWriter:
         self.disk = disk
         self.limit = max(1, limit)  # pages queued (written, not committed) at most
         self.pending = 0  # pages written and not committed yet
+        self.committed = 0  # pages that reached the disk tier, ever
         self.deferred: OrderedDict[int, bool] = OrderedDict()  # node id -> then_drop_host: over the bound
 
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool:
@@ -95,6 +96,7 @@ class DiskWriter:
             if (error is None and tree.is_live(node) and not node.on_disk
                     and (node.parent.is_root or node.parent.on_disk)):
                 tree.add_disk(node)
+                self.committed += node.num_pages
         if result is not None and result.evicted:
             self.disk.on_store_evicted(result.evicted)
         for entry in transfer.entries:

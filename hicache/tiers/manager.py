@@ -146,6 +146,10 @@ class TierManager:
     def num_nodes(self) -> int:
         return len(self.tree)
 
+    def num_cached_pages(self) -> int:
+        """Distinct pages in the tree, in whatever tiers (O(nodes): for stats)."""
+        return sum(n.num_pages for n in self.tree.nodes())
+
     def register_pool(self, pool_id: PoolId, ranks: list[DevicePool]) -> LayerCounters:
         """Adopt an engine's device pool (one :class:`DevicePool` per TP rank, in rank
         order). Returns the pool's layer counters, whose handle goes to the engine."""
@@ -509,6 +513,15 @@ class TierManager:
         """Backups waiting for room in the host tier."""
         return len(self._backups.deferred)
 
+    def durability(self) -> dict[str, int]:
+        """What is on disk and what is not (O(nodes): for ``flush`` and drain):
+        ``written_pages`` (pages that reached the disk tier, ever), ``on_disk_pages``,
+        ``not_on_disk_pages`` (cached on device or host only: a crash loses them — by
+        policy, or while their backup or write waits for room), ``deferred_backups``."""
+        missing = sum(n.num_pages for n in self.tree.nodes() if not n.on_disk) if self.disk.enabled else 0
+        return {"written_pages": self.disk.committed, "on_disk_pages": self.tree.sizes(Tier.DISK).cached,
+                "not_on_disk_pages": missing, "deferred_backups": len(self._backups.deferred)}
+
     def queues(self) -> dict[str, tuple[int, int | None]]:
         """The queues between the tiers: name -> (pages in it, its bound or None).
         ``backup_deferred`` / ``disk_write_deferred``: work waiting for room (retried,
@@ -532,13 +545,21 @@ class TierManager:
             self._backups.retry()
         return self.disk.persist()
 
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Wait until no transfer is in flight and storage has committed everything."""
+    def flush(self, timeout_s: float = 60.0, progress: Callable[[int, int], None] | None = None,
+              every_s: float = 2.0) -> None:
+        """Wait until no transfer is in flight and storage has committed everything.
+        ``progress(pages being written, pages of writes deferred)`` is called every
+        ``every_s`` while it waits (a draining daemon logs it)."""
         deadline = time.monotonic() + timeout_s
+        report_at = time.monotonic() + every_s
         while True:
             while not self.idle():
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError("transfers still in flight")
+                if progress is not None and now >= report_at:
+                    progress(self.disk.pending, self.disk.deferred_writes())
+                    report_at = now + every_s
                 self.poll(0.01)
             # Deferred backups that fit now start; those that still do not (host pages
             # held by locks) are left for later: they are not in flight.

@@ -116,10 +116,13 @@ def test_a_disk_slower_than_the_traffic_degrades_explicitly_and_loses_nothing(sl
         # Nothing left the cache but from disk; everything is on disk after a flush.
         assert value("hicache_pages_dropped_total", {"tier": "device"}) == 0
         assert value("hicache_pages_dropped_total", {"tier": "host"}) == 0
-        first.client.flush()
+        flushed = first.client.flush()
         first.client.check()
         unique = len({tuple(t[: (k + 1) * PS]) for t in prompts for k in range(len(t) // PS)})
         assert store.stats().records == unique
+        # The flush says so: everything durable, nothing waiting.
+        assert flushed["on_disk_pages"] == unique and flushed["not_on_disk_pages"] == 0
+        assert flushed["deferred_backups"] == 0 and flushed["written_pages"] >= 0
         for tokens in prompts:  # every page of every prompt, with its chain
             keys = page_keys(namespace_id(SPEC.fingerprint), tokens, PS)
             assert stored_run(store, keys) == len(keys)

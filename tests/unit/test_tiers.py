@@ -660,3 +660,34 @@ def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_cl
         tm.close()
         store.close()
         engine.close()
+
+
+def test_flush_reports_progress_while_writes_wait_and_durability_at_the_end(tmp_path):
+    """A flush behind a stopped disk reports (pages being written, pages waiting) as it
+    waits — a draining daemon logs those — and ``durability`` then says what is on disk
+    and what is cached only above it."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import SlowStore
+
+    engine = Engine(num_pages=16)
+    store = SlowStore(LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes), 0.0)
+    tm, _ = make_tm(engine, host_pages=12, storage=store, disk_write_backlog=2)
+    try:
+        store.close_gate()
+        for i in range(3):
+            prefill(tm, engine, tokens(1000 * i, 2))
+        reports = []
+
+        def progress(writing, waiting):
+            reports.append((writing, waiting))
+            if writing + waiting == 6:  # the backups have landed: every write queued or waiting
+                store.open_gate()
+
+        tm.flush(progress=progress, every_s=0.0)
+        assert (2, 4) in reports  # two pages at the writer's bound, four waiting
+        figures = tm.durability()
+        assert figures == {"written_pages": 6, "on_disk_pages": 6, "not_on_disk_pages": 0, "deferred_backups": 0}
+    finally:
+        tm.close()
+        store.close()
+        engine.close()

@@ -1,16 +1,24 @@
-"""Disk-tier benchmark: LmdbBackend vs one file per page (SGLang's file backend pattern).
+"""Disk-tier benchmark: LmdbBackend against the device's limit and against one file per
+page (SGLang's file backend pattern).
 
-For each page size (64 KiB and 1 MiB by default) it writes ``--mib`` MiB of pages into
-a fresh store, reads them straight back (page cache warm), then writes as many new
-pages into the now full store (``steady_put``: LMDB evicts its least recently used
-records, the file pattern deletes the oldest page's file for each new one — a disk tier
-in service runs full), through
+For each page size (64 KiB, 1 MiB and 2 MiB by default) it writes ``--mib`` MiB of pages
+into a fresh store, reads them straight back (page cache warm: ``get``), reads them
+again after dropping the store's file pages from the page cache (``cold_get``:
+``posix_fadvise(DONTNEED)``; LMDB is closed and reopened around it, since pages mapped
+into a process stay cached), then writes as many new pages into the now full store
+(``steady_put``: LMDB evicts its least recently used records, the file pattern deletes
+the oldest page's file for each new one, the raw file overwrites the oldest slots — a
+disk tier in service runs full), through
 
 * ``lmdb``: :class:`hicache.storage.lmdb_backend.LmdbBackend`, its real API: ``put`` of
   ``--batch`` records per call, all futures awaited (``flush``), then ``get`` of
   ``--batch`` keys per call into preallocated numpy page buffers (checksums verified);
 * ``file``: one file per page in a flat directory — write a temp file, ``os.replace``
-  it into place; read = ``open`` + ``readinto`` a preallocated buffer.
+  it into place; read = ``open`` + ``readinto`` a preallocated buffer;
+* ``raw``: the yardstick — one preallocated file, ``pwrite`` / ``preadv`` of the same
+  bytes at page offsets: what the disk and the page cache give with no store around
+  them. (Whether file creates are cheap on a VM varies several-fold between runs; the
+  raw file does not depend on it.)
 
 Both write the same bytes to a fresh temporary directory on disk (``--dir``; not a
 tmpfs), with no fsync (LMDB ``sync=False``; a process kill loses neither). Before each
@@ -21,10 +29,11 @@ are 10^6 bytes per second.
 
     python benchmarks/bench_storage.py [--mib 256] [--rounds 3] [--writemap] [--json]
 
-With ``--json`` the last line is one JSON object with ``lmdb_put_64k_mbps``,
-``file_put_64k_mbps``, ``put_64k_ratio``, ``lmdb_get_64k_mbps``, ``file_get_64k_mbps``,
-``get_64k_ratio`` and the same six for ``1m``, and the ``steady_put`` figures
-(``lmdb_steady_put_64k_mbps``, ``file_steady_put_64k_mbps``, ``steady_put_64k_ratio``, ...).
+With ``--json`` the last line is one JSON object with, per size (``64k``, ``1m``,
+``2m``) and op (``put``, ``get``, ``cold_get``, ``steady_put``), ``{lmdb,file,raw}_<op>_<size>_mbps``,
+``<op>_<size>_ratio`` (lmdb / file), and the ratios to the raw file:
+``put_vs_raw_<size>``, ``steady_put_vs_raw_<size>``, ``warm_get_vs_raw_<size>``,
+``cold_get_vs_raw_<size>`` (targets: each >= 0.8).
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ import numpy as np
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.storage.lmdb_backend import LmdbBackend
 
-SIZES = {"64k": 64 << 10, "1m": 1 << 20}
-# put into a fresh store, warm get, put into a store at capacity (each put evicts)
-OPS = ("put", "get", "steady_put")
+SIZES = {"64k": 64 << 10, "1m": 1 << 20, "2m": 2 << 20}
+# put into a fresh store, warm get, cold get, put into a store at capacity (each put evicts)
+OPS = ("put", "get", "cold_get", "steady_put")
+VARIANTS = ("lmdb", "file", "raw")
 FINGERPRINT = hashlib.blake2b(b"bench-spec", digest_size=16).digest()
 NAMESPACE = hashlib.blake2b(b"bench-namespace", digest_size=16).digest()
 NUM_SOURCE_PAGES = 64
@@ -88,6 +98,17 @@ def fresh_dir(root: str, name: str, prefault_mib: int) -> str:
     return path
 
 
+def drop_cached(paths: list[str]) -> None:
+    """Write back, then drop these files' pages from the page cache."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: list[np.ndarray], batch: int,
                args) -> tuple[float, float, float]:
     page_bytes = sources[0].nbytes
@@ -117,21 +138,32 @@ def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: li
     if args.max_batch_records is not None:
         batch_bounds["max_batch_records"] = args.max_batch_records
     # Exactly the first phase's payload: full after it, then every put evicts.
-    store = LmdbBackend(path, capacity_bytes=total, writemap=args.writemap, sync=args.sync, **batch_bounds)
-    try:
-        put_s, num_evicted = put_all(records)
-        assert num_evicted == 0
+    def open_store() -> LmdbBackend:
+        return LmdbBackend(path, capacity_bytes=total, writemap=args.writemap, sync=args.sync, **batch_bounds)
 
-        buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
+    buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
+
+    def get_all() -> float:
         start = time.perf_counter()
         for i in range(0, len(keys), batch):
             chunk = keys[i : i + batch]
             found = store.get(chunk, buffers[: len(chunk)], fingerprint=FINGERPRINT)
             if not all(found):
                 raise RuntimeError("lmdb: a page written was not read back")
-        get_s = time.perf_counter() - start
+        seconds = time.perf_counter() - start
         if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
             raise RuntimeError("lmdb: wrong bytes read back")
+        return seconds
+
+    store = open_store()
+    try:
+        put_s, num_evicted = put_all(records)
+        assert num_evicted == 0
+        get_s = get_all()
+        store.close()
+        drop_cached([os.path.join(path, name) for name in os.listdir(path) if name.endswith(".mdb")])
+        store = open_store()
+        cold_s = get_all()
 
         os.sync()
         steady_s, num_evicted = put_all(more_records)
@@ -141,7 +173,7 @@ def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: li
             raise RuntimeError(f"lmdb: the full store evicted {num_evicted} records, not the {len(keys)} oldest")
     finally:
         store.close()
-    return total / put_s / 1e6, total / get_s / 1e6, total / steady_s / 1e6
+    return total / put_s / 1e6, total / get_s / 1e6, total / cold_s / 1e6, total / steady_s / 1e6
 
 
 def bench_files(root: str, keys: list[bytes], more_keys: list[bytes], sources: list[np.ndarray], batch: int,
@@ -167,27 +199,77 @@ def bench_files(root: str, keys: list[bytes], more_keys: list[bytes], sources: l
 
     buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
     views = [memoryview(b) for b in buffers]
-    start = time.perf_counter()
-    for i, name in enumerate(names):
-        with open(name, "rb", buffering=0) as f:
-            if f.readinto(views[i % batch]) != page_bytes:
-                raise RuntimeError(f"file: short read of {name}")
-    get_s = time.perf_counter() - start
-    if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
-        raise RuntimeError("file: wrong bytes read back")
+
+    def get_all() -> float:
+        start = time.perf_counter()
+        for i, name in enumerate(names):
+            with open(name, "rb", buffering=0) as f:
+                if f.readinto(views[i % batch]) != page_bytes:
+                    raise RuntimeError(f"file: short read of {name}")
+        seconds = time.perf_counter() - start
+        if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
+            raise RuntimeError("file: wrong bytes read back")
+        return seconds
+
+    get_s = get_all()
+    drop_cached(names)
+    cold_s = get_all()
 
     # At capacity: each new page's file replaces the least recently used one's.
     os.sync()
     more_names, steady_s = put_all(more_keys, evicting=names)
     if len(os.listdir(path)) != len(more_names):
         raise RuntimeError("file: the full directory did not stay at capacity")
-    return total / put_s / 1e6, total / get_s / 1e6, total / steady_s / 1e6
+    return total / put_s / 1e6, total / get_s / 1e6, total / cold_s / 1e6, total / steady_s / 1e6
+
+
+def bench_raw(root: str, keys: list[bytes], more_keys: list[bytes], sources: list[np.ndarray], batch: int,
+              args) -> tuple[float, float, float, float]:
+    """The device's limit: one preallocated file, each page ``pwrite`` at its offset and
+    read back with ``preadv``; the steady phase overwrites the pages in the same order."""
+    page_bytes = sources[0].nbytes
+    total = len(keys) * page_bytes
+    path = fresh_dir(root, "raw", args.prefault_mib)
+    name = os.path.join(path, "pages.bin")
+    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+
+        def put_all() -> float:
+            start = time.perf_counter()
+            for i in range(len(keys)):
+                if os.pwrite(fd, memoryview(sources[i % len(sources)]), i * page_bytes) != page_bytes:
+                    raise RuntimeError("raw: short write")
+            return time.perf_counter() - start
+
+        buffers = [np.empty(page_bytes, dtype=np.uint8) for _ in range(batch)]
+        views = [memoryview(b) for b in buffers]
+
+        def get_all() -> float:
+            start = time.perf_counter()
+            for i in range(len(keys)):
+                if os.preadv(fd, [views[i % batch]], i * page_bytes) != page_bytes:
+                    raise RuntimeError("raw: short read")
+            seconds = time.perf_counter() - start
+            if not np.array_equal(buffers[(len(keys) - 1) % batch], sources[(len(keys) - 1) % len(sources)]):
+                raise RuntimeError("raw: wrong bytes read back")
+            return seconds
+
+        put_s = put_all()
+        get_s = get_all()
+        drop_cached([name])
+        cold_s = get_all()
+        os.sync()
+        steady_s = put_all()
+    finally:
+        os.close(fd)
+    return total / put_s / 1e6, total / get_s / 1e6, total / cold_s / 1e6, total / steady_s / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=256, help="MiB written per page size and variant")
-    parser.add_argument("--sizes", default="64k,1m", help=f"page sizes, from {sorted(SIZES)}")
+    parser.add_argument("--sizes", default="64k,1m,2m", help=f"page sizes, from {sorted(SIZES)}")
     parser.add_argument("--batch", type=int, default=32, help="records per put / get call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default="/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir(),
@@ -226,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 results = {
                     "lmdb": bench_lmdb(root, keys, more_keys, sources, args.batch, args),
                     "file": bench_files(root, keys, more_keys, sources, args.batch, args),
+                    "raw": bench_raw(root, keys, more_keys, sources, args.batch, args),
                 }
                 for variant, figures_of_round in results.items():
                     for op, mbps in zip(OPS, figures_of_round, strict=True):
@@ -237,15 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, float | int | str | bool] = {}
     print(f"{args.mib} MiB per page size and variant, best of {args.rounds} rounds, batch {args.batch}, "
           f"{root} ({fstype}), writemap={args.writemap}, sync={args.sync}")
-    print(f"{'page':>6} {'op':>10} {'lmdb MB/s':>10} {'file MB/s':>10} {'lmdb/file':>10}")
+    print(f"{'page':>6} {'op':>10} {'lmdb MB/s':>10} {'file MB/s':>10} {'raw MB/s':>10} {'lmdb/file':>10} "
+          f"{'lmdb/raw':>9}")
+    vs_raw = {"put": "put_vs_raw", "steady_put": "steady_put_vs_raw", "get": "warm_get_vs_raw",
+              "cold_get": "cold_get_vs_raw"}
     for size in sizes:
         for op in OPS:
-            lmdb_mbps, file_mbps = best[f"lmdb_{op}_{size}_mbps"], best[f"file_{op}_{size}_mbps"]
+            lmdb_mbps, file_mbps, raw_mbps = (best[f"{v}_{op}_{size}_mbps"] for v in VARIANTS)
             ratio = lmdb_mbps / file_mbps
-            print(f"{size:>6} {op:>10} {lmdb_mbps:>10.0f} {file_mbps:>10.0f} {ratio:>10.2f}")
-            figures[f"lmdb_{op}_{size}_mbps"] = round(lmdb_mbps, 1)
-            figures[f"file_{op}_{size}_mbps"] = round(file_mbps, 1)
+            print(f"{size:>6} {op:>10} {lmdb_mbps:>10.0f} {file_mbps:>10.0f} {raw_mbps:>10.0f} {ratio:>10.2f} "
+                  f"{lmdb_mbps / raw_mbps:>9.2f}")
+            for variant, mbps in zip(VARIANTS, (lmdb_mbps, file_mbps, raw_mbps), strict=True):
+                figures[f"{variant}_{op}_{size}_mbps"] = round(mbps, 1)
             figures[f"{op}_{size}_ratio"] = round(ratio, 3)
+            figures[f"{vs_raw[op]}_{size}"] = round(lmdb_mbps / raw_mbps, 3)
     if args.json:
         figures.update(mib=args.mib, rounds=args.rounds, batch=args.batch, writemap=args.writemap,
                        sync=args.sync, filesystem=fstype)

@@ -28,6 +28,7 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
         figures: p.SpecStats = {str(place): p.TierAccountMsg(**account._asdict())
                                 for place, account in manager.accounting().items()}
         figures["nodes"] = manager.num_nodes
+        figures["pages"] = manager.num_cached_pages()
         specs[fingerprint.hex()] = figures
     return p.DaemonStats(
         version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining,

@@ -43,6 +43,7 @@ per policy, in-flight transfers finished), closes the store and returns.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import math
 import os
@@ -157,6 +158,8 @@ class Server:
         timeout_ms = -2
         behind = False  # replies sent since the last catch-up: bookkeeping owed
         catch_up_at = 0.0
+        gc.freeze()  # start-up's objects out of every later full collection (see Specs.on_settled)
+        self.daemon.specs.on_settled = gc.freeze
         self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
         logger.info("serving on %s", ", ".join(self.endpoints))
         while not self._stop:

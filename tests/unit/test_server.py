@@ -70,3 +70,18 @@ def test_a_second_server_on_the_same_socket_is_refused(served, tmp_path):
     with pytest.raises(AlreadyRunning):
         Server(server.config)
     assert isinstance(ask(sock, p.Health(id=1)), p.HealthReply)
+
+
+def test_the_served_daemon_keeps_settled_objects_out_of_full_collections(served):
+    """Start-up's objects, and what each tier manager leaves when it starts serving, are
+    frozen out of the cyclic collector's full collections (which otherwise walk every
+    object torch and the indexes brought: a stall of every request)."""
+    import gc
+
+    server, sock = served
+    assert isinstance(ask(sock, p.Health(id=1)), p.HealthReply)  # the loop runs
+    try:
+        assert server.daemon.specs.on_settled is gc.freeze
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -248,6 +248,15 @@ def disk_pages(tm):
     return tm.tree.sizes(Tier.DISK).cached
 
 
+def assert_on_disk(store, prompts):
+    """Every page of every prompt has its record, with the bytes derived from its key."""
+    buffer = np.empty(SPEC.host_page_bytes, dtype=np.uint8)
+    for toks in prompts:
+        for key in page_keys(NS, toks, PS):
+            assert store.get([key], [buffer], fingerprint=SPEC.fingerprint) == [True]
+            assert buffer.tobytes() == expected_page(key)
+
+
 def test_disk_write_through_and_load_from_disk(engine, store):
     tm, handle = make_tm(engine, host_pages=8, storage=store)
     toks = tokens(100, 5)
@@ -493,11 +502,7 @@ def test_write_through_under_a_full_host_tier_defers_backups_and_loses_nothing(t
         tm.evict(Tier.DEVICE, device_pages, 0)
         tm.flush()
         assert sum(n.num_pages for n in tm.tree.nodes()) == 240
-        buffer = np.empty(SPEC.host_page_bytes, dtype=np.uint8)
-        for i in range(40):  # and every page reads back from disk with its bytes
-            for key in page_keys(NS, tokens(1000 * i, 6), PS):
-                assert store.get([key], [buffer], fingerprint=SPEC.fingerprint) == [True]
-                assert buffer.tobytes() == expected_page(key)
+        assert_on_disk(store, [tokens(1000 * i, 6) for i in range(40)])  # and every page reads back
     finally:
         tm.close()
         store.close()
@@ -543,11 +548,7 @@ def test_a_slow_disk_writer_defers_writes_within_its_bound_and_loses_nothing(tmp
         tm.check_invariants()
         assert tm.queues()["disk_write_deferred"] == (0, None)
         assert disk_pages(tm) == 60 and store.stats().records == 60
-        buffer = np.empty(SPEC.host_page_bytes, dtype=np.uint8)
-        for toks in written:
-            for key in page_keys(NS, toks, PS):
-                assert store.get([key], [buffer], fingerprint=SPEC.fingerprint) == [True]
-                assert buffer.tobytes() == expected_page(key)
+        assert_on_disk(store, written)
     finally:
         tm.close()
         store.close()

@@ -6,6 +6,7 @@ is lost: every page stays cached somewhere, every hit counted is a page a load d
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import threading
@@ -52,6 +53,7 @@ def slow_daemon(tmp_path):
     store.open_gate()
     server.stop()
     thread.join(60)
+    gc.unfreeze()  # (the served daemon froze this process's objects: give them back to the collector)
     assert not thread.is_alive()
 
 
@@ -105,6 +107,8 @@ def test_a_disk_slower_than_the_traffic_degrades_explicitly_and_loses_nothing(sl
         for tokens in prompts:  # another engine asks for all of it again: host / disk hits
             request(second, tokens)
         assert store.max_pages_in_flight <= BACKLOG
+        flushed = first.client.flush()  # (every load's completion has run: its hits are counted)
+        first.client.stats()  # (and the requests' bookkeeping is settled)
         deferred = value("hicache_disk_writes_deferred_total") + value("hicache_backups_deferred_total")
         assert deferred > 0
         # Every hit counted is a page some load delivered; what fell short is counted apart.
@@ -116,13 +120,12 @@ def test_a_disk_slower_than_the_traffic_degrades_explicitly_and_loses_nothing(sl
         # Nothing left the cache but from disk; everything is on disk after a flush.
         assert value("hicache_pages_dropped_total", {"tier": "device"}) == 0
         assert value("hicache_pages_dropped_total", {"tier": "host"}) == 0
-        flushed = first.client.flush()
         first.client.check()
         unique = len({tuple(t[: (k + 1) * PS]) for t in prompts for k in range(len(t) // PS)})
         assert store.stats().records == unique
         # The flush says so: everything durable, nothing waiting.
         assert flushed["on_disk_pages"] == unique and flushed["not_on_disk_pages"] == 0
-        assert flushed["deferred_backups"] == 0 and flushed["written_pages"] >= 0
+        assert flushed["deferred_backups"] == 0
         for tokens in prompts:  # every page of every prompt, with its chain
             keys = page_keys(namespace_id(SPEC.fingerprint), tokens, PS)
             assert stored_run(store, keys) == len(keys)

@@ -85,6 +85,10 @@ class Backups:
     def is_deferred(self, node: Node) -> bool:
         return node.node_id in self.deferred
 
+    def deferred_pages(self) -> int:
+        tree = self.core.tree
+        return sum(n.num_pages for node_id in self.deferred if (n := tree.find(node_id)) is not None)
+
     def retry(self) -> int:
         """Start the deferred backups the host tier has room for now, oldest first (the
         first that still does not fit stops the round); returns how many started."""

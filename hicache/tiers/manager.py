@@ -258,11 +258,17 @@ class TierManager:
             node = self.writes.after_hit(result)
             if node is not None:
                 self._backups.backup(pool, node)
-        clipped = self._deliverable(result, pool)
-        if clipped.num_disk_pages >= self.config.prefetch_min_pages:
-            self.disk.prefetch(clipped.node)
         # (no transfer in flight, the common case: not even the call)
-        wait = self._inflight.tickets_on(result.last_device_node, pool_id) if self._inflight else ()
+        hit = self._hit(result, pool, self._inflight.tickets_on(result.last_device_node, pool_id)
+                        if self._inflight else ())
+        if hit.match.num_disk_pages >= self.config.prefetch_min_pages:
+            self.disk.prefetch(hit.match.node)
+        return hit
+
+    def _hit(self, result: MatchResult, pool: DevicePoolState, wait) -> Hit:
+        """The answer to a match: what a load can deliver of ``result`` (and ``result``
+        itself aside when that is less)."""
+        clipped = self._deliverable(result, pool)
         return Hit(clipped, wait, None if clipped is result else result)
 
     def _deliverable(self, result: MatchResult, pool: DevicePoolState) -> MatchResult:
@@ -321,9 +327,7 @@ class TierManager:
         def answer() -> None:
             if not future.done():
                 result = self.tree.match(namespace, packed, pool_id, touch=False)
-                clipped = self._deliverable(result, pool)
-                future.set_result(Hit(clipped, self._inflight.tickets_on(result.last_device_node, pool_id),
-                                      None if clipped is result else result))
+                future.set_result(self._hit(result, pool, self._inflight.tickets_on(result.last_device_node, pool_id)))
 
         reads = [t for n in self.tree.path(hit.match.node) for t in self._inflight.on(n, Kind.DISK_READ)]
         answer_after(reads, answer, self.prefetch, self._timers)
@@ -528,10 +532,8 @@ class TierManager:
         never dropped while the page is cached); ``host_staging``: host pages reserved
         by backups and disk reads landing; ``disk_write``: pages written and not yet
         committed."""
-        tree = self.tree
-        deferred = sum(n.num_pages for i in self._backups.deferred if (n := tree.find(i)) is not None)
         return {
-            "backup_deferred": (deferred, None),
+            "backup_deferred": (self._backups.deferred_pages(), None),
             "host_staging": (self._core.host_staging, self.host_alloc.capacity),
             "disk_write": (self.disk.pending, self.disk.write_limit if self.disk.enabled else None),
             "disk_write_deferred": (self.disk.deferred_writes(), None),
@@ -541,8 +543,7 @@ class TierManager:
         """Start writing every host page that has no disk record yet (a draining daemon
         keeps what it can), after starting the deferred backups that fit; returns the
         pages queued to disk."""
-        if self._backups.deferred:
-            self._backups.retry()
+        self._backups.retry()
         return self.disk.persist()
 
     def flush(self, timeout_s: float = 60.0, progress: Callable[[int, int], None] | None = None,
@@ -563,8 +564,7 @@ class TierManager:
                 self.poll(0.01)
             # Deferred backups that fit now start; those that still do not (host pages
             # held by locks) are left for later: they are not in flight.
-            started = (self._backups.retry() if self._backups.deferred else 0) + self.disk.retry_writes()
-            if not started:
+            if not self._backups.retry() + self.disk.retry_writes():
                 break
         self.disk.flush()
 

@@ -117,6 +117,7 @@ _MIB = 1 << 20
 # Keeps successive access stamps strictly increasing, so the order persisted for a
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
+_CHECK_ATTEMPTS = 1000  # check_invariants' reads of a store that writes keep changing
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -380,6 +381,10 @@ class LmdbBackend:
         self._last_stamp = 0.0
         self._num_corrupt = 0
         self._num_evicted = 0
+        # The writer is between its transaction's start and the index update (then the
+        # store and the index may differ); ``_commits`` counts finished commits.
+        self._committing = False
+        self._commits = 0
 
         # The writer's queue.
         self._queue_cond = threading.Condition(threading.Lock())
@@ -570,12 +575,39 @@ class LmdbBackend:
             return list(self._lru)
 
     def check_invariants(self) -> None:
-        """The in-memory index equals the committed store (call with no writes queued)."""
+        """The in-memory index equals the committed store. Writes may go on meanwhile:
+        the store is read between two commits (retried until no commit ran during the
+        read, a bounded number of times)."""
         self._check_usable()
         self.flush()
+        for _ in range(_CHECK_ATTEMPTS):
+            with self._lock:
+                if not self._committing:
+                    commits = self._commits
+                    index = dict(self._lru)
+                    num_bytes = self._num_bytes
+                else:
+                    commits = None
+            if commits is None:
+                time.sleep(0.001)
+                continue
+            stored, payload_keys = self._read_index()
+            with self._lock:
+                if self._committing or self._commits != commits:
+                    continue
+            assert payload_keys == set(stored), "payload and metadata keys differ"
+            assert index == stored, "the LRU index differs from the store"
+            assert num_bytes == sum(stored.values()), "byte count differs from the store"
+            assert num_bytes <= self._capacity_bytes, "over capacity"
+            return
+        raise AssertionError(f"the store changed during each of {_CHECK_ATTEMPTS} reads")
+
+    def _read_index(self) -> tuple[dict[bytes, int], set[bytes]]:
+        """Every committed key with its payload size, and the payload table's keys."""
         stored: dict[bytes, int] = {}
         self._gate.acquire_shared()
         try:
+            self._check_open()
             with self._env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
                     meta = _decode_meta(value)
@@ -584,11 +616,7 @@ class LmdbBackend:
                 payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
         finally:
             self._gate.release_shared()
-        assert payload_keys == set(stored), "payload and metadata keys differ"
-        with self._lock:
-            assert dict(self._lru) == stored, "the LRU index differs from the store"
-            assert self._num_bytes == sum(stored.values()), "byte count differs from the store"
-            assert self._num_bytes <= self._capacity_bytes, "over capacity"
+        return stored, payload_keys
 
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:
@@ -795,6 +823,15 @@ class LmdbBackend:
         as needed; then update the index and resolve the futures, in order."""
         with self._lock:
             access, self._dirty_access = self._dirty_access, {}
+            self._committing = True
+        try:
+            self._commit_batch(batch, access)
+        finally:
+            with self._lock:
+                self._committing = False
+                self._commits += 1
+
+    def _commit_batch(self, batch: list[_Op], access: dict[bytes, float]) -> None:
         num_records = sum(len(op.records) for op in batch if isinstance(op, _PutOp))
         while True:
             try:

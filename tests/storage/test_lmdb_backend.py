@@ -560,6 +560,39 @@ def test_pending_writes_and_flush(open_store, monkeypatch):
     assert store.stats().pending_writes == 0 and store.stats().records == 4
 
 
+def test_the_check_reads_the_store_between_commits(open_store, monkeypatch):
+    """A write committed while the check reads the store (the daemon's writers do not
+    stop for a check) is not a broken invariant: the check reads again."""
+    store = open_store()
+    _put(store, "ab")
+    committed, indexed = threading.Event(), threading.Event()
+    real_write, real_read = store._write_batch, store._read_index
+    reads = []
+
+    def write_then_hold(batch, access):
+        result = real_write(batch, access)
+        if any(getattr(op, "records", None) for op in batch) and not committed.is_set():
+            committed.set()  # in the store, not yet in the index
+            indexed.wait()
+        return result
+
+    def read_during_the_commit():
+        if not reads:
+            later = store.put([record(key_of("c"), 1000)], fingerprint=FP)
+            committed.wait()
+            reads.append(real_read())
+            indexed.set()
+            later.result()
+            return reads[0]
+        reads.append(real_read())
+        return reads[-1]
+
+    monkeypatch.setattr(store, "_write_batch", write_then_hold)
+    monkeypatch.setattr(store, "_read_index", read_during_the_commit)
+    store.check_invariants()
+    assert len(reads) >= 2 and key_of("c") in reads[0][0] and key_of("c") in reads[-1][0]
+
+
 def test_batches_preserve_queue_order(open_store):
     store = open_store(max_batch_records=3)
     futures = [store.put([record(key_of("k"), 100 + i)], fingerprint=FP) for i in range(10)]

@@ -38,7 +38,7 @@ them (duplicates from :meth:`insert`, pages from :meth:`drop`) for the caller to
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, NewType, Union
@@ -273,7 +273,6 @@ class HiRadixTree:
         self._tick = 0
         self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
         self._direct_locks: dict[tuple[int, LockKey], int] = {}
-        self._disk_keys: dict[PageKey, Node] = {}  # page key of every disk-resident page -> its node
 
 
     def add_namespace(self, namespace: NamespaceId, page_size: int) -> Node:
@@ -677,9 +676,29 @@ class HiRadixTree:
         """Every live non-root node."""
         return (n for n in self._nodes.values() if n.parent is not None)
 
-    def disk_node(self, page_key: PageKey) -> Node | None:
-        """The node whose page ``page_key`` is on disk, if any (a dict lookup)."""
-        return self._disk_keys.get(page_key)
+    def disk_nodes(self, page_keys: Iterable[bytes]) -> dict[PageKey, Node]:
+        """The nodes that hold these pages on disk, by page key (keys on no node's disk
+        pages are left out). No per-page index is kept (it would cost ~100 bytes a
+        page): the on-disk nodes' keys are scanned, vectorized over pages — O(nodes +
+        pages), for the rare record a store drops on its own."""
+        wanted = {bytes(key) for key in page_keys if len(key) == PAGE_KEY_BYTES}
+        if not wanted:
+            return {}
+        nodes = [n for n in self._nodes.values() if DISK_SLOT in n.residency]
+        if not nodes:
+            return {}
+        table = np.frombuffer(b"".join(n.page_keys for n in nodes), dtype="<u8").reshape(-1, 2)
+        probe = np.frombuffer(b"".join(wanted), dtype="<u8").reshape(-1, 2)
+        candidates = np.flatnonzero(np.isin(table[:, 0], probe[:, 0]))
+        if not len(candidates):
+            return {}
+        ends = np.cumsum([n.num_pages for n in nodes])
+        found: dict[PageKey, Node] = {}
+        for index in candidates.tolist():
+            key = table[index].tobytes()
+            if key in wanted:
+                found[PageKey(key)] = nodes[int(np.searchsorted(ends, index, side="right"))]
+        return found
 
     def __len__(self) -> int:
         return len(self._nodes) - len(self._namespaces)
@@ -810,9 +829,6 @@ class HiRadixTree:
                 upper.residency[slot] = value[:ids_cut]
                 node.residency[slot] = value[ids_cut:]
             upper.resident_children[slot] = 1
-        if DISK_SLOT in node.residency:
-            for key in split_page_keys(upper.page_keys):
-                self._disk_keys[key] = upper
         upper.lock_ref.update(node.lock_ref)
         upper.lock_total = node.lock_total
         upper.hit_count = node.hit_count
@@ -862,9 +878,6 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
-        if slot == DISK_SLOT:
-            for key in split_page_keys(node.page_keys):
-                self._disk_keys[key] = node
         if self._is_protected(node, slot):
             index.protected += node.num_pages
         else:
@@ -878,9 +891,6 @@ class HiRadixTree:
             )
         index = self._slots[slot]
         value = node.residency.pop(slot)
-        if slot == DISK_SLOT:
-            for key in split_page_keys(node.page_keys):
-                del self._disk_keys[key]
         if self._is_protected(node, slot):
             index.protected -= node.num_pages
         else:
@@ -940,9 +950,6 @@ class HiRadixTree:
             seen[root.node_id] = root
             self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen)
         assert seen.keys() == self._nodes.keys(), "node registry disagrees with the tree"
-        disk_keys = {key: node for node in seen.values() if node.on_disk for key in node.page_key_list()}
-        assert self._disk_keys.keys() == disk_keys.keys(), "the disk page-key index disagrees with the tree"
-        assert all(self._disk_keys[key] is node for key, node in disk_keys.items()), "disk page key on the wrong node"
         for slot, index in self._slots.items():
             evictable, protected = sizes.get(slot, (0, 0))
             assert (index.evictable, index.protected) == (evictable, protected), (

@@ -189,7 +189,7 @@ class LocalDisk:
         below); keys this tree does not hold are ignored."""
         tree = self.core.tree
         wanted = set(keys)
-        hit = {id(node): node for key in wanted if (node := tree.disk_node(key)) is not None}
+        hit = {id(node): node for node in tree.disk_nodes(wanted).values()}
         for node in hit.values():
             if tree.is_live(node) and node.on_disk:  # not gone with an ancestor already
                 below = self._subtree_keys(node)

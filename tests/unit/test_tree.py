@@ -285,6 +285,25 @@ def test_restore_builds_disk_only_nodes(tree, alloc):
     assert tree.restore(NS, [1, 2]) is tree.root(NS)
 
 
+def test_disk_nodes_finds_the_node_of_each_disk_page(tree, alloc):
+    a, b = seq(100, pages=4), seq(100, pages=2) + seq(900, pages=3)
+    node_a = insert(tree, alloc, a).node
+    node_b = insert(tree, alloc, b).node  # splits a after two pages
+    upper = node_b.parent
+    tree.add_disk(upper)
+    tree.add_disk(node_a)
+    keys_a, keys_b = page_keys(NS, a, PS), page_keys(NS, b, PS)
+    assert tree.disk_nodes([keys_a[0], keys_a[3], keys_b[2], b"short"]) == {keys_a[0]: upper, keys_a[3]: node_a}
+    # Same first 8 bytes as a disk page, different last 8: not that page.
+    twin = keys_a[1][:8] + bytes(8)
+    assert tree.disk_nodes([twin]) == {}
+    tree.add_disk(node_b)
+    found = tree.disk_nodes(keys_a + keys_b)
+    assert found == {**{k: upper for k in keys_a[:2]}, **{k: node_a for k in keys_a[2:]},
+                     **{k: node_b for k in keys_b[2:]}}
+    assert tree.disk_nodes(page_keys(OTHER_NS, a, PS)) == {}
+
+
 def test_discard_shortens_hits_and_returns_pages(tree, alloc):
     host = PageAllocator.for_host(16)
     a, b = seq(100, pages=2), seq(200, pages=2)

@@ -37,13 +37,13 @@ Writes: :meth:`LmdbBackend.put` and :meth:`LmdbBackend.delete` validate on the c
 thread and queue an operation; the writer thread (which also opens the environment, so
 every write transaction lives on the thread that opened it) takes whatever is queued, up
 to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transaction,
-commits, updates the in-memory index and only then resolves the futures, in queue order.
+commits, updates the record and byte counts and only then resolves the futures, in queue order.
 The byte bound defaults to 2 MiB: LMDB copies each value into dirty pages that it writes
 out at the commit, and a batch that still sits in the CPU cache then makes puts of 64 KiB
 pages ~1.3-1.5x faster than 16 MiB batches on the benchmark machine. One put call is never
 split (its records commit together), so a larger call makes a larger transaction.
-A batch that raises is aborted and fails all its futures; the index changes only after a
-commit, so the store and the index stay consistent. ``lmdb.MapFullError`` doubles the map
+A batch that raises is aborted and fails all its futures; the counts change only after a
+commit, so the store and the counts stay consistent. ``lmdb.MapFullError`` doubles the map
 and retries the batch.
 
 Reads run on the caller's thread in their own read transaction (LMDB MVCC: they never
@@ -65,10 +65,16 @@ becomes a sparse file of the map's size, and on a full disk the first write to a
 kills the process with SIGBUS; off, the commit fails with ENOSPC and only that batch's
 futures fail.
 
-Capacity: ``capacity_bytes`` bounds the stored payload bytes. The LRU order is kept in
-memory (rebuilt on open from the stored last-access times); reads record their accesses
-in memory and the writer persists them lazily, with the next batch or after
-``access_flush_interval_s`` of idleness, never one write per read.
+Capacity: ``capacity_bytes`` bounds the stored payload bytes; the least recently used
+records go first. The LRU order is the stored last-access times: no per-record index is
+kept in memory (an ordered dict of keys and sizes cost ~190 bytes a record, 3 GB for a
+16 M-page store). Reads record their accesses in memory and the writer persists them
+lazily, with the next batch or after ``access_flush_interval_s`` of idleness, never one
+write per read; until then the recorded times count over the stored ones. Eviction takes
+its victims from a queue of the oldest records, refilled by one scan of the metadata
+(the oldest sixteenth of the store, at least 1,024): every record outside the queue was
+newer than all inside at the scan, and times only grow, so a queued record whose time
+has not changed since is the oldest there is — exact LRU at O(1) a victim amortized.
 """
 
 from __future__ import annotations
@@ -79,7 +85,8 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from array import array
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -118,6 +125,9 @@ _MIB = 1 << 20
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
 _CHECK_ATTEMPTS = 1000  # check_invariants' reads of a store that writes keep changing
+_META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
+_VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
+_VICTIMS_SHARE = 16  # ... or this fraction of the records
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -314,8 +324,10 @@ _Op = Union[_PutOp, _DeleteOp, _PurgeOp, _BarrierOp]
 class _BatchState:
     """What one write transaction changes, applied to the index only after commit."""
 
+    num_records: int
     num_bytes: int
     changes: dict  # key -> payload size, or None if removed; insertion order = recency
+    access: dict  # key -> last access recorded by reads, persisted by this batch
     num_evicted: int = 0
 
 
@@ -372,10 +384,10 @@ class LmdbBackend:
         self._meta_db = None
         self._map_size = 0
 
-        # The index: committed keys, oldest access first -> payload size. Guarded by _lock,
-        # like every other field below that readers and the writer share.
+        # Committed records and their payload bytes. Guarded by _lock, like every other
+        # field below that readers and the writer share.
         self._lock = threading.Lock()
-        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self._num_records = 0
         self._num_bytes = 0
         self._dirty_access: dict[bytes, float] = {}
         self._last_stamp = 0.0
@@ -385,6 +397,8 @@ class LmdbBackend:
         # store and the index may differ); ``_commits`` counts finished commits.
         self._committing = False
         self._commits = 0
+        # The writer's eviction candidates, oldest first: (last access, key).
+        self._victims: deque[tuple[float, bytes]] = deque()
 
         # The writer's queue.
         self._queue_cond = threading.Condition(threading.Lock())
@@ -538,7 +552,7 @@ class LmdbBackend:
             pending = self._num_pending_records
         with self._lock:
             return StorageStats(
-                records=len(self._lru),
+                records=self._num_records,
                 bytes=self._num_bytes,
                 capacity_bytes=self._capacity_bytes,
                 map_size_bytes=self._map_size,
@@ -571,11 +585,19 @@ class LmdbBackend:
     def lru_keys(self) -> list[bytes]:
         """Every stored key, least recently used first (O(records); for tests and tools)."""
         self._check_usable()
-        with self._lock:
-            return list(self._lru)
+        self._gate.acquire_shared()
+        try:
+            self._check_open()
+            with self._env.begin(buffers=True) as txn:
+                with self._lock:
+                    recent = dict(self._dirty_access)
+                keys, stamps, _ = self._scan(txn, recent)
+        finally:
+            self._gate.release_shared()
+        return [keys[16 * i : 16 * i + 16] for i in np.argsort(stamps, kind="stable").tolist()]
 
     def check_invariants(self) -> None:
-        """The in-memory index equals the committed store. Writes may go on meanwhile:
+        """The record and byte counts equal the committed store's. Writes may go on meanwhile:
         the store is read between two commits (retried until no commit ran during the
         read, a bounded number of times)."""
         self._check_usable()
@@ -584,7 +606,7 @@ class LmdbBackend:
             with self._lock:
                 if not self._committing:
                     commits = self._commits
-                    index = dict(self._lru)
+                    num_records = self._num_records
                     num_bytes = self._num_bytes
                 else:
                     commits = None
@@ -596,7 +618,7 @@ class LmdbBackend:
                 if self._committing or self._commits != commits:
                     continue
             assert payload_keys == set(stored), "payload and metadata keys differ"
-            assert index == stored, "the LRU index differs from the store"
+            assert num_records == len(stored), "record count differs from the store"
             assert num_bytes == sum(stored.values()), "byte count differs from the store"
             assert num_bytes <= self._capacity_bytes, "over capacity"
             return
@@ -673,9 +695,7 @@ class LmdbBackend:
         with self._lock:
             self._num_corrupt += num_failed
             for key in hits:
-                if key in self._lru:
-                    self._lru.move_to_end(key)
-                    self._dirty_access[key] = self._next_stamp()
+                self._dirty_access[key] = self._next_stamp()
 
     def _decode_snapshot(self, raw: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, PageMeta]]:
         for key, value in raw:
@@ -742,7 +762,8 @@ class LmdbBackend:
                 logger.info("%s: cleared %d stale reader slots", self._path, num_stale)
             self._payload_db = env.open_db(_PAYLOAD_DB)
             self._meta_db = env.open_db(_META_DB)
-            entries: list[tuple[float, bytes, int]] = []
+            num_records = num_bytes = 0
+            last_stamp = 0.0
             unreadable: list[bytes] = []
             with env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
@@ -752,27 +773,32 @@ class LmdbBackend:
                     if fields is None:
                         unreadable.append(bytes(key))
                     else:
-                        entries.append((fields[2], bytes(key), fields[1]))
-                known = {key for _, key, _ in entries}.union(unreadable)
-                orphans = [
-                    bytes(key) for key in txn.cursor(db=self._payload_db).iternext(values=False)
-                    if bytes(key) not in known
-                ]
+                        num_records += 1
+                        num_bytes += fields[1]
+                        last_stamp = max(last_stamp, fields[2])
+                # Both tables are in key order: walk them side by side.
+                metas = txn.cursor(db=self._meta_db).iternext(values=False)
+                meta_key = next(metas, None)
+                orphans = []
+                for key in txn.cursor(db=self._payload_db).iternext(values=False):
+                    while meta_key is not None and bytes(meta_key) < bytes(key):
+                        meta_key = next(metas, None)
+                    if meta_key is None or bytes(meta_key) != bytes(key):
+                        orphans.append(bytes(key))
         except BaseException:
             env.close()
             raise
-        entries.sort()
-        self._lru = OrderedDict((key, size) for _, key, size in entries)
-        self._num_bytes = sum(self._lru.values())
-        self._last_stamp = entries[-1][0] if entries else 0.0
+        self._num_records = num_records
+        self._num_bytes = num_bytes
+        self._last_stamp = last_stamp
         self._env = env
         self._map_size = env.info()["map_size"]
         self._open = True
         if unreadable or orphans:
             logger.warning("%s: dropping %d records with unreadable metadata and %d orphan payloads",
                            self._path, len(unreadable), len(orphans))
-        logger.info("opened %s: %d records, %d bytes, map %d bytes", self._path, len(self._lru),
-                    self._num_bytes, self._map_size)
+        logger.info("opened %s: %d records, %d bytes, map %d bytes", self._path, num_records,
+                    num_bytes, self._map_size)
         return [_PurgeOp(tuple(unreadable + orphans), force=True)]
 
     def _close_env(self) -> None:
@@ -848,12 +874,7 @@ class LmdbBackend:
                 self._fail_batch(batch, access, num_records, exc)
                 return
         with self._lock:
-            for key, size in state.changes.items():
-                if size is None:
-                    self._lru.pop(key, None)
-                else:
-                    self._lru[key] = size
-                    self._lru.move_to_end(key)
+            self._num_records = state.num_records
             self._num_bytes = state.num_bytes
             self._num_evicted += state.num_evicted
         self._finish(batch, outcomes, num_records)
@@ -890,7 +911,7 @@ class LmdbBackend:
         self._map_size = self._env.info()["map_size"]
 
     def _write_batch(self, batch: list[_Op], access: dict[bytes, float]) -> tuple[_BatchState, list]:
-        state = _BatchState(num_bytes=self._num_bytes, changes={})
+        state = _BatchState(num_records=self._num_records, num_bytes=self._num_bytes, changes={}, access=access)
         outcomes: list = []
         txn = self._env.begin(write=True, buffers=True)
         try:
@@ -907,24 +928,27 @@ class LmdbBackend:
             self._write_access(txn, access, state)
         except BaseException:
             txn.abort()
+            self._victims.clear()  # it may have lost candidates the abort kept in the store
             raise
         txn.commit()
         return state, outcomes
 
-    def _size_of(self, key: bytes, state: _BatchState) -> int | None:
+    def _size_of(self, txn, key: bytes, state: _BatchState) -> int | None:
+        """The payload size of ``key``'s readable record as of this transaction."""
         if key in state.changes:
             return state.changes[key]
-        with self._lock:
-            return self._lru.get(key)
+        value = txn.get(key, db=self._meta_db)
+        return None if value is None or _meta_fields(value) is None else _META_SIZE_ACCESS.unpack_from(value, 4)[0]
 
     def _write_put(self, txn, op: _PutOp, state: _BatchState) -> PutResult:
         sizes = {record.key: record.payload.nbytes for record in op.records}
-        changes = state.changes
+        for key, size in sizes.items():
+            old = self._size_of(txn, key, state)
+            state.num_bytes += size - (old or 0)
+            state.num_records += old is None
         with self._lock:
-            for key, size in sizes.items():
-                old = changes[key] if key in changes else self._lru.get(key)
-                state.num_bytes += size - (old or 0)
             stamps = [self._next_stamp() for _ in op.records]
+        changes = state.changes
         evicted = self._evict(txn, state, exclude=sizes.keys())
         for record, stamp in zip(op.records, stamps, strict=True):
             key, payload, meta = record.key, record.payload, record.meta
@@ -938,45 +962,91 @@ class LmdbBackend:
     def _evict(self, txn, state: _BatchState, exclude) -> tuple[bytes, ...]:
         """Delete least-recently-used records until the batch fits the capacity; keys in
         ``exclude`` (the put being applied) are never chosen."""
-        if state.num_bytes <= self._capacity_bytes:
-            return ()
         victims: list[bytes] = []
-        num_bytes = state.num_bytes
-        with self._lock:
-            for key, size in self._lru.items():
-                if key in state.changes or key in exclude:
-                    continue
-                victims.append(key)
-                num_bytes -= size
-                if num_bytes <= self._capacity_bytes:
-                    break
+        while state.num_bytes > self._capacity_bytes:
+            if not self._victims:
+                self._refill_victims(txn, state, exclude)
+                if not self._victims:
+                    break  # every record left is this batch's own
+            stamp, key = self._victims.popleft()
+            if key in state.changes or key in exclude:
+                continue  # rewritten or removed by this batch: not what the scan saw
+            value = txn.get(key, db=self._meta_db)
+            if value is None:
+                continue  # deleted since the scan
+            size, stored = _META_SIZE_ACCESS.unpack_from(value, 4)
+            with self._lock:
+                recent = self._dirty_access.get(key)
+            if (recent or state.access.get(key) or stored) != stamp:
+                continue  # used since the scan: newer than every candidate left
+            self._evict_one(txn, key, size, state, victims)
         # Still over: records written earlier in this batch go next, oldest first.
-        if num_bytes > self._capacity_bytes:
-            for key, size in list(state.changes.items()):
-                if size is None or key in exclude:
-                    continue
-                victims.append(key)
-                num_bytes -= size
-                if num_bytes <= self._capacity_bytes:
-                    break
-        assert num_bytes <= self._capacity_bytes, "put larger than capacity passed validation"
-        for key in victims:
-            txn.delete(key, db=self._payload_db)
-            txn.delete(key, db=self._meta_db)
-            state.changes[key] = None
-        state.num_bytes = num_bytes
-        state.num_evicted += len(victims)
+        for key, size in list(state.changes.items()):
+            if state.num_bytes <= self._capacity_bytes:
+                break
+            if size is not None and key not in exclude:
+                self._evict_one(txn, key, size, state, victims)
+        assert state.num_bytes <= self._capacity_bytes, "put larger than capacity passed validation"
         return tuple(victims)
+
+    def _evict_one(self, txn, key: bytes, size: int, state: _BatchState, victims: list[bytes]) -> None:
+        txn.delete(key, db=self._payload_db)
+        txn.delete(key, db=self._meta_db)
+        state.changes[key] = None
+        state.num_bytes -= size
+        state.num_records -= 1
+        state.num_evicted += 1
+        victims.append(key)
+
+    def _refill_victims(self, txn, state: _BatchState, exclude) -> None:
+        """The oldest records that this batch has not touched and ``exclude`` does not
+        name, oldest first: the oldest sixteenth of the store (at least
+        :data:`_VICTIMS_MIN`), from one scan."""
+        with self._lock:
+            recent = dict(self._dirty_access)
+        for key, stamp in state.access.items():
+            recent.setdefault(key, stamp)  # a newer read recorded since wins
+        keys, stamps, _ = self._scan(txn, recent, skip=(state.changes, exclude))
+        count = len(stamps)
+        take = min(count, max(_VICTIMS_MIN, count // _VICTIMS_SHARE))
+        if not take:
+            return
+        oldest = np.argpartition(stamps, take - 1)[:take] if take < count else np.arange(count)
+        oldest = oldest[np.argsort(stamps[oldest], kind="stable")]
+        self._victims.extend((float(stamps[i]), keys[16 * i : 16 * i + 16]) for i in oldest.tolist())
+
+    def _scan(self, txn, recent: dict[bytes, float], skip=()) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """Every record's key (concatenated), last access (``recent`` over the stored
+        time) and payload size, in key order; keys in any of the ``skip`` collections
+        are left out."""
+        keys = bytearray()
+        stamps = array("d")
+        sizes = array("q")
+        unpack = _META_SIZE_ACCESS.unpack_from
+        skip = [keys_ for keys_ in skip if keys_]
+        for key, value in txn.cursor(db=self._meta_db):
+            size, stamp = unpack(value, 4)
+            if recent or skip:
+                key = bytes(key)
+                if any(key in keys_ for keys_ in skip):
+                    continue
+                stamp = recent.get(key, stamp)
+            keys += key
+            stamps.append(stamp)
+            sizes.append(size)
+        return bytes(keys), np.frombuffer(stamps, dtype=np.float64), np.frombuffer(sizes, dtype=np.int64)
 
     def _write_delete(self, txn, keys: Sequence[bytes], state: _BatchState) -> int:
         num_existing = 0
         for key in keys:
-            size = self._size_of(key, state)
+            size = self._size_of(txn, key, state)
             existed = txn.delete(key, db=self._payload_db)
             txn.delete(key, db=self._meta_db)
             if existed:
                 num_existing += 1
-                state.num_bytes -= size or 0
+            if size is not None:
+                state.num_bytes -= size
+                state.num_records -= 1
             state.changes[key] = None
         return num_existing
 

@@ -1,11 +1,11 @@
 """Why a page is not cached: the tier it was last evicted from, else ``never_stored``.
 
 Evictions are remembered in a fixed-size, set-associative table (:class:`EvictionLog`):
-``slots`` entries of 8 bytes in sets of :data:`WAYS`; a page key (a uniform hash) picks
-its set with its first 8 bytes and is stored as a 61-bit tag from the other 8, with the
-tier in the low 2 bits. A set forgets its oldest entry when a new key arrives in a full
-set (FIFO per set). Memory is ``8 * slots`` bytes whatever the traffic (default 2^22
-slots: 32 MiB).
+``slots`` entries of 4 bytes in sets of :data:`WAYS`; a page key (a uniform hash) picks
+its set with its first 8 bytes and is stored as a tag of 29 bits from the other 8 (and a
+set bit, so that no entry is 0), with the tier in the low 2 bits. A set forgets its oldest entry when a new key arrives in a full
+set (FIFO per set). Memory is ``4 * slots`` bytes whatever the traffic (default 2^22
+slots: 16 MiB).
 
 Stated error, for eviction counts measured in pages:
 
@@ -13,8 +13,9 @@ Stated error, for eviction counts measured in pages:
   received 16 newer ones — a Poisson tail: less than 1e-5 of them are forgotten; within
   the last ``slots / 2``, less than 1 %; older evictions fade out (reported
   ``never_stored``);
-* a page never evicted is reported ``evicted_*`` only if a 61-bit tag collides: about
-  ``16 * 2^-61`` per lookup.
+* a page never evicted is reported ``evicted_*`` only if its tag collides in its set:
+  about ``16 * 2^-29`` (3e-8) per lookup. (8-byte entries with 61-bit tags made
+  that 7e-18 at twice the memory: 64 bytes a cached page in ``bench_scale``.)
 
 (The previous log remembered the last 2^18 keys exactly in an ordered dict at ~120 bytes
 each; a trace with more evictions than that booked the older ones as ``never_stored``.)
@@ -31,6 +32,8 @@ from hicache.tree import MatchResult, Node, Tier
 WAYS = 16
 EVICTION_SLOTS = 1 << 22
 _SMALL = 8  # batches up to this many keys take the plain-int path
+_TAG_SHIFT = 35  # a tag: the top 29 bits of the key's last 8 bytes ...
+_TAG_TOP = 1 << 29  # ... and this bit set, so that no entry is 0 (an empty slot)
 _TIERS = tuple(Tier)
 
 
@@ -40,7 +43,7 @@ class EvictionLog:
     def __init__(self, slots: int = EVICTION_SLOTS) -> None:
         num_sets = max(1, slots // WAYS)
         self._sets = num_sets
-        self._table = np.zeros((num_sets, WAYS), dtype=np.uint64)
+        self._table = np.zeros((num_sets, WAYS), dtype=np.uint32)
         self._cursor = np.zeros(num_sets, dtype=np.uint8)  # the next way to overwrite, per set
 
     @property
@@ -54,13 +57,13 @@ class EvictionLog:
     def _split(self, packed_keys: bytes) -> tuple[np.ndarray, np.ndarray]:
         words = np.frombuffer(packed_keys, dtype="<u8").reshape(-1, PAGE_KEY_BYTES // 8)
         sets = (words[:, 0] % np.uint64(self._sets)).astype(np.int64)
-        tags = (words[:, 1] >> np.uint64(2)) | np.uint64(1) << np.uint64(61)  # never 0: 0 is an empty slot
-        return sets, tags
+        tags = (words[:, 1] >> np.uint64(_TAG_SHIFT)) | np.uint64(_TAG_TOP)  # never 0: 0 is an empty slot
+        return sets, tags.astype(np.uint32)
 
     def _locate(self, page_key: bytes) -> tuple[int, int]:
         """(set, tag) of one key, in plain ints (the same as :meth:`_split`)."""
         return (int.from_bytes(page_key[:8], "little") % self._sets,
-                (int.from_bytes(page_key[8:16], "little") >> 2) | 1 << 61)
+                (int.from_bytes(page_key[8:16], "little") >> _TAG_SHIFT) | _TAG_TOP)
 
     def record(self, packed_keys: bytes, tier: Tier) -> None:
         """These page keys (16 bytes each, concatenated) left ``tier``."""
@@ -81,16 +84,16 @@ class EvictionLog:
                 table[s, way] = entry
             return
         sets, tags = self._split(packed_keys)
-        code = np.uint64(_TIERS.index(tier))
+        code = np.uint32(_TIERS.index(tier))
         table, cursor = self._table, self._cursor
         while len(sets):
             # One key per set in each round (keys of one batch rarely share a set).
             _, first = np.unique(sets, return_index=True)
             s, t = sets[first], tags[first]
             rows = table[s]
-            same = (rows >> np.uint64(2)) == t[:, None]
+            same = (rows >> np.uint32(2)) == t[:, None]
             known = same.any(axis=1)
-            entry = (t << np.uint64(2)) | code
+            entry = (t << np.uint32(2)) | code
             table[s[known], same[known].argmax(axis=1)] = entry[known]
             fresh = ~known
             s_new = s[fresh]

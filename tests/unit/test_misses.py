@@ -19,7 +19,7 @@ def random_keys(rng, n):
 def test_the_log_remembers_a_quarter_of_its_slots_exactly_and_the_last_tier():
     rng = np.random.default_rng(7)
     log = EvictionLog(slots=1 << 20)
-    assert log.slots == 1 << 20 and log.nbytes <= 8 * (1 << 20) + (1 << 20) // WAYS
+    assert log.slots == 1 << 20 and log.nbytes <= 4 * (1 << 20) + (1 << 20) // WAYS
     tiers = [Tier.DEVICE, Tier.HOST, Tier.DISK]
     exact = {}
     batches = []

@@ -285,7 +285,9 @@ class TierManager:
             device = self.tree.sizes(Tier.DEVICE, pool.pool_id)
             room = pool.allocator.num_free + max(0, device.evictable - result.num_device_pages)
         if result.num_disk_pages:
-            host_room = self.host_alloc.num_free + self.tree.sizes(Tier.HOST).evictable
+            # The path's own host pages are locked by the load: they make no room.
+            host = self.tree.sizes(Tier.HOST)
+            host_room = self.host_alloc.num_free + max(0, host.evictable - result.num_host_pages)
             room = min(room, result.num_host_pages + host_room)
         if room >= extra:
             return result

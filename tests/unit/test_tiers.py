@@ -628,6 +628,65 @@ def test_a_match_reports_only_what_a_load_can_deliver_and_loads_count_what_they_
         engine.close()
 
 
+def test_a_matched_paths_own_host_pages_make_no_room_for_its_disk_part(tmp_path):
+    """Host tier of six: a locked prompt holds three, the matched path's first node the
+    other three, its second node (two pages) is on disk only. The only evictable host
+    pages are the path's own, which its load locks: the disk part cannot be staged, so
+    the match reports the host node only, and the load delivers all it reported."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    engine = Engine(num_pages=16)
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=6, storage=store, metrics=metrics)
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+    value = metrics.registry.get_sample_value
+
+    def prefill_and_settle(toks):
+        hit = tm.match(NS, toks, 0).match
+        new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+        pages = np.concatenate((hit.device_pages, new))
+        engine.compute(NS, toks, pages)
+        node = tm.insert(NS, toks, 0, pages).node
+        tm.flush()
+        return node
+
+    def load(node):
+        tm.lock(node, 0)
+        loaded = tm.wait(tm.load(node, 0))
+        tm.flush()
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        tm.unlock(node, 0)
+        return loaded
+
+    try:
+        first, second = tokens(0, 3), tokens(0, 3) + tokens(100, 2)
+        prefill_and_settle(first)
+        prefill_and_settle(second)
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 6)
+        tm.flush()
+        other = prefill_and_settle(tokens(500, 3))
+        tm.lock(other, 0)
+        load(tm.match(NS, first, 0).match.node)  # the first node back on host (and device)
+        tm.evict(Tier.DEVICE, 16, 0)
+        assert tm.host_alloc.num_free == 0 and tm.tree.sizes(Tier.HOST).evictable == 3
+        hit = tm.match(NS, second, 0)
+        assert hit.unclipped.num_disk_pages == 2
+        assert (hit.match.num_host_pages, hit.match.num_disk_pages) == (3, 0)
+        loaded = load(hit.match.node)
+        engine.check(NS, first, loaded.device_pages)
+        assert value("hicache_load_short_tokens_total") == 0
+        tm.unlock(other, 0)
+        tm.check_invariants()
+    finally:
+        tm.close()
+        store.close()
+        engine.close()
+
+
 def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_clean(tmp_path):
     """A put that raises (on the write-preparation thread) reaches the writer as a
     failed write: nothing is marked on disk, its pin and queue room are given back, the

@@ -102,8 +102,12 @@ def run_hicache(requests, device_pages: int, host_pages: int) -> list[tuple[int,
                 client.wait_layer(loaded.wait, layer, timeout_s=30)
             whole = len(tokens) // PAGE_SIZE
             new = client.alloc(whole - usable)
-            if new is None:
-                raise SystemExit("the device pool ran dry")
+            deadline = time.monotonic() + 60
+            while new is None:  # "no pages yet": the daemon's pages wait on copies to host
+                if time.monotonic() > deadline:
+                    raise SystemExit("the device pool ran dry")
+                time.sleep(0.002)
+                new = client.alloc(whole - usable)
             pages = np.concatenate((loaded.device_pages[:usable], new))
             client.insert(tokens[: whole * PAGE_SIZE], pages)
             client.unlock(m.handle)

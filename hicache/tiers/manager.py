@@ -280,14 +280,18 @@ class TierManager:
         extra = result.num_host_pages + result.num_disk_pages
         if not extra:
             return result
+        # Evictable pages that eviction cannot free now do not count: the path's own
+        # (its load locks them), device pages whose backup waits for host room, host
+        # pages whose disk write waits for the writer (each must be copied first).
         room = extra
         if not pool.owned:
             device = self.tree.sizes(Tier.DEVICE, pool.pool_id)
-            room = pool.allocator.num_free + max(0, device.evictable - result.num_device_pages)
+            stuck = self._backups.deferred_pages() if self._backups.deferred else 0
+            room = pool.allocator.num_free + max(0, device.evictable - result.num_device_pages - stuck)
         if result.num_disk_pages:
-            # The path's own host pages are locked by the load: they make no room.
             host = self.tree.sizes(Tier.HOST)
-            host_room = self.host_alloc.num_free + max(0, host.evictable - result.num_host_pages)
+            stuck = self.disk.deferred_writes()
+            host_room = self.host_alloc.num_free + max(0, host.evictable - result.num_host_pages - stuck)
             room = min(room, result.num_host_pages + host_room)
         if room >= extra:
             return result

@@ -687,6 +687,48 @@ def test_a_matched_paths_own_host_pages_make_no_room_for_its_disk_part(tmp_path)
         engine.close()
 
 
+def test_device_pages_waiting_for_a_backup_make_no_room_for_a_load():
+    """Device pool of 8, host tier of 4 held by locks; two 3-page prompts' backups are
+    deferred (no host room), so their device pages cannot be dropped. The tree counts
+    them evictable, but a load could not free them: a match of a host-only prompt
+    reports nothing to load, not pages the load would fall short of."""
+    from hicache.metrics import Metrics
+
+    engine = Engine(num_pages=8)
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=4, metrics=metrics)
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+
+    def prefill(toks):
+        new = tm.alloc(0, len(toks) // PS)
+        engine.compute(NS, toks, new)
+        return tm.insert(NS, toks, 0, new).node
+
+    try:
+        a, b = prefill(tokens(0, 2)), prefill(tokens(100, 2))
+        tm.flush()
+        tm.evict(Tier.DEVICE, 2, 0)  # a's device copy
+        tm.lock(a, 0)
+        tm.lock(b, 0)
+        assert a.device_pools == [] and tm.host_alloc.num_free == 0
+        prefill(tokens(200, 3))
+        prefill(tokens(300, 3))
+        tm.poll(0)
+        assert tm.deferred_backups == 2 and tm.pools.get(0).allocator.num_free == 0
+        hit = tm.match(NS, tokens(0, 2), 0)
+        assert hit.unclipped.num_host_pages == 2 and hit.match.num_pages == 0
+        assert metrics.registry.get_sample_value("hicache_load_short_tokens_total") == 0
+        tm.unlock(a, 0)
+        tm.unlock(b, 0)
+        tm.flush()
+        assert tm.deferred_backups == 0
+        tm.check_invariants()
+    finally:
+        tm.close()
+        engine.close()
+
+
 def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_clean(tmp_path):
     """A put that raises (on the write-preparation thread) reaches the writer as a
     failed write: nothing is marked on disk, its pin and queue room are given back, the

@@ -729,6 +729,61 @@ def test_device_pages_waiting_for_a_backup_make_no_room_for_a_load():
         engine.close()
 
 
+def test_host_pages_waiting_for_their_disk_write_make_no_room_for_a_disk_part(tmp_path):
+    """Host tier of 6, the disk writer held back with a queue of 2 pages: after three
+    prompts the host tier is full of pages whose writes run or wait (deferred). The tree
+    counts the deferred ones evictable, but they must reach disk before they go: a match
+    of a disk-only prompt reports nothing to load until the writer catches up."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import SlowStore
+
+    engine = Engine(num_pages=16)
+    store = SlowStore(LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes), 0.0)
+    metrics = Metrics()
+    tm = TierManager(SPEC, host_pages=6, storage=store, metrics=metrics, config=TierConfig(disk_write_backlog=2))
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+
+    def prefill(toks):
+        new = tm.alloc(0, len(toks) // PS)
+        engine.compute(NS, toks, new)
+        return tm.insert(NS, toks, 0, new).node
+
+    try:
+        cold = tokens(0, 2)
+        prefill(cold)
+        tm.flush()
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 6)
+        store.close_gate()
+        for i in range(3):
+            prefill(tokens(100 * (i + 1), 2))
+        for _ in range(200):  # the backups land; one write runs, two wait
+            tm.poll(0.005)
+            if tm.queues()["disk_write_deferred"][0] == 4:
+                break
+        assert tm.queues()["disk_write_deferred"][0] == 4 and tm.host_alloc.num_free == 0
+        hit = tm.match(NS, cold, 0)
+        assert hit.unclipped.num_disk_pages == 2 and hit.match.num_pages == 0
+        store.open_gate()
+        tm.flush()
+        hit = tm.match(NS, cold, 0)
+        assert hit.unclipped is None and hit.match.num_disk_pages == 2
+        tm.lock(hit.match.node, 0)
+        loaded = tm.wait(tm.load(hit.match.node, 0))
+        tm.flush()
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        engine.check(NS, cold, loaded.device_pages)
+        tm.unlock(hit.match.node, 0)
+        assert metrics.registry.get_sample_value("hicache_load_short_tokens_total") == 0
+        tm.check_invariants()
+    finally:
+        tm.close()
+        store.close()
+        engine.close()
+
+
 def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_clean(tmp_path):
     """A put that raises (on the write-preparation thread) reaches the writer as a
     failed write: nothing is marked on disk, its pin and queue room are given back, the

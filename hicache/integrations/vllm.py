@@ -117,6 +117,25 @@ def extra_key_of(request: "Request") -> str:
     return f"vllm:lora={lora_name}:salt={salt}" if lora_name or salt else ""
 
 
+def _request_amx() -> None:
+    """Ask Linux for the AMX tile state now, before this connector starts any thread.
+
+    A process may use AMX only after ``arch_prctl(ARCH_REQ_XCOMP_PERM)``; without it
+    the first tile instruction is SIGILL. vLLM's CPU attention runs AMX kernels for
+    bf16 caches with block sizes divisible by 32, and on a Xeon with AMX the worker died
+    with SIGILL in ``cpu_attention_with_kv_cache`` at the first step that used blocks
+    hicache had loaded (the same engine without the connector ran its own prefix hits
+    fine; why nothing asked in time with the connector is not established). Asking here
+    made every vLLM test engine pass. torch's ``_init_amx`` makes the request
+    (idempotent; ``False`` where the CPU has no AMX); where torch lacks it, nothing."""
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init_amx is not None:
+        try:
+            init_amx()
+        except Exception:  # noqa: BLE001 - not fatal: vLLM then picks what it can run
+            logger.debug("hicache connector: AMX permission request failed", exc_info=True)
+
+
 class HicacheConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
@@ -125,6 +144,7 @@ class HicacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _request_amx()
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
         self._endpoint = str(extra.get("hicache.endpoint") or ServerConfig().endpoints[0])

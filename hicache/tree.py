@@ -1,7 +1,7 @@
 """The HiRadixTree: one radix tree of cached pages, resident in three tiers.
 
 Each node is one edge of the tree: one or more whole pages of one namespace, keyed in
-its parent by its first page, with the residency of those pages in every tier::
+its parent by its first page's key, with the residency of those pages in every tier::
 
     root(ns A) ── [sys prompt, 64 pages] ── [turn 1, 12 pages] ── [turn 2, 15 pages]
                   device{pool 0: ids}        device{pool 0: ids}   host: ids
@@ -29,6 +29,15 @@ Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
   removed. A node that lives in no tier and holds no reference is removed.
 * Evictable and protected page counts per slot, and the set of evictable leaves per
   slot, are maintained incrementally on every change.
+
+Edges are compared by page keys (:mod:`hicache.keys`: a page's key names the page and
+its whole prefix), hashed from a request's tokens as a walk reaches them. A node keeps
+its pages' tokens only while they may still have to be written to disk: a node on disk
+has none (its records hold them), which is most of a big cache's pages (256 bytes a
+page of 64 tokens). A node that leaves the disk tier while cached elsewhere gets its
+tokens back from its caller (read from the store before its records go) or stays without —
+then it cannot be written to disk again, until an insert of those pages brings them.
+(:meth:`HiRadixTree.set_tokens` gives them back.)
 
 Page ids passed in are trusted to be the caller's private pages (the session layer
 checks ownership against the allocators); the tree never frees pages itself, it returns
@@ -128,10 +137,11 @@ class Node:
     node_id: int
     namespace: NamespaceId
     parent: "Node | None"
-    key: bytes  # packed int32 token ids, whole pages
+    tokens: bytes  # packed int32 token ids of its pages; b"" on disk (see the module doc)
     page_keys: bytes  # 16 bytes per page
     num_pages: int
-    children: dict[bytes, "Node"]  # first page of the child's key -> child
+    children: dict[bytes, "Node"]  # the child's first page key -> child
+    by_tokens: dict[bytes, "Node"]  # the children that hold tokens, by their first page's tokens
     residency: dict[Slot, Residency]  # slot -> packed ids / True
     resident_children: dict[Slot, int]  # slot -> children resident in it
     lock_ref: dict[LockKey, int]  # lock key -> references at or below this node
@@ -253,6 +263,32 @@ class _Namespace:
     page_bytes: int
 
 
+def _child(node: Node, page: bytes, page_size: int) -> "Node | None":
+    """``node``'s child whose first page is ``page`` (packed tokens): by its tokens —
+    a dict lookup — or, among the children that keep no tokens (on disk), by the page's
+    key (one hash)."""
+    child = node.by_tokens.get(page)
+    if child is None and len(node.by_tokens) < len(node.children):
+        child = node.children.get(chain_page_keys(node.namespace, node.last_page_key, page, page_size))
+    return child
+
+
+def _edge_pages(node: Node, child: Node, packed: bytes, pos: int, page_bytes: int, page_size: int) -> int:
+    """How many of ``child``'s pages equal the request's from byte ``pos`` of ``packed``
+    (its first page is known to). With its tokens: memcmp (binary search inside the
+    edge); without (on disk): the request's page keys, chained from ``node``'s last."""
+    if child.tokens:
+        if packed.startswith(child.tokens, pos):
+            return child.num_pages
+        return HiRadixTree._common_pages(packed, pos, child.tokens, page_bytes)
+    end = min(len(packed), pos + child.num_pages * page_bytes)
+    end -= (end - pos) % page_bytes
+    keys = chain_page_keys(child.namespace, node.last_page_key, packed[pos:end], page_size)
+    if child.page_keys.startswith(keys) and len(keys) == len(child.page_keys):
+        return child.num_pages
+    return HiRadixTree._common_pages(keys, 0, child.page_keys, PAGE_KEY_BYTES)
+
+
 class HiRadixTree:
     """See the module docstring. Not thread-safe: one owner thread drives it."""
 
@@ -306,16 +342,18 @@ class HiRadixTree:
         """Longest cached page-aligned prefix of ``tokens`` as seen from ``pool``.
 
         Splits the last node when the match ends inside it, and (unless ``touch`` is
-        false) marks every matched node accessed and hit. O(depth + log(pages of the
-        last edge)) edge comparisons, each one ``memcmp`` of the edge.
+        false) marks every matched node accessed and hit. Hashes the request's pages as
+        the walk needs them: one page key per node reached (its first page, chained from
+        its parent's last), and the edges of nodes on disk (which keep no tokens); edges
+        with tokens are compared with memcmp. O(depth) dict lookups.
         """
         self._check_pool(pool)
-        key = pack_tokens(tokens)
+        packed = pack_tokens(tokens)
         entry = self._namespaces.get(namespace)
         if entry is None:
             return MatchResult(None, None, None, b"", 0, 0, 0)
-        page_bytes = entry.page_bytes
-        end = len(key) - len(key) % page_bytes
+        page_bytes, page_size = entry.page_bytes, entry.page_size
+        end = len(packed) - len(packed) % page_bytes
         self._tick += 1
         tick = self._tick
         node = last_device = last_host = entry.root
@@ -323,19 +361,24 @@ class HiRadixTree:
         num_host = num_disk = 0
         pos = 0
         while pos < end:
-            child = node.children.get(key[pos : pos + page_bytes])
+            child = node.by_tokens.get(packed[pos : pos + page_bytes])  # (_child, inline: the hot loop)
             if child is None:
-                break
+                child = _child(node, packed[pos : pos + page_bytes], page_size)
+                if child is None:
+                    break
             res = child.residency
             pages = res.get(pool)
             if pages is None and HOST_SLOT not in res and DISK_SLOT not in res:
                 break
-            partial = not key.startswith(child.key, pos)
+            partial = not (child.tokens and packed.startswith(child.tokens, pos))  # (the common case, inline)
             if partial:
-                child = self._split(child, self._common_pages(key, pos, child.key, page_bytes))
+                equal = _edge_pages(node, child, packed, pos, page_bytes, page_size)
+                partial = equal < child.num_pages
+                if partial:
+                    child = self._split(child, equal)
                 res = child.residency
                 pages = res.get(pool)
-            pos += len(child.key)
+            pos += child.num_pages * page_bytes
             if touch:
                 child.last_access = tick
                 child.hit_count += 1
@@ -452,7 +495,7 @@ class HiRadixTree:
         if not len(key):
             return entry.root, _NO_PAGES
         end = 0
-        for node in self._path_existing(entry, key[: first * entry.page_bytes]):
+        for node in self._path_existing(entry, namespace, key[: first * entry.page_bytes]):
             end += node.num_pages
             if HOST_SLOT not in node.residency:
                 raise ResidencyError(f"page {end - 1} is not on host: the pages before a stored one must be")
@@ -476,21 +519,21 @@ class HiRadixTree:
                 self._add_checked(node, HOST_SLOT, mine)
         return path[-1], (np.concatenate(duplicates) if duplicates else _NO_PAGES)
 
-    def _path_existing(self, entry: _Namespace, key: bytes) -> list[Node]:
-        """The existing nodes along ``key`` (whole pages), without changing the tree:
-        the last may reach past the key; the walk stops where the tree does."""
-        page_bytes = entry.page_bytes
+    def _path_existing(self, entry: _Namespace, namespace: NamespaceId, packed: bytes) -> list[Node]:
+        """The existing nodes along ``packed`` (whole pages), without changing the tree:
+        the last may reach past it; the walk stops where the tree does."""
+        page_bytes, page_size = entry.page_bytes, entry.page_size
         node = entry.root
         path = []
         pos = 0
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + page_bytes])
+        while pos < len(packed):
+            child = _child(node, packed[pos : pos + page_bytes], page_size)
             if child is None:
                 break
             path.append(child)
-            if not key.startswith(child.key, pos):
+            if _edge_pages(node, child, packed, pos, page_bytes, page_size) < child.num_pages:
                 break
-            pos += len(child.key)
+            pos += child.num_pages * page_bytes
             node = child
         return path
 
@@ -712,9 +755,25 @@ class HiRadixTree:
         path.reverse()
         return path
 
-    def path_tokens(self, node: Node) -> bytes:
-        """The packed token ids from the namespace root to the end of ``node``."""
-        return b"".join(n.key for n in self.path(node))
+    def set_tokens(self, node: Node, tokens: bytes) -> None:
+        """Give ``node`` back the tokens of its pages (read from the store before its
+        records go, while it stays cached elsewhere); checked against its page keys."""
+        self._check_live(node)
+        entry = self._namespace(node.namespace)
+        if len(tokens) != node.num_pages * entry.page_bytes or chain_page_keys(
+                node.namespace, node.parent.last_page_key, tokens, entry.page_size) != node.page_keys:
+            raise InvalidArgument(f"these are not the tokens of node {node.node_id}'s pages")
+        if not node.tokens:
+            self._give_tokens(node, bytes(tokens), entry.page_bytes)
+
+    def _give_tokens(self, node: Node, tokens: bytes, page_bytes: int) -> None:
+        node.tokens = tokens
+        node.parent.by_tokens[tokens[:page_bytes]] = node  # type: ignore[union-attr]
+
+    def writable(self, node: Node) -> bool:
+        """Can ``node``'s path be written to disk: does every node on it that is not on
+        disk hold its tokens?"""
+        return all(n.tokens for n in self.path(node) if DISK_SLOT not in n.residency)
 
     def is_live(self, node: Node) -> bool:
         return self._nodes.get(node.node_id) is node
@@ -758,49 +817,52 @@ class HiRadixTree:
     def _make_node(
         self, namespace: NamespaceId, parent: Node | None, key: bytes, page_keys: bytes, num_pages: int
     ) -> Node:
-        node = Node(self._next_id, namespace, parent, key, page_keys, num_pages, {}, {}, {}, {})
+        node = Node(self._next_id, namespace, parent, key, page_keys, num_pages, {}, {}, {}, {}, {})
         self._next_id += 1
         self._nodes[node.node_id] = node
         return node
 
     def _path(self, entry: _Namespace, key: bytes) -> list[Node]:
-        """The nodes that cover ``key`` (whole pages) exactly, splitting the last
-        existing node or adding a new one at the end as needed; all marked accessed."""
+        """The nodes that cover ``key`` (packed tokens, whole pages) exactly, splitting
+        the last existing node or adding a new one at the end as needed; all marked
+        accessed. A node on the way that is neither on disk nor holding its tokens gets
+        them from ``key``."""
         self._tick += 1
         tick = self._tick
-        page_bytes = entry.page_bytes
+        page_bytes, page_size = entry.page_bytes, entry.page_size
         node = entry.root
+        namespace = node.namespace
+        end = len(key)
         path = []
         pos = 0
-        end = len(key)
         while pos < end:
-            child = node.children.get(key[pos : pos + page_bytes])
+            child = _child(node, key[pos : pos + page_bytes], page_size)
             if child is None:
-                parent_key = node.last_page_key
                 tail = key[pos:]
-                child = self._make_node(
-                    node.namespace,
-                    node,
-                    tail,
-                    chain_page_keys(node.namespace, parent_key, tail, entry.page_size),
-                    len(tail) // page_bytes,
-                )
-                node.children[tail[:page_bytes]] = child
+                child = self._make_node(namespace, node, tail,
+                                        chain_page_keys(namespace, node.last_page_key, tail, page_size),
+                                        len(tail) // page_bytes)
+                node.children[child.page_keys[:PAGE_KEY_BYTES]] = child
+                node.by_tokens[tail[:page_bytes]] = child
                 pos = end
-            elif key.startswith(child.key, pos):
-                pos += len(child.key)
             else:
-                child = self._split(child, self._common_pages(key, pos, child.key, page_bytes))
-                pos += len(child.key)
+                if not (child.tokens and key.startswith(child.tokens, pos)):
+                    equal = _edge_pages(node, child, key, pos, page_bytes, page_size)
+                    if equal < child.num_pages:
+                        child = self._split(child, equal)
+                if not child.tokens and DISK_SLOT not in child.residency:
+                    self._give_tokens(child, key[pos : pos + child.num_pages * page_bytes], page_bytes)
+                pos += child.num_pages * page_bytes
             child.last_access = tick
             path.append(child)
             node = child
         return path
 
     @staticmethod
-    def _common_pages(key: bytes, pos: int, edge: bytes, page_bytes: int) -> int:
-        """Whole pages of ``edge`` equal to ``key[pos:]``, knowing the first page is
-        equal and the whole edge is not. Binary search: O(log pages) memcmps."""
+    def _common_pages(key, pos: int, edge: bytes, page_bytes: int) -> int:
+        """Whole pages (units of ``page_bytes``) of ``edge`` equal to ``key[pos:]``,
+        knowing the first is equal and the whole edge is not. Binary search: O(log
+        pages) memcmps."""
         lo = 1
         hi = min(len(edge), len(key) - pos) // page_bytes
         view = memoryview(edge)
@@ -815,13 +877,16 @@ class HiRadixTree:
     def _split(self, node: Node, num_pages: int) -> Node:
         """Cut ``node`` after ``num_pages`` pages; the new upper node is returned and
         ``node`` (which handles and locks point at) keeps the lower part."""
-        page_bytes = len(node.key) // node.num_pages
-        cut = num_pages * page_bytes
+        cut = num_pages * self._namespaces[node.namespace].page_bytes
         ids_cut = num_pages * _ID_BYTES
         keys_cut = num_pages * PAGE_KEY_BYTES
         parent = node.parent
-        upper = self._make_node(node.namespace, parent, node.key[:cut], node.page_keys[:keys_cut], num_pages)
-        upper.children[node.key[cut : cut + page_bytes]] = node
+        page_bytes = self._namespaces[node.namespace].page_bytes
+        upper = self._make_node(node.namespace, parent, node.tokens[:cut], node.page_keys[:keys_cut], num_pages)
+        upper.children[node.page_keys[keys_cut : keys_cut + PAGE_KEY_BYTES]] = node
+        if node.tokens:
+            upper.by_tokens[node.tokens[cut : cut + page_bytes]] = node
+            parent.by_tokens[node.tokens[:page_bytes]] = upper  # type: ignore[union-attr]
         for slot, value in node.residency.items():
             if value is True:
                 upper.residency[slot] = True
@@ -834,9 +899,9 @@ class HiRadixTree:
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
         upper.priority = node.priority
-        parent.children[node.key[:page_bytes]] = upper  # type: ignore[union-attr]
+        parent.children[node.page_keys[:PAGE_KEY_BYTES]] = upper  # type: ignore[union-attr]
         node.parent = upper
-        node.key = node.key[cut:]
+        node.tokens = node.tokens[cut:]
         node.page_keys = node.page_keys[keys_cut:]
         node.num_pages -= num_pages
         if self._on_split is not None:
@@ -878,6 +943,9 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
+        if slot == DISK_SLOT and node.tokens:  # the records hold them (see the module docstring)
+            del parent.by_tokens[node.tokens[: len(node.tokens) // node.num_pages]]  # type: ignore[union-attr]
+            node.tokens = b""
         if self._is_protected(node, slot):
             index.protected += node.num_pages
         else:
@@ -927,7 +995,9 @@ class HiRadixTree:
         # could live nowhere either, were removed before it (leaf-first).
         assert not node.children, node
         parent = node.parent
-        del parent.children[node.key[: len(node.key) // node.num_pages]]  # type: ignore[union-attr]
+        del parent.children[node.page_keys[:PAGE_KEY_BYTES]]  # type: ignore[union-attr]
+        if node.tokens:
+            del parent.by_tokens[node.tokens[: len(node.tokens) // node.num_pages]]  # type: ignore[union-attr]
         del self._nodes[node.node_id]
 
 
@@ -967,11 +1037,12 @@ class HiRadixTree:
         owners: dict[tuple[int, int], int],
         seen: dict[int, Node],
     ) -> None:
-        page_bytes = entry.page_bytes
         # Post-order walk so that lock references can be summed from the children.
         stack: list[tuple[Node, bool]] = [(c, False) for c in entry.root.children.values()]
         for first, child in entry.root.children.items():
-            assert child.key[:page_bytes] == first
+            assert child.page_keys[:PAGE_KEY_BYTES] == first
+        assert entry.root.by_tokens == {c.tokens[: entry.page_bytes]: c
+                                        for c in entry.root.children.values() if c.tokens}
         while stack:
             node, children_done = stack.pop()
             if not children_done:
@@ -993,16 +1064,20 @@ class HiRadixTree:
     ) -> None:
         page_bytes = entry.page_bytes
         parent = node.parent
-        assert parent is not None and parent.children.get(node.key[:page_bytes]) is node, node
+        assert parent is not None and parent.children.get(node.page_keys[:PAGE_KEY_BYTES]) is node, node
         assert self._nodes.get(node.node_id) is node, node
         assert node.namespace == parent.namespace, node
-        assert node.num_pages > 0 and len(node.key) == node.num_pages * page_bytes, node
-        assert len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
-        parent_key = parent.last_page_key
-        assert node.page_keys == chain_page_keys(node.namespace, parent_key, node.key, entry.page_size), (
-            f"page keys of node {node.node_id} do not chain from its parent")
+        assert node.num_pages > 0 and len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
+        if DISK_SLOT in node.residency:
+            assert not node.tokens, f"node {node.node_id} is on disk and keeps its tokens"
+        elif node.tokens:
+            assert len(node.tokens) == node.num_pages * page_bytes, node
+            assert node.page_keys == chain_page_keys(node.namespace, parent.last_page_key, node.tokens,
+                                                     entry.page_size), (
+                f"page keys of node {node.node_id} do not chain from its parent")
         for first, child in node.children.items():
-            assert child.key[:page_bytes] == first and child.parent is node, child
+            assert child.page_keys[:PAGE_KEY_BYTES] == first and child.parent is node, child
+        assert node.by_tokens == {c.tokens[:page_bytes]: c for c in node.children.values() if c.tokens}, node
         # Lock references: own direct locks plus the children's references.
         locks = dict(expected_locks.get(node.node_id, {}))
         for child in node.children.values():

@@ -92,6 +92,11 @@ class StorageBackend(Protocol):
         or with ``batch`` one snapshot per ``batch`` records (records written or deleted
         meanwhile may or may not be listed; none is listed twice)."""
 
+    def read_tokens(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The token ids each record's metadata holds (packed), ``None`` for a key that
+        is not stored or unreadable: what the tree gives back to a node that leaves
+        the disk tier while it stays cached elsewhere."""
+
     def flush(self) -> None:
         """Wait until every queued write is committed."""
 

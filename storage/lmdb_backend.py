@@ -512,6 +512,22 @@ class LmdbBackend:
             return self._decode_snapshot(self._read_meta(None, None))
         return self._iter_batches(batch)
 
+    def read_tokens(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The packed token ids in each key's metadata; ``None`` where there is none."""
+        self._check_usable()
+        keys = [_require_key(key) for key in keys]
+        out: list[bytes | None] = []
+        self._gate.acquire_shared()
+        try:
+            self._check_open()
+            with self._env.begin(db=self._meta_db, buffers=True) as txn:
+                for key in keys:
+                    value = txn.get(key)
+                    out.append(None if value is None or _meta_fields(value) is None else bytes(value[META_BYTES:]))
+        finally:
+            self._gate.release_shared()
+        return out
+
     def _iter_batches(self, batch: int) -> Iterator[tuple[bytes, PageMeta]]:
         after = None
         while True:

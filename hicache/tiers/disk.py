@@ -12,9 +12,11 @@ Next: a chain of storage tiers (a remote tier below the local disk) behind the s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
+from hicache.errors import HicacheError
 from hicache.storage.base import StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.disk_reads import DiskReader
@@ -22,6 +24,8 @@ from hicache.tiers.disk_writes import DiskWriter
 from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY, rebuild_steps
 from hicache.tiers.transfers import Transfer
 from hicache.tree import Node, Tier
+
+logger = logging.getLogger(__name__)
 
 
 class DiskTier(Protocol):
@@ -180,9 +184,22 @@ class LocalDisk:
     def _drop(self, node: Node) -> int:
         self.core.misses.evicted(node, Tier.DISK)
         keys = node.page_key_list()
+        if len(node.residency) > 1:  # cached elsewhere still: it may have to be written again
+            self._give_tokens_back(node, keys)
         self.core.tree.drop(node, Tier.DISK)
         self.storage.delete(keys)
         return len(keys)
+
+    def _give_tokens_back(self, node: Node, keys: list[bytes]) -> None:
+        """The tree keeps no tokens of a node on disk (see :mod:`hicache.tree`): read
+        them from its records before they go. Without them the node cannot be written
+        again (its host copy then just goes when evicted)."""
+        try:
+            tokens = self.storage.read_tokens(keys)
+            if all(t is not None for t in tokens):
+                self.core.tree.set_tokens(node, b"".join(tokens))
+        except HicacheError as exc:
+            logger.warning("cannot read the tokens of node %d back from the store: %s", node.node_id, exc)
 
     def forget_keys(self, keys: Iterable[bytes]) -> None:
         """The store dropped these records on its own: forget them (and what hangs

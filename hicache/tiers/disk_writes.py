@@ -44,8 +44,10 @@ class DiskWriter:
         core = self.core
         tree = core.tree
         path = [n for n in tree.path(node) if not n.on_disk and not core.inflight.busy(n, Kind.DISK_WRITE)]
-        if not path or any(n.host_pages is None for n in path):
-            self.deferred.pop(node.node_id, None)  # nothing to write, or nothing that can be
+        if not path or any(n.host_pages is None or not n.tokens for n in path):
+            # Nothing to write, or nothing that can be: a page not on host, or one whose
+            # tokens went with a disk record it lost (see hicache.tree).
+            self.deferred.pop(node.node_id, None)
             return False
         total = sum(n.num_pages for n in path)
         if self.pending and self.pending + total > self.limit:  # (a path over the bound goes alone)
@@ -64,7 +66,7 @@ class DiskWriter:
         parts = []
         for n in path:
             host = n.host_pages.astype(np.int64)
-            parts.append((n.namespace, n.parent.last_page_key, n.key, n.page_keys, n.num_pages, host))
+            parts.append((n.namespace, n.parent.last_page_key, n.tokens, n.page_keys, n.num_pages, host))
             entries.append(Entry(n, host, host))
         hold = path[-1]
         tree.pin(hold)

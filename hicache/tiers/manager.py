@@ -433,8 +433,8 @@ class TierManager:
         """Must ``node``'s host copy reach disk before it goes? Under ``write_through``
         to disk it should be there already (its write was deferred): yes. Under
         ``write_back``: when no device holds it either."""
-        if node.on_disk or not self.disk.enabled:
-            return False
+        if node.on_disk or not self.disk.enabled or not self.tree.writable(node):
+            return False  # (a path that cannot be written: its host copy just goes)
         return self.disk_policy.write_on_host or (self.disk_policy.write_before_drop and not node.device_pools)
 
     def _drop_host(self, node: Node) -> int:

@@ -82,9 +82,7 @@ class TreeMachine(RuleBasedStateMachine):
             del self.model[key]
 
     def node_pages(self, node: Node) -> tuple[NamespaceId, list[tuple[int, ...]]]:
-        tokens = np.frombuffer(self.tree.path_tokens(node), dtype="<i4").tolist()
-        names = self.pages_of(node.namespace, tokens)
-        return node.namespace, names[len(names) - node.num_pages :]
+        return node.namespace, [self.by_key[key][1] for key in node.page_key_list()]
 
     def protected(self, ns: NamespaceId, prefix: tuple[int, ...], lock_key: int | None) -> bool:
         """Is the page protected by a held reference with ``lock_key`` (any when None)?"""
@@ -195,7 +193,8 @@ class TreeMachine(RuleBasedStateMachine):
         if node.is_root:
             assert result.num_pages == 0
             return
-        assert self.tree.path_tokens(node) == np.asarray(tokens[: result.num_tokens], "<i4").tobytes()
+        path_keys = b"".join(n.page_keys for n in self.tree.path(node))
+        assert path_keys == b"".join(page_keys(ns, tokens[: result.num_tokens], self.page_size))
         if take_lock:
             self.tree.lock(node, pool)
             self.held.append((node, pool, ns, tuple(tokens[: result.num_tokens])))

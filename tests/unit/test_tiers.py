@@ -284,6 +284,60 @@ def test_disk_write_through_and_load_from_disk(engine, store):
     tm.close()
 
 
+def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tokens(engine, tmp_path):
+    """The tree keeps no tokens for pages on disk. A disk tier of four pages evicts the
+    oldest prompt while its host copy stays: its tokens are read back from the records
+    first, so that when the host copy goes it is written again — the same bytes."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * SPEC.host_page_bytes)
+    tm, _ = make_tm(engine, host_pages=8, storage=store)
+    try:
+        a, b, c = tokens(100, 2), tokens(200, 2), tokens(300, 2)
+        node_a = prefill(tm, engine, a).node
+        settle(tm)
+        assert node_a.on_disk and node_a.tokens == b""
+        prefill(tm, engine, b)
+        settle(tm)
+        prefill(tm, engine, c)  # the disk tier makes room: a, the oldest, goes
+        settle(tm)
+        assert not node_a.on_disk and node_a.host_pages is not None
+        assert node_a.tokens == np.asarray(a, "<i4").tobytes()
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 8)  # a is written before its host copy goes
+        settle(tm)
+        hit = tm.tree.match(NS, a, 0, touch=False)
+        assert hit.num_disk_pages == 2 and hit.node.tokens == b""
+        assert_on_disk(store, [a])
+    finally:
+        tm.close()
+        store.close()
+
+
+def test_a_page_whose_records_the_store_dropped_on_its_own_goes_when_its_host_copy_goes(engine, store):
+    """Records a (shared) store evicted on its own take the tokens with them: the node,
+    still on host, cannot be written again; host eviction drops it instead of waiting
+    for a write that cannot come, and an insert of those tokens makes it writable."""
+    tm, _ = make_tm(engine, host_pages=8, storage=store)
+    try:
+        a = tokens(100, 2)
+        node = prefill(tm, engine, a).node
+        settle(tm)
+        store.delete(node.page_key_list()).result()
+        tm.forget_disk_keys(node.page_key_list())
+        assert not node.on_disk and node.host_pages is not None and not tm.tree.writable(node)
+        tm.evict(Tier.DEVICE, 16, 0)
+        assert tm.evict(Tier.HOST, 8) == 2  # dropped at once: nothing to wait for
+        settle(tm)
+        assert tm.tree.match(NS, a, 0, touch=False).num_pages == 0
+        node = prefill(tm, engine, a).node  # computed again: written again
+        settle(tm)
+        assert node.on_disk
+        assert_on_disk(store, [a])
+    finally:
+        tm.close()
+
+
 def test_disk_write_back_writes_only_when_host_evicts(engine, store):
     tm, _ = make_tm(engine, host_pages=4, storage=store, disk_policy="write_back")
     prefill(tm, engine, tokens(100, 3))

@@ -62,7 +62,8 @@ def test_match_splits_a_node_when_it_ends_inside(tree, alloc):
     upper = hit.node
     assert upper.num_pages == 2 and result.node.num_pages == 3 and result.node.parent is upper
     # The lower half keeps its identity: the insert's handle still ends at page 5.
-    assert tree.path_tokens(result.node) == np.asarray(tokens, "<i4").tobytes()
+    assert b"".join(n.tokens for n in tree.path(result.node)) == np.asarray(tokens, "<i4").tobytes()
+    assert b"".join(n.page_keys for n in tree.path(result.node)) == b"".join(page_keys(NS, tokens, PS))
     assert tree.match(NS, tokens, 0).node is result.node
     tree.check_invariants()
 
@@ -302,6 +303,41 @@ def test_disk_nodes_finds_the_node_of_each_disk_page(tree, alloc):
     assert found == {**{k: upper for k in keys_a[:2]}, **{k: node_a for k in keys_a[2:]},
                      **{k: node_b for k in keys_b[2:]}}
     assert tree.disk_nodes(page_keys(OTHER_NS, a, PS)) == {}
+
+
+def test_a_node_on_disk_keeps_no_tokens_and_still_matches_and_splits(tree, alloc):
+    """Edges compare by page keys: a node on disk drops its tokens (its records hold
+    them), is matched, split and extended all the same; an insert through a node that
+    lost its tokens off disk gives them back; set_tokens checks them against the keys."""
+    a = seq(100, pages=4)
+    node = insert(tree, alloc, a).node
+    packed = np.asarray(a, "<i4").tobytes()
+    assert node.tokens == packed and tree.writable(node)
+    tree.add_disk(node)
+    assert node.tokens == b""
+    hit = tree.match(NS, a[: 2 * PS] + [1], 0)  # ends inside: splits the token-less node
+    upper = hit.node
+    assert upper.num_pages == 2 and node.parent is upper and upper.tokens == node.tokens == b""
+    b = a[: 3 * PS] + seq(900, pages=2)  # diverges after three pages
+    branch = insert(tree, alloc, b).node
+    assert branch.tokens == np.asarray(seq(900, pages=2), "<i4").tobytes()
+    assert tree.match(NS, b, 0).node is branch and tree.match(NS, a, 0).node is node
+    keys = b"".join(page_keys(NS, a, PS))
+    assert b"".join(n.page_keys for n in tree.path(node)) == keys
+    tree.check_invariants()
+    # Off disk while cached on device: without tokens it cannot be written again ...
+    tree.drop(node, Tier.DISK)
+    assert node.tokens == b"" and not tree.writable(node)
+    with pytest.raises(InvalidArgument):
+        tree.set_tokens(node, packed[: node.num_pages * PS * 4 - 4] + b"\0\0\0\0")
+    with pytest.raises(InvalidArgument):
+        tree.set_tokens(node, packed[:4])
+    tree.set_tokens(node, packed[-node.num_pages * PS * 4 :])
+    assert tree.writable(node)
+    node.tokens = b""  # (as if they could not be read back)
+    insert(tree, alloc, a)  # ... until an insert of those pages brings them
+    assert node.tokens == packed[-node.num_pages * PS * 4 :] and tree.writable(node)
+    tree.check_invariants()
 
 
 def test_discard_shortens_hits_and_returns_pages(tree, alloc):

@@ -23,11 +23,11 @@ trace's unique pages: device (the engine's pool) 5 %, host 20 %, disk 50 %.
 Figures: requests/s; p50 / p99 / max round trip per op; tokens saved and their ratio to
 each LRU; pages a match reported that the load did not deliver (short); backups and
 disk writes deferred; pages that left the cache from device or host — lost, under
-write-through; bytes of daemon memory per cached page: resident anonymous memory
-outside the host pool's own mapping, its growth from a warm daemon (after the first 2 %
-of the requests: imports and start-up done) to the end over the pages the tree gained
-meanwhile (``bytes_per_page_from_start`` keeps the cruder figure: RSS growth since
-register less the whole host pool, over the pages in the tree at the end).
+write-through; bytes of daemon memory per cached page: the growth of its anonymous RSS
+from a warm daemon — the first time 99 % of the host pool is in use (imports and
+start-up done, the pool resident) — to the end, over the pages the tree gained meanwhile
+(``bytes_per_page_from_start`` keeps the cruder figure: RSS growth since register less
+the whole host pool, over the pages in the tree at the end).
 
     python benchmarks/bench_scale.py [--unique-pages N] [--seed S] [--repeat 2] [--json]
 
@@ -192,26 +192,6 @@ def rss_anon(pid: int) -> int:
     return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
 
 
-_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
-
-
-def anon_besides_pool(pid: int, pool_bytes: int) -> int | None:
-    """Resident anonymous bytes of ``pid`` outside the host pool (its own mapping, found
-    by its size); ``None`` if no mapping has that size (the kernel merged it)."""
-    size = -(-pool_bytes // 4096) * 4096
-    total, found, current = 0, False, 0
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        m = _MAPPING.match(line)
-        if m:
-            current = int(m.group(2), 16) - int(m.group(1), 16)
-        elif line.startswith("Anonymous:"):
-            if current == size and not found:
-                found = True
-                continue
-            total += int(line.split()[1]) * 1024
-    return total if found else None
-
-
 class Timings:
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = {}
@@ -238,19 +218,18 @@ def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: in
     ), name="bench_scale")
     kv = export_kv_pool(SPEC, device_pages)
     timings = Timings()
-    host_pool_bytes = host_pages * SPEC.host_page_bytes  # the daemon maps exactly this for its host pool
     saved = short = backpressure = 0
     try:
         client = CacheClient(f"ipc://{directory / 'hicache.sock'}", timeout_s=120.0)
         client.register(SPEC, [kv.handle])
         rss_start = rss_anon(daemon.pid)
-        warm_at = max(100, len(trace.requests) // 50)
-        warm = None  # (anonymous bytes besides the host pool, cached pages) once warm
+        warm = None  # (anonymous RSS, cached pages) once (nearly) every host pool page has been used
         started = time.perf_counter()
         for n, r in enumerate(trace.requests):
-            if n == warm_at:
-                (at_warm,) = client.stats()["specs"].values()
-                warm = (anon_besides_pool(daemon.pid, host_pool_bytes), int(at_warm.get("pages", 0)))
+            if warm is None and n % 64 == 32:
+                (now,) = client.stats()["specs"].values()
+                if now["host"]["free"] <= host_pages // 100:  # (at most 1 % of the pool never touched)
+                    warm = (rss_anon(daemon.pid), int(now.get("pages", 0)))
             tokens = trace.tokens(r, with_reply=True)
             prompt_tokens = int(trace.system_lengths[r.system]) + r.prompt
             m = timings.call("match", client.match, tokens[:prompt_tokens])
@@ -287,7 +266,6 @@ def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: in
         stats = client.stats()
         metrics = scrape(port)
         rss_end = rss_anon(daemon.pid)
-        anon_end = anon_besides_pool(daemon.pid, host_pool_bytes)
         client.close()
     finally:
         kv.close()
@@ -298,8 +276,8 @@ def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: in
     cached = int(figures.get("pages", 0))
     host_bytes = host_pages * SPEC.host_page_bytes
     marginal = float("nan")
-    if warm is not None and warm[0] is not None and anon_end is not None and cached > warm[1]:
-        marginal = (anon_end - warm[0]) / (cached - warm[1])
+    if warm is not None and cached > warm[1]:
+        marginal = (rss_end - warm[0]) / (cached - warm[1])
     return {
         "saved_tokens": saved, "client_short_pages": short, "backpressure_waits": backpressure,
         "requests_per_s": len(trace.requests) / elapsed, "seconds": elapsed, "flush_s": flush_s,

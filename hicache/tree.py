@@ -31,13 +31,16 @@ Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
   slot, are maintained incrementally on every change.
 
 Edges are compared by page keys (:mod:`hicache.keys`: a page's key names the page and
-its whole prefix), hashed from a request's tokens as a walk reaches them. A node keeps
-its pages' tokens only while they may still have to be written to disk: a node on disk
-has none (its records hold them), which is most of a big cache's pages (256 bytes a
-page of 64 tokens). A node that leaves the disk tier while cached elsewhere gets its
-tokens back from its caller (read from the store before its records go) or stays without —
-then it cannot be written to disk again, until an insert of those pages brings them.
-(:meth:`HiRadixTree.set_tokens` gives them back.)
+its whole prefix). A node keeps its pages' tokens while it is in a device pool or not on
+disk: a node on disk and in no device pool has none (its records hold them), which is
+most of a big cache's pages (256 bytes a page of 64 tokens). A walk finds a child by its
+first page's tokens (a dict lookup) and compares an edge with memcmp where it can; only
+at nodes without tokens does it hash the request's pages (one key to find the child,
+the edge's keys to compare it) — pages a load then brings from host or disk anyway. An
+insert gives a node on its path its tokens back. A node that leaves the disk tier while
+cached on host gets them back from its caller (read from the store before its records
+go: :meth:`HiRadixTree.set_tokens`) or stays without — then it cannot be written to disk
+again, until an insert of those pages brings them.
 
 Page ids passed in are trusted to be the caller's private pages (the session layer
 checks ownership against the allocators); the tree never frees pages itself, it returns
@@ -475,6 +478,7 @@ class HiRadixTree:
         for node in path:
             if DISK_SLOT not in node.residency:
                 self._add_residency(node, DISK_SLOT, True)
+            self._settle_tokens(node)
         return path[-1]
 
 
@@ -517,6 +521,8 @@ class HiRadixTree:
                 duplicates.append(mine)
             else:
                 self._add_checked(node, HOST_SLOT, mine)
+        for node in path:
+            self._settle_tokens(node)
         return path[-1], (np.concatenate(duplicates) if duplicates else _NO_PAGES)
 
     def _path_existing(self, entry: _Namespace, namespace: NamespaceId, packed: bytes) -> list[Node]:
@@ -825,8 +831,8 @@ class HiRadixTree:
     def _path(self, entry: _Namespace, key: bytes) -> list[Node]:
         """The nodes that cover ``key`` (packed tokens, whole pages) exactly, splitting
         the last existing node or adding a new one at the end as needed; all marked
-        accessed. A node on the way that is neither on disk nor holding its tokens gets
-        them from ``key``."""
+        accessed. A node on the way that keeps no tokens gets them from ``key``: the
+        caller settles them once it has changed the residencies."""
         self._tick += 1
         tick = self._tick
         page_bytes, page_size = entry.page_bytes, entry.page_size
@@ -850,7 +856,7 @@ class HiRadixTree:
                     equal = _edge_pages(node, child, key, pos, page_bytes, page_size)
                     if equal < child.num_pages:
                         child = self._split(child, equal)
-                if not child.tokens and DISK_SLOT not in child.residency:
+                if not child.tokens:  # (the caller settles them: see _settle_tokens)
                     self._give_tokens(child, key[pos : pos + child.num_pages * page_bytes], page_bytes)
                 pos += child.num_pages * page_bytes
             child.last_access = tick
@@ -943,9 +949,8 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
-        if slot == DISK_SLOT and node.tokens:  # the records hold them (see the module docstring)
-            del parent.by_tokens[node.tokens[: len(node.tokens) // node.num_pages]]  # type: ignore[union-attr]
-            node.tokens = b""
+        if slot == DISK_SLOT:
+            self._settle_tokens(node)
         if self._is_protected(node, slot):
             index.protected += node.num_pages
         else:
@@ -975,7 +980,16 @@ class HiRadixTree:
                     index.leaves.add(parent)  # type: ignore[arg-type]
         if not node.residency and not node.lock_total:
             self._remove(node)
+        elif slot >= 0:
+            self._settle_tokens(node)
         return value
+
+    def _settle_tokens(self, node: Node) -> None:
+        """Drop ``node``'s tokens if it is on disk and in no device pool (see the module
+        docstring: matches on device pages stay a memcmp)."""
+        if node.tokens and DISK_SLOT in node.residency and not any(slot >= 0 for slot in node.residency):
+            del node.parent.by_tokens[node.tokens[: len(node.tokens) // node.num_pages]]  # type: ignore[union-attr]
+            node.tokens = b""
 
     def _protect(self, node: Node, slot: Slot) -> None:
         index = self._slots[slot]
@@ -1068,9 +1082,9 @@ class HiRadixTree:
         assert self._nodes.get(node.node_id) is node, node
         assert node.namespace == parent.namespace, node
         assert node.num_pages > 0 and len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
-        if DISK_SLOT in node.residency:
-            assert not node.tokens, f"node {node.node_id} is on disk and keeps its tokens"
-        elif node.tokens:
+        if DISK_SLOT in node.residency and not any(slot >= 0 for slot in node.residency):
+            assert not node.tokens, f"node {node.node_id} is on disk only and keeps its tokens"
+        if node.tokens:
             assert len(node.tokens) == node.num_pages * page_bytes, node
             assert node.page_keys == chain_page_keys(node.namespace, parent.last_page_key, node.tokens,
                                                      entry.page_size), (

@@ -43,7 +43,10 @@ class EvictionLog:
     def __init__(self, slots: int = EVICTION_SLOTS) -> None:
         num_sets = max(1, slots // WAYS)
         self._sets = num_sets
-        self._table = np.zeros((num_sets, WAYS), dtype=np.uint32)
+        # Written through now, not as evictions reach its sets: its memory is resident
+        # from the start (a fixed cost, not growth with the cache).
+        self._table = np.empty((num_sets, WAYS), dtype=np.uint32)
+        self._table.fill(0)
         self._cursor = np.zeros(num_sets, dtype=np.uint8)  # the next way to overwrite, per set
 
     @property

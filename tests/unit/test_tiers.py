@@ -285,8 +285,8 @@ def test_disk_write_through_and_load_from_disk(engine, store):
 
 
 def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tokens(engine, tmp_path):
-    """The tree keeps no tokens for pages on disk. A disk tier of four pages evicts the
-    oldest prompt while its host copy stays: its tokens are read back from the records
+    """The tree keeps no tokens for pages on disk and in no device pool. A disk tier of
+    four pages evicts the oldest prompt while its host copy stays: its tokens are read back from the records
     first, so that when the host copy goes it is written again — the same bytes."""
     from hicache.storage.lmdb_backend import LmdbBackend
 
@@ -296,7 +296,9 @@ def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tok
         a, b, c = tokens(100, 2), tokens(200, 2), tokens(300, 2)
         node_a = prefill(tm, engine, a).node
         settle(tm)
-        assert node_a.on_disk and node_a.tokens == b""
+        assert node_a.on_disk and node_a.tokens  # (kept while on a device)
+        tm.evict(Tier.DEVICE, 16, 0)
+        assert node_a.host_pages is not None and node_a.tokens == b""
         prefill(tm, engine, b)
         settle(tm)
         prefill(tm, engine, c)  # the disk tier makes room: a, the oldest, goes
@@ -323,10 +325,10 @@ def test_a_page_whose_records_the_store_dropped_on_its_own_goes_when_its_host_co
         a = tokens(100, 2)
         node = prefill(tm, engine, a).node
         settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)  # on host and disk: no tokens kept
         store.delete(node.page_key_list()).result()
         tm.forget_disk_keys(node.page_key_list())
         assert not node.on_disk and node.host_pages is not None and not tm.tree.writable(node)
-        tm.evict(Tier.DEVICE, 16, 0)
         assert tm.evict(Tier.HOST, 8) == 2  # dropped at once: nothing to wait for
         settle(tm)
         assert tm.tree.match(NS, a, 0, touch=False).num_pages == 0

@@ -306,37 +306,51 @@ def test_disk_nodes_finds_the_node_of_each_disk_page(tree, alloc):
 
 
 def test_a_node_on_disk_keeps_no_tokens_and_still_matches_and_splits(tree, alloc):
-    """Edges compare by page keys: a node on disk drops its tokens (its records hold
-    them), is matched, split and extended all the same; an insert through a node that
-    lost its tokens off disk gives them back; set_tokens checks them against the keys."""
+    """Edges compare by page keys where tokens are gone: a node on disk and in no device
+    pool drops its tokens (its records hold them), and is matched, split and extended
+    all the same; an insert gives the nodes on its path their tokens back; a node off
+    disk without them cannot be written until set_tokens (checked) or an insert."""
     a = seq(100, pages=4)
     node = insert(tree, alloc, a).node
     packed = np.asarray(a, "<i4").tobytes()
-    assert node.tokens == packed and tree.writable(node)
     tree.add_disk(node)
+    assert node.tokens == packed and tree.writable(node)  # on a device still: kept
+    alloc.free(tree.drop(node, Tier.DEVICE, 0))
     assert node.tokens == b""
     hit = tree.match(NS, a[: 2 * PS] + [1], 0)  # ends inside: splits the token-less node
     upper = hit.node
-    assert upper.num_pages == 2 and node.parent is upper and upper.tokens == node.tokens == b""
+    assert hit.num_disk_pages == 2 and upper.num_pages == 2 and node.parent is upper
+    assert upper.tokens == node.tokens == b""
     b = a[: 3 * PS] + seq(900, pages=2)  # diverges after three pages
     branch = insert(tree, alloc, b).node
-    assert branch.tokens == np.asarray(seq(900, pages=2), "<i4").tobytes()
+    assert [n.tokens for n in tree.path(branch)] == [packed[: 8 * PS], packed[8 * PS : 12 * PS],
+                                                     np.asarray(seq(900, pages=2), "<i4").tobytes()]
+    assert node.tokens == b"" and node.num_pages == 1
     assert tree.match(NS, b, 0).node is branch and tree.match(NS, a, 0).node is node
-    keys = b"".join(page_keys(NS, a, PS))
-    assert b"".join(n.page_keys for n in tree.path(node)) == keys
+    assert b"".join(n.page_keys for n in tree.path(node)) == b"".join(page_keys(NS, a, PS))
     tree.check_invariants()
-    # Off disk while cached on device: without tokens it cannot be written again ...
-    tree.drop(node, Tier.DISK)
-    assert node.tokens == b"" and not tree.writable(node)
+    # Off disk while on host: without tokens it cannot be written again ...
+    c = seq(500, pages=2)
+    other = insert(tree, alloc, c).node
+    host = PageAllocator.for_host(16)
+    tree.add_host(other, host.alloc(2))
+    tree.add_disk(other)
+    alloc.free(tree.drop(other, Tier.DEVICE, 0))
+    assert other.tokens == b""
+    tree.drop(other, Tier.DISK)
+    assert other.host_pages is not None and not tree.writable(other)
+    packed_c = np.asarray(c, "<i4").tobytes()
     with pytest.raises(InvalidArgument):
-        tree.set_tokens(node, packed[: node.num_pages * PS * 4 - 4] + b"\0\0\0\0")
+        tree.set_tokens(other, packed_c[:-4] + b"\0\0\0\0")
     with pytest.raises(InvalidArgument):
-        tree.set_tokens(node, packed[:4])
-    tree.set_tokens(node, packed[-node.num_pages * PS * 4 :])
-    assert tree.writable(node)
-    node.tokens = b""  # (as if they could not be read back)
-    insert(tree, alloc, a)  # ... until an insert of those pages brings them
-    assert node.tokens == packed[-node.num_pages * PS * 4 :] and tree.writable(node)
+        tree.set_tokens(other, packed_c[:4])
+    tree.set_tokens(other, packed_c)
+    assert other.tokens == packed_c and tree.writable(other)
+    tree.check_invariants()
+    other.tokens = b""  # (as if they could not be read back) ...
+    del other.parent.by_tokens[packed_c[: PS * 4]]
+    insert(tree, alloc, c)  # ... until an insert of those pages brings them
+    assert other.tokens == packed_c and tree.writable(other)
     tree.check_invariants()
 
 

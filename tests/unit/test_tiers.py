@@ -27,8 +27,8 @@ def engine():
     e.close()
 
 
-def make_tm(engine, *, host_pages=12, storage=None, **config):
-    tm = TierManager(SPEC, host_pages=host_pages, storage=storage, config=TierConfig(**config))
+def make_tm(engine, *, host_pages=12, storage=None, metrics=None, **config):
+    tm = TierManager(SPEC, host_pages=host_pages, storage=storage, metrics=metrics, config=TierConfig(**config))
     tm.add_namespace(NS)
     counters = tm.register_pool(0, [engine.pool])
     return tm, counters
@@ -43,6 +43,23 @@ def prefill(tm, engine, toks, pool=0):
     pages = np.concatenate((hit.device_pages, new))
     engine.compute(NS, toks, pages)
     return tm.insert(NS, toks, pool, pages)
+
+
+def on_disk_beside_a_locked_prompt(tm, engine, prompts):
+    """Prefill ``prompts`` and leave them on disk only (device and host copies evicted),
+    then prefill and lock a three-page prompt (three host pages nobody may evict);
+    returns its node."""
+    for toks in prompts:
+        prefill(tm, engine, toks)
+        tm.flush()
+    tm.evict(Tier.DEVICE, tm.pools.get(0).allocator.capacity, 0)
+    tm.evict(Tier.HOST, tm.host_alloc.capacity)
+    tm.flush()
+    assert tm.tree.sizes(Tier.HOST).cached == 0
+    other = prefill(tm, engine, tokens(500, 3)).node
+    tm.flush()
+    tm.lock(other, 0)
+    return other
 
 
 def settle(tm):
@@ -642,14 +659,8 @@ def test_a_match_reports_only_what_a_load_can_deliver_and_loads_count_what_they_
 
     try:
         first, second = tokens(0, 2), tokens(0, 2) + tokens(100, 3)
-        prefill_and_settle(first)
-        prefill_and_settle(second)
-        tm.evict(Tier.DEVICE, 16, 0)
-        tm.evict(Tier.HOST, 6)
-        tm.flush()
-        assert tm.tree.sizes(Tier.HOST).cached == 0 and tm.tree.sizes(Tier.DISK).cached == 5
-        other = prefill_and_settle(tokens(500, 3))
-        tm.lock(other, 0)  # three host pages nobody may evict
+        other = on_disk_beside_a_locked_prompt(tm, engine, [first, second])  # three host pages nobody may evict
+        assert tm.tree.sizes(Tier.DISK).cached == 5 + 3  # (and the locked prompt)
         hit = tm.match(NS, second, 0)
         assert hit.unclipped.num_disk_pages == 5
         assert hit.match.num_disk_pages == 2 and hit.match.num_tokens == 2 * PS
@@ -695,19 +706,7 @@ def test_a_matched_paths_own_host_pages_make_no_room_for_its_disk_part(tmp_path)
     engine = Engine(num_pages=16)
     store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
     metrics = Metrics()
-    tm = TierManager(SPEC, host_pages=6, storage=store, metrics=metrics)
-    tm.add_namespace(NS)
-    tm.register_pool(0, [engine.pool])
-    value = metrics.registry.get_sample_value
-
-    def prefill_and_settle(toks):
-        hit = tm.match(NS, toks, 0).match
-        new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
-        pages = np.concatenate((hit.device_pages, new))
-        engine.compute(NS, toks, pages)
-        node = tm.insert(NS, toks, 0, pages).node
-        tm.flush()
-        return node
+    tm, _ = make_tm(engine, host_pages=6, storage=store, metrics=metrics)
 
     def load(node):
         tm.lock(node, 0)
@@ -719,13 +718,7 @@ def test_a_matched_paths_own_host_pages_make_no_room_for_its_disk_part(tmp_path)
 
     try:
         first, second = tokens(0, 3), tokens(0, 3) + tokens(100, 2)
-        prefill_and_settle(first)
-        prefill_and_settle(second)
-        tm.evict(Tier.DEVICE, 16, 0)
-        tm.evict(Tier.HOST, 6)
-        tm.flush()
-        other = prefill_and_settle(tokens(500, 3))
-        tm.lock(other, 0)
+        other = on_disk_beside_a_locked_prompt(tm, engine, [first, second])
         load(tm.match(NS, first, 0).match.node)  # the first node back on host (and device)
         tm.evict(Tier.DEVICE, 16, 0)
         assert tm.host_alloc.num_free == 0 and tm.tree.sizes(Tier.HOST).evictable == 3
@@ -734,7 +727,7 @@ def test_a_matched_paths_own_host_pages_make_no_room_for_its_disk_part(tmp_path)
         assert (hit.match.num_host_pages, hit.match.num_disk_pages) == (3, 0)
         loaded = load(hit.match.node)
         engine.check(NS, first, loaded.device_pages)
-        assert value("hicache_load_short_tokens_total") == 0
+        assert metrics.registry.get_sample_value("hicache_load_short_tokens_total") == 0
         tm.unlock(other, 0)
         tm.check_invariants()
     finally:
@@ -752,24 +745,17 @@ def test_device_pages_waiting_for_a_backup_make_no_room_for_a_load():
 
     engine = Engine(num_pages=8)
     metrics = Metrics()
-    tm = TierManager(SPEC, host_pages=4, metrics=metrics)
-    tm.add_namespace(NS)
-    tm.register_pool(0, [engine.pool])
-
-    def prefill(toks):
-        new = tm.alloc(0, len(toks) // PS)
-        engine.compute(NS, toks, new)
-        return tm.insert(NS, toks, 0, new).node
+    tm, _ = make_tm(engine, host_pages=4, metrics=metrics)
 
     try:
-        a, b = prefill(tokens(0, 2)), prefill(tokens(100, 2))
+        a, b = prefill(tm, engine, tokens(0, 2)).node, prefill(tm, engine, tokens(100, 2)).node
         tm.flush()
         tm.evict(Tier.DEVICE, 2, 0)  # a's device copy
         tm.lock(a, 0)
         tm.lock(b, 0)
         assert a.device_pools == [] and tm.host_alloc.num_free == 0
-        prefill(tokens(200, 3))
-        prefill(tokens(300, 3))
+        prefill(tm, engine, tokens(200, 3)).node
+        prefill(tm, engine, tokens(300, 3)).node
         tm.poll(0)
         assert tm.deferred_backups == 2 and tm.pools.get(0).allocator.num_free == 0
         hit = tm.match(NS, tokens(0, 2), 0)
@@ -797,24 +783,17 @@ def test_host_pages_waiting_for_their_disk_write_make_no_room_for_a_disk_part(tm
     engine = Engine(num_pages=16)
     store = SlowStore(LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes), 0.0)
     metrics = Metrics()
-    tm = TierManager(SPEC, host_pages=6, storage=store, metrics=metrics, config=TierConfig(disk_write_backlog=2))
-    tm.add_namespace(NS)
-    tm.register_pool(0, [engine.pool])
-
-    def prefill(toks):
-        new = tm.alloc(0, len(toks) // PS)
-        engine.compute(NS, toks, new)
-        return tm.insert(NS, toks, 0, new).node
+    tm, _ = make_tm(engine, host_pages=6, storage=store, metrics=metrics, disk_write_backlog=2)
 
     try:
         cold = tokens(0, 2)
-        prefill(cold)
+        prefill(tm, engine, cold).node
         tm.flush()
         tm.evict(Tier.DEVICE, 16, 0)
         tm.evict(Tier.HOST, 6)
         store.close_gate()
         for i in range(3):
-            prefill(tokens(100 * (i + 1), 2))
+            prefill(tm, engine, tokens(100 * (i + 1), 2))
         for _ in range(200):  # the backups land; one write runs, two wait
             tm.poll(0.005)
             if tm.queues()["disk_write_deferred"][0] == 4:

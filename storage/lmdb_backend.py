@@ -607,7 +607,7 @@ class LmdbBackend:
             with self._env.begin(buffers=True) as txn:
                 with self._lock:
                     recent = dict(self._dirty_access)
-                keys, stamps, _ = self._scan(txn, recent)
+                keys, stamps = self._scan(txn, recent)
         finally:
             self._gate.release_shared()
         return [keys[16 * i : 16 * i + 16] for i in np.argsort(stamps, kind="stable").tolist()]
@@ -1022,7 +1022,7 @@ class LmdbBackend:
             recent = dict(self._dirty_access)
         for key, stamp in state.access.items():
             recent.setdefault(key, stamp)  # a newer read recorded since wins
-        keys, stamps, _ = self._scan(txn, recent, skip=(state.changes, exclude))
+        keys, stamps = self._scan(txn, recent, skip=(state.changes, exclude))
         count = len(stamps)
         take = min(count, max(_VICTIMS_MIN, count // _VICTIMS_SHARE))
         if not take:
@@ -1031,17 +1031,15 @@ class LmdbBackend:
         oldest = oldest[np.argsort(stamps[oldest], kind="stable")]
         self._victims.extend((float(stamps[i]), keys[16 * i : 16 * i + 16]) for i in oldest.tolist())
 
-    def _scan(self, txn, recent: dict[bytes, float], skip=()) -> tuple[bytes, np.ndarray, np.ndarray]:
-        """Every record's key (concatenated), last access (``recent`` over the stored
-        time) and payload size, in key order; keys in any of the ``skip`` collections
-        are left out."""
+    def _scan(self, txn, recent: dict[bytes, float], skip=()) -> tuple[bytes, np.ndarray]:
+        """Every record's key (concatenated) and last access (``recent`` over the stored
+        time), in key order; keys in any of the ``skip`` collections are left out."""
         keys = bytearray()
         stamps = array("d")
-        sizes = array("q")
         unpack = _META_SIZE_ACCESS.unpack_from
         skip = [keys_ for keys_ in skip if keys_]
         for key, value in txn.cursor(db=self._meta_db):
-            size, stamp = unpack(value, 4)
+            _, stamp = unpack(value, 4)
             if recent or skip:
                 key = bytes(key)
                 if any(key in keys_ for keys_ in skip):
@@ -1049,8 +1047,7 @@ class LmdbBackend:
                 stamp = recent.get(key, stamp)
             keys += key
             stamps.append(stamp)
-            sizes.append(size)
-        return bytes(keys), np.frombuffer(stamps, dtype=np.float64), np.frombuffer(sizes, dtype=np.int64)
+        return bytes(keys), np.frombuffer(stamps, dtype=np.float64)
 
     def _write_delete(self, txn, keys: Sequence[bytes], state: _BatchState) -> int:
         num_existing = 0

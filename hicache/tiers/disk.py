@@ -184,8 +184,8 @@ class LocalDisk:
     def _drop(self, node: Node) -> int:
         self.core.misses.evicted(node, Tier.DISK)
         keys = node.page_key_list()
-        if len(node.residency) > 1:  # cached elsewhere still: it may have to be written again
-            self._give_tokens_back(node, keys)
+        if not node.tokens and len(node.residency) > 1:  # cached elsewhere still: it may
+            self._give_tokens_back(node, keys)  # have to be written again
         self.core.tree.drop(node, Tier.DISK)
         self.storage.delete(keys)
         return len(keys)

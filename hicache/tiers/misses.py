@@ -3,8 +3,8 @@
 Evictions are remembered in a fixed-size, set-associative table (:class:`EvictionLog`):
 ``slots`` entries of 4 bytes in sets of :data:`WAYS`; a page key (a uniform hash) picks
 its set with its first 8 bytes and is stored as a tag of 29 bits from the other 8 (and a
-set bit, so that no entry is 0), with the tier in the low 2 bits. A set forgets its oldest entry when a new key arrives in a full
-set (FIFO per set). Memory is ``4 * slots`` bytes whatever the traffic (default 2^22
+set bit, so that no entry is 0), with the tier in the low 2 bits. A set forgets its
+oldest entry when a new key arrives in a full set (FIFO per set). Memory is ``4 * slots`` bytes whatever the traffic (default 2^22
 slots: 16 MiB).
 
 Stated error, for eviction counts measured in pages:

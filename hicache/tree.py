@@ -311,6 +311,7 @@ class HiRadixTree:
         self._next_id = 0
         self._tick = 0
         self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
+        self._clean_host = 0  # see clean_host_pages
         self._direct_locks: dict[tuple[int, LockKey], int] = {}
 
 
@@ -578,6 +579,8 @@ class HiRadixTree:
                 self._protect(node, kept)
             node.lock_total += 1
             if node.lock_total == 1:
+                if HOST_SLOT in node.residency and DISK_SLOT in node.residency:
+                    self._clean_host -= node.num_pages
                 if HOST_SLOT in node.residency:
                     self._protect(node, HOST_SLOT)
                 if DISK_SLOT in node.residency:
@@ -608,6 +611,8 @@ class HiRadixTree:
                     self._unprotect(node, kept)
             node.lock_total -= 1
             if node.lock_total == 0:
+                if HOST_SLOT in node.residency and DISK_SLOT in node.residency:
+                    self._clean_host += node.num_pages
                 if HOST_SLOT in node.residency:
                     self._unprotect(node, HOST_SLOT)
                 if DISK_SLOT in node.residency:
@@ -703,6 +708,20 @@ class HiRadixTree:
             yield node
             if parent is not None and parent in index.leaves:
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    def clean_host_pages(self) -> int:
+        """Unprotected host pages that are on disk too: host copies that can go without
+        a write first (leaf order permitting). O(1)."""
+        return self._clean_host
+
+    def leaves(self, tier: Tier, pool: PoolId | None = None) -> list[Node]:
+        """The unprotected leaves of one tier, in no order. O(leaves)."""
+        index = self._slots.get(self._slot(tier, pool))
+        return list(index.leaves) if index is not None else []
 
     def sizes(self, tier: Tier, pool: PoolId | None = None) -> TierSizes:
         """Evictable and protected page counts of one tier. O(1)."""
@@ -949,6 +968,8 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
+        if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
+            self._clean_host += node.num_pages
         if slot == DISK_SLOT:
             self._settle_tokens(node)
         if self._is_protected(node, slot):
@@ -963,6 +984,8 @@ class HiRadixTree:
                 f"node {node.node_id} has children resident in {_slot_name(slot)}; drop them first"
             )
         index = self._slots[slot]
+        if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
+            self._clean_host -= node.num_pages
         value = node.residency.pop(slot)
         if self._is_protected(node, slot):
             index.protected -= node.num_pages
@@ -1041,6 +1064,8 @@ class HiRadixTree:
             assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
         for slot in sizes:
             assert slot in self._slots, _slot_name(slot)
+        clean = sum(n.num_pages for n in self._nodes.values() if HOST_SLOT in n.residency and DISK_SLOT in n.residency and not n.lock_total)
+        assert self._clean_host == clean, ("clean host pages", self._clean_host, clean)
 
     def _check_subtree(
         self,

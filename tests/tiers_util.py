@@ -11,6 +11,7 @@ from hicache.counters import LayerWaiter
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.keys import page_keys
 from hicache.spec import KVSpec, MHALayer, MLALayer
+from hicache.tree import Tier
 
 SPEC = KVSpec(
     page_size=4,
@@ -205,3 +206,6 @@ class Driver:
                 if node.on_disk:
                     assert tm.storage.get([key], [buffer], fingerprint=tm.spec.fingerprint) == [True]
                     assert buffer.tobytes() == want
+        if tm.storage is not None and tm.disk.enabled:  # and no record the tree does not know
+            assert tm.storage.stats().records == tm.tree.sizes(Tier.DISK).cached, (
+                tm.storage.stats().records, tm.tree.sizes(Tier.DISK).cached)

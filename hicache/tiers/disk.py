@@ -47,6 +47,9 @@ class DiskTier(Protocol):
     def deferred_writes(self) -> int:
         """Pages of the writes deferred by the queue's bound."""
 
+    def is_deferred(self, node: Node) -> bool:
+        """Is a write of ``node`` deferred by the queue's bound?"""
+
     def retry_writes(self) -> int:
         """Start the deferred writes the queue has room for; returns how many started."""
 
@@ -86,6 +89,9 @@ class NoDisk:
 
     def deferred_writes(self) -> int:
         return 0
+
+    def is_deferred(self, node: Node) -> bool:
+        return False
 
     def retry_writes(self) -> int:
         return 0
@@ -143,6 +149,9 @@ class LocalDisk:
     def deferred_writes(self) -> int:
         return self._writer.deferred_pages()
 
+    def is_deferred(self, node: Node) -> bool:
+        return node.node_id in self._writer.deferred
+
     def retry_writes(self) -> int:
         return self._writer.retry() if self._writer.deferred else 0
 
@@ -173,9 +182,8 @@ class LocalDisk:
 
     def evict(self, num_pages: int) -> int:
         """Evict the tree's disk LRU and delete those records; returns the pages freed."""
-        core = self.core
         freed = 0
-        for node in core.tree.iter_evictable(Tier.DISK):
+        for node in self.core.tree.iter_evictable(Tier.DISK):
             if freed >= num_pages:
                 break
             freed += self._drop(node)

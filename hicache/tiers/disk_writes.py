@@ -58,7 +58,10 @@ class DiskWriter:
                 self.deferred[node.node_id] = True
             return False
         self.deferred.pop(node.node_id, None)
+        hold = path[-1]
+        tree.pin(hold)  # before room() evicts: the path's ancestors on disk must stay
         if not self.disk.room(total):
+            tree.unpin(hold)
             return False
         # Only O(nodes) here; the records (O(pages)) are built on the write-preparation
         # thread from what the path holds now — its host pages stay pinned until done.
@@ -68,8 +71,6 @@ class DiskWriter:
             host = n.host_pages.astype(np.int64)
             parts.append((n.namespace, n.parent.last_page_key, n.tokens, n.page_keys, n.num_pages, host))
             entries.append(Entry(n, host, host))
-        hold = path[-1]
-        tree.pin(hold)
         transfer = Transfer(Kind.DISK_WRITE, None, entries, hold)
         if then_drop_host:
             transfer.then_drop.add(node.node_id)
@@ -93,12 +94,19 @@ class DiskWriter:
         tree.unpin(transfer.hold)
         if error is not None:
             logger.error("disk write failed: %s", error)
+        unknown = []  # records written that the tree cannot take: deleted, never orphaned
         for entry in transfer.entries:
             node = entry.node
-            if (error is None and tree.is_live(node) and not node.on_disk
-                    and (node.parent.is_root or node.parent.on_disk)):
+            if error is not None or not tree.is_live(node) or node.on_disk:
+                continue
+            if node.parent.is_root or node.parent.on_disk:
                 tree.add_disk(node)
                 self.committed += node.num_pages
+            else:
+                unknown.extend(node.page_key_list())
+        if unknown:
+            logger.warning("%d pages written whose parent left the disk tier meanwhile: deleted", len(unknown))
+            self.storage.delete(unknown)
         if result is not None and result.evicted:
             self.disk.on_store_evicted(result.evicted)
         for entry in transfer.entries:

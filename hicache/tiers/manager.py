@@ -275,23 +275,22 @@ class TierManager:
         """The part of ``result`` a load can deliver now, cut at a node boundary: its
         host and disk part must fit in the pool's free and evictable pages (not for an
         engine-owned pool: the engine brings the blocks), its disk part in the host
-        tier's free and evictable pages (it is staged there). ``result`` itself when all
-        of it fits (the common case: two O(1) counts)."""
+        tier's free pages and those that can go without a write (it is staged there).
+        ``result`` itself when all of it fits (the common case: a few O(1) counts)."""
         extra = result.num_host_pages + result.num_disk_pages
         if not extra:
             return result
         # Evictable pages that eviction cannot free now do not count: the path's own
         # (its load locks them), device pages whose backup waits for host room, host
-        # pages whose disk write waits for the writer (each must be copied first).
+        # pages without a disk copy (each must be copied first).
         room = extra
         if not pool.owned:
             device = self.tree.sizes(Tier.DEVICE, pool.pool_id)
             stuck = self._backups.deferred_pages() if self._backups.deferred else 0
             room = pool.allocator.num_free + max(0, device.evictable - result.num_device_pages - stuck)
         if result.num_disk_pages:
-            host = self.tree.sizes(Tier.HOST)
-            stuck = self.disk.deferred_writes()
-            host_room = self.host_alloc.num_free + max(0, host.evictable - result.num_host_pages - stuck)
+            clean = self.tree.clean_host_pages()
+            host_room = self.host_alloc.num_free + max(0, clean - result.num_host_pages)
             room = min(room, result.num_host_pages + host_room)
         if room >= extra:
             return result
@@ -408,7 +407,8 @@ class TierManager:
     def _evict_host(self, num_pages: int) -> int:
         """Free at least ``num_pages`` host pages if possible; returns the pages freed now.
         Pages that have a disk copy go first; a page without one is written before it
-        is dropped (:meth:`_write_before_drop`), so that it is freed later."""
+        is dropped (:meth:`_write_before_drop`), so that it is freed later (and counts
+        towards ``num_pages``: no more writes start than needed)."""
         freed = 0
         later = []
         for node in self.tree.iter_evictable(Tier.HOST):
@@ -418,13 +418,15 @@ class TierManager:
                 later.append(node)
                 continue
             freed += self._drop_host(node)
+        coming = 0
         for node in later:
-            if freed >= num_pages:
+            if freed + coming >= num_pages:
                 break
             if not (self.tree.is_live(node) and self.tree.is_evictable(node, Tier.HOST)):
                 continue
             if self._write_before_drop(node):
-                self.disk.write(node, then_drop_host=True)
+                if self.disk.write(node, then_drop_host=True) or self.disk.is_deferred(node):
+                    coming += node.num_pages
             else:
                 freed += self._drop_host(node)
         return freed

@@ -371,6 +371,74 @@ def test_disk_write_back_writes_only_when_host_evicts(engine, store):
     tm.close()
 
 
+def test_host_eviction_starts_only_the_writes_it_needs(engine, store):
+    """Under write_back a host full of pages without a disk copy: evicting one page writes
+    the oldest node alone (each write pins its path until it lands), not every node."""
+    tm, _ = make_tm(engine, host_pages=8, storage=store, disk_policy="write_back")
+    try:
+        for start in (100, 200, 300):
+            prefill(tm, engine, tokens(start, 2))
+        settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)
+        assert tm.tree.sizes(Tier.HOST).cached == 6 and disk_pages(tm) == 0
+        assert tm.evict(Tier.HOST, 1) == 0  # (freed once written)
+        assert tm.disk.pending == 2
+        settle(tm)
+        assert disk_pages(tm) == 2 and tm.tree.sizes(Tier.HOST).cached == 4
+        assert tm.tree.match(NS, tokens(100, 2), 0, touch=False).num_disk_pages == 2
+        assert_on_disk(store, [tokens(100, 2)])
+    finally:
+        tm.close()
+
+
+def test_a_write_never_evicts_the_disk_copy_of_its_own_parent(engine, tmp_path):
+    """A full disk tier makes room for a page whose parent is the tier's oldest leaf:
+    another node goes, not the parent (its child's records would have nowhere to hang)."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * SPEC.host_page_bytes)
+    tm, _ = make_tm(engine, host_pages=8, storage=store)
+    try:
+        p, q = tokens(100, 2), tokens(200, 2)
+        for toks in (p, q):
+            prefill(tm, engine, toks)
+            settle(tm)
+        longer = p + tokens(900, 1)
+        prefill(tm, engine, longer)  # its backup, then its disk write, land at the next poll
+        tm.match(NS, q, 0)  # q is used after p: p is now the disk tier's oldest leaf
+        settle(tm)
+        hit = tm.tree.match(NS, longer, 0, touch=False)
+        assert hit.num_pages == 3 and all(n.on_disk for n in tm.tree.path(hit.node))
+        assert not tm.tree.match(NS, q, 0, touch=False).node.on_disk
+        assert store.stats().records == disk_pages(tm) == 3
+        assert_on_disk(store, [longer])
+    finally:
+        tm.close()
+        store.close()
+
+
+def test_pages_written_after_their_parent_left_the_disk_tier_are_deleted_not_orphaned(engine, store):
+    """The store drops a parent's records on its own while its child's write is in flight:
+    the child's records, which the tree cannot take, are deleted when the write lands."""
+    tm, _ = make_tm(engine, host_pages=8, storage=store)
+    try:
+        p = tokens(100, 2)
+        parent = prefill(tm, engine, p).node
+        settle(tm)
+        prefill(tm, engine, p + tokens(900, 2))
+        while not tm.disk.pending:  # the backup lands and starts the child's write
+            tm.poll(0.01, limit=1)
+        keys = parent.page_key_list()
+        store.delete(keys).result()
+        tm.forget_disk_keys(keys)
+        settle(tm)
+        assert disk_pages(tm) == 0 and store.stats().records == 0
+        hit = tm.tree.match(NS, p + tokens(900, 2), 0, touch=False)  # still cached above
+        assert hit.num_pages == 4 and all(n.host_pages is not None for n in tm.tree.path(hit.node))
+    finally:
+        tm.close()
+
+
 def test_concurrent_loads_of_the_same_node_share_one_transfer(engine, store):
     tm, handle = make_tm(engine, host_pages=8, storage=store)
     toks = tokens(100, 4)

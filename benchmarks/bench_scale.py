@@ -29,13 +29,21 @@ start-up done, the pool resident) — to the end, over the pages the tree gained
 (``bytes_per_page_from_start`` keeps the cruder figure: RSS growth since register less
 the whole host pool, over the pages in the tree at the end).
 
-    python benchmarks/bench_scale.py [--unique-pages N] [--seed S] [--repeat 2] [--json]
+With ``--exclusive`` the same trace runs through a second daemon with ``[tiers] capacity
+= "exclusive"`` (``disk_policy = "write_back"``): host and disk hold different pages.
+``--rate R`` paces the requests at R a second at most, as an engine's compute would (the
+unpaced loop is far faster than any prefill: 68 requests/s here is ~1 M prompt tokens a
+second); exclusive capacity puts disk writes on the eviction path, so it needs a writer
+that keeps up with the pace.
+
+    python benchmarks/bench_scale.py [--unique-pages N] [--seed S] [--repeat 2] [--exclusive] [--rate R] [--json]
 
 ``--json`` ends with one JSON object: ``saved_vs_flat_lru_total``,
 ``saved_vs_flat_lru_disk``, ``short_pages``, ``lost_backups``, ``max_trivial_op_ms``
 (lock / unlock / health), ``p99_match_ms``, ``bytes_per_page``, ``requests_per_s``, the
-raw figures, and with ``--repeat 2`` ``saved_spread`` (relative difference in tokens
-saved between the two runs).
+raw figures, with ``--repeat 2`` ``saved_spread`` (relative difference in tokens
+saved between the two runs), with ``--exclusive`` ``exclusive_saved_vs_flat_lru_total``,
+``exclusive_short_pages``, ``exclusive_lost_backups`` and the run's figures.
 """
 
 from __future__ import annotations
@@ -207,14 +215,20 @@ class Timings:
                      "max_ms": max(v) * 1e3, "count": len(v)} for op, v in sorted(self.samples.items())}
 
 
-def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: int) -> dict:
+EXCLUSIVE = '[tiers]\ncapacity = "exclusive"\ndisk_policy = "write_back"\n'
+
+
+def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: int, tiers: str = "",
+                rate: float = 0.0) -> dict:
+    """One run through a daemon; ``tiers``: its ``[tiers]`` section (default policies
+    when empty); ``rate``: requests per second at most (0: as fast as it answers)."""
     directory = Path(tempfile.mkdtemp(prefix="hicache-scale-"))
     port = free_port()
     daemon = start_daemon(directory, (
         f'[server]\nsocket = "{directory / "hicache.sock"}"\n'
         f'[host]\nbytes = {host_pages * SPEC.host_page_bytes}\n'
         f'[disk]\npath = "{directory / "lmdb"}"\ncapacity_bytes = {disk_pages * SPEC.host_page_bytes}\n'
-        f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n'
+        f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n' + tiers
     ), name="bench_scale")
     kv = export_kv_pool(SPEC, device_pages)
     timings = Timings()
@@ -226,6 +240,10 @@ def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: in
         warm = None  # (anonymous RSS, cached pages) once (nearly) every host pool page has been used
         started = time.perf_counter()
         for n, r in enumerate(trace.requests):
+            if rate:
+                ahead = started + n / rate - time.perf_counter()
+                if ahead > 0:
+                    time.sleep(ahead)
             if warm is None and n % 64 == 32:
                 (now,) = client.stats()["specs"].values()
                 if now["host"]["free"] <= host_pages // 100:  # (at most 1 % of the pool never touched)
@@ -300,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unique-pages", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--repeat", type=int, default=1, choices=(1, 2), help="run hicache twice (saved_spread)")
+    parser.add_argument("--exclusive", action="store_true",
+                        help='also run with [tiers] capacity = "exclusive" (disk_policy = "write_back")')
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="requests per second at most, as an engine's compute would pace them (0: no limit)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -316,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"flat LRU saved: total-size {lru_total}, disk-size {lru_disk}, infinite {infinite} tokens", flush=True)
     runs = []
     for _ in range(args.repeat):
-        runs.append(run_hicache(trace, device, host, disk))
+        runs.append(run_hicache(trace, device, host, disk, rate=args.rate))
         print(f"run {len(runs)}: saved {runs[-1]['saved_tokens']} tokens, {runs[-1]['requests_per_s']:.1f} "
               f"requests/s", flush=True)
     ours = runs[0]
@@ -337,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         a, b = runs[0]["saved_tokens"], runs[1]["saved_tokens"]
         result["saved_spread"] = abs(a - b) / max(a, b, 1)
         result["second_run"] = runs[1]
+    if args.exclusive:
+        exclusive = run_hicache(trace, device, host, disk, EXCLUSIVE, rate=args.rate)
+        result["exclusive"] = exclusive
+        result["exclusive_saved_vs_flat_lru_total"] = exclusive["saved_tokens"] / lru_total if lru_total else float("nan")
+        result["exclusive_short_pages"] = exclusive["short_pages"]
+        result["exclusive_lost_backups"] = exclusive["lost_backups"]
     for op, s in ours["ops"].items():
         print(f"  {op:7s} p50 {s['p50_ms']:8.3f} ms  p99 {s['p99_ms']:8.3f} ms  max {s['max_ms']:8.1f} ms  "
               f"({s['count']})")
@@ -348,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
           f"({ours['cached_pages']} pages, {ours['nodes']} nodes); flush {ours['flush_s']:.1f} s", flush=True)
     if "saved_spread" in result:
         print(f"two runs: tokens saved differ by {100 * result['saved_spread']:.3f} %")
+    if args.exclusive:
+        e = result["exclusive"]
+        print(f"exclusive capacity: saved {e['saved_tokens']} tokens: "
+              f"{result['exclusive_saved_vs_flat_lru_total']:.3f} of a flat LRU of all tiers; "
+              f"{e['requests_per_s']:.1f} requests/s; short {e['short_pages']:.0f} pages, lost "
+              f"{e['lost_backups']:.0f}; deferred: {e['backups_deferred']:.0f} backups, "
+              f"{e['disk_writes_deferred']:.0f} disk writes; flush {e['flush_s']:.1f} s", flush=True)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -20,7 +20,8 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
     [disk]     enabled, path, capacity_bytes, sync
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
                prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
-               copy_threads, io_threads, disk_write_backlog, eviction_log_slots
+               copy_threads, io_threads, disk_write_backlog, eviction_log_slots,
+               capacity
     [sharing]  enabled, disabled_extra_keys
     [metrics]  enabled, address, port
 """

@@ -14,6 +14,8 @@ from hicache.tiers.policies import (
     write_policy,
 )
 
+CAPACITY_POLICIES = ("inclusive", "exclusive")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TierConfig:
@@ -34,9 +36,21 @@ class TierConfig:
     # hicache.tiers.misses for the error bounds): the last quarter of this many
     # evictions are reported exactly.
     eviction_log_slots: int = 1 << 22
+    # "inclusive": a page may be cached in host and disk at once (under write_through to
+    # disk the cache holds as much as the disk tier); "exclusive" (with disk_policy =
+    # "write_back"): a page reaches disk as the host evicts it — always written first,
+    # even with a device copy left — and the host keeps a sixteenth of its pages free
+    # ahead of need, so host and disk hold different pages and the cache about as much
+    # as both. See TierManager._keep_host_free and systemd/hicache.toml for the trade-off.
+    capacity: str = "inclusive"
 
     def __post_init__(self) -> None:
         self.writes(), self.disk(), self.prefetch()  # each names a registered policy
+        if self.capacity not in CAPACITY_POLICIES:
+            raise InvalidArgument(f"capacity must be one of {', '.join(CAPACITY_POLICIES)}; got {self.capacity!r}")
+        if self.exclusive and self.disk_policy != "write_back":
+            raise InvalidArgument('capacity = "exclusive" needs disk_policy = "write_back" (a page is written '
+                                  f'when the host evicts it); got disk_policy = {self.disk_policy!r}')
         if self.write_threshold < 1 or self.prefetch_min_pages < 1 or self.counter_slots < 1:
             raise InvalidArgument("write_threshold, prefetch_min_pages and counter_slots must be >= 1")
         if self.eviction_log_slots < 16:
@@ -45,6 +59,10 @@ class TierConfig:
             raise InvalidArgument("disk_write_backlog must be >= 0 (0: half the host tier)")
         if self.prefetch_timeout_s < 0:
             raise InvalidArgument("prefetch_timeout_s must be >= 0")
+
+    @property
+    def exclusive(self) -> bool:
+        return self.capacity == "exclusive"
 
     def writes(self) -> WritePolicy:
         return write_policy(self.write_policy, self.write_threshold)

@@ -61,6 +61,8 @@ from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Place, Po
 
 logger = logging.getLogger(__name__)
 
+FREE_HOST_SHARE = 16  # exclusive capacity: a sixteenth of the host tier kept free
+
 
 class TierManager:
     """See the module docstring. All methods run on the owner thread."""
@@ -385,7 +387,17 @@ class TierManager:
         if pages is None:
             self._evict_host(num_pages - self.host_alloc.num_free)
             pages = self.host_alloc.alloc(num_pages)
+        if self.config.exclusive:
+            self._keep_host_free()
         return pages
+
+    def _keep_host_free(self) -> None:
+        """Exclusive capacity: evict the host's oldest pages ahead of need (writing those
+        without a disk copy first) while fewer than 1 / :data:`FREE_HOST_SHARE` of its
+        pages are free or being written (see :class:`~hicache.tiers.config.TierConfig`)."""
+        short = self.host_alloc.capacity // FREE_HOST_SHARE - self.host_alloc.num_free - self.disk.pending
+        if short > 0:
+            self._evict_host(short)
 
     def _evict_device(self, pool: DevicePoolState, num_pages: int) -> int:
         """Free at least ``num_pages`` device pages if possible (write-backs started
@@ -434,10 +446,13 @@ class TierManager:
     def _write_before_drop(self, node: Node) -> bool:
         """Must ``node``'s host copy reach disk before it goes? Under ``write_through``
         to disk it should be there already (its write was deferred): yes. Under
-        ``write_back``: when no device holds it either."""
+        ``write_back``: when no device holds it either — and with exclusive capacity
+        always (a device drops its copy without a backup unless the write policy is
+        ``write_back``: the page would be lost)."""
         if node.on_disk or not self.disk.enabled or not self.tree.writable(node):
             return False  # (a path that cannot be written: its host copy just goes)
-        return self.disk_policy.write_on_host or (self.disk_policy.write_before_drop and not node.device_pools)
+        return (self.disk_policy.write_on_host or self.config.exclusive
+                or (self.disk_policy.write_before_drop and not node.device_pools))
 
     def _drop_host(self, node: Node) -> int:
         self._core.misses.evicted(node, Tier.HOST)

@@ -27,13 +27,14 @@ def random_tokens(rng: random.Random) -> list[int]:
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
-@pytest.mark.parametrize("disk_policy", ["write_through", "write_back"])
-def test_steps_racing_transfers(tmp_path, write_policy, disk_policy):
-    rng = random.Random(f"{write_policy}/{disk_policy}")
+@pytest.mark.parametrize("disk_policy,capacity", [("write_through", "inclusive"), ("write_back", "inclusive"),
+                                                  ("write_back", "exclusive")])
+def test_steps_racing_transfers(tmp_path, write_policy, disk_policy, capacity):
+    rng = random.Random(f"{write_policy}/{disk_policy}/{capacity}")
     engine = Engine(10)
     store = LmdbBackend(tmp_path / "db", capacity_bytes=14 * SPEC.host_page_bytes)
     tm = TierManager(SPEC, host_pages=7, storage=store,
-                     config=TierConfig(write_policy=write_policy, disk_policy=disk_policy))
+                     config=TierConfig(write_policy=write_policy, disk_policy=disk_policy, capacity=capacity))
     for ns in NAMESPACES:
         tm.add_namespace(ns)
     driver = Driver(tm, engine, tm.register_pool(0, [engine.pool]))

@@ -45,10 +45,12 @@ class TiersMachine(RuleBasedStateMachine):
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         disk_policy=st.sampled_from(["write_through", "write_back"]),
         copy_threads=st.sampled_from([1, 2]),
+        capacity=st.sampled_from(["inclusive", "exclusive"]),
     )
-    def setup(self, write_policy, disk_policy, copy_threads):
+    def setup(self, write_policy, disk_policy, copy_threads, capacity):
         self.dir = tempfile.mkdtemp(prefix="hicache-tiers-")
-        self.config = TierConfig(write_policy=write_policy, disk_policy=disk_policy, copy_threads=copy_threads)
+        self.config = TierConfig(write_policy=write_policy, disk_policy=disk_policy, copy_threads=copy_threads,
+                                 capacity=capacity if disk_policy == "write_back" else "inclusive")
         self.engine = Engine(DEVICE_PAGES)
         self.storage = None
         self.tm = None

@@ -439,6 +439,50 @@ def test_pages_written_after_their_parent_left_the_disk_tier_are_deleted_not_orp
         tm.close()
 
 
+@pytest.mark.parametrize("capacity", ["inclusive", "exclusive"])
+def test_exclusive_capacity_caches_about_host_plus_disk_pages(engine, tmp_path, capacity):
+    """Twenty two-page prompts through a host tier and a disk tier of 16 pages each:
+    inclusive (write-through to disk), the cache holds what the disk holds; exclusive,
+    host and disk hold different pages (less the host's free sixteenth). Every cached
+    page loads back with its bytes."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=16 * SPEC.host_page_bytes)
+    policy = {"disk_policy": "write_back", "capacity": "exclusive"} if capacity == "exclusive" else {}
+    tm, handle = make_tm(engine, host_pages=16, storage=store, **policy)
+    try:
+        prompts = [tokens(1000 * i, 2) for i in range(20)]
+        for toks in prompts:
+            prefill(tm, engine, toks)
+            settle(tm)
+        cached = [toks for toks in prompts if tm.tree.match(NS, toks, 0, touch=False).num_pages == 2]
+        if capacity == "inclusive":
+            assert tm.num_cached_pages() <= 16
+        else:
+            assert tm.num_cached_pages() >= 2 * 16 - 2 and tm.host_alloc.num_free >= 1
+            assert cached == prompts[-len(cached):]  # the newest ones, none lost in between
+        for toks in cached:
+            node = tm.match(NS, toks, 0).match.node
+            tm.lock(node, 0)
+            loaded = tm.wait(tm.load(node, 0))
+            engine.wait(handle, loaded.wait)
+            engine.check(NS, toks, loaded.device_pages)
+            tm.unlock(node, 0)
+            settle(tm)
+        assert store.stats().records == disk_pages(tm)
+    finally:
+        tm.close()
+        store.close()
+
+
+def test_exclusive_capacity_needs_the_write_back_disk_policy():
+    with pytest.raises(InvalidArgument, match="write_back"):
+        TierConfig(capacity="exclusive")
+    with pytest.raises(InvalidArgument, match="capacity must be one of"):
+        TierConfig(capacity="sum")
+    assert TierConfig(capacity="exclusive", disk_policy="write_back").exclusive
+
+
 def test_concurrent_loads_of_the_same_node_share_one_transfer(engine, store):
     tm, handle = make_tm(engine, host_pages=8, storage=store)
     toks = tokens(100, 4)

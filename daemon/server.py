@@ -57,6 +57,7 @@ import zmq
 
 from hicache.config import DaemonConfig
 from hicache import protocol as p, transport
+from hicache.daemon.collector import Collector
 from hicache.daemon.sd_notify import Notifier
 from hicache.daemon.service import Daemon, PeerCreds
 from hicache.daemon.statelock import StateLock
@@ -105,6 +106,7 @@ class Server:
         self.endpoints: list[str] = []
         self._http = None
         self.metrics_url = ""
+        self.collector = Collector()
 
     def _wake(self) -> None:
         """From any thread: make the loop's blocking recv return."""
@@ -158,8 +160,8 @@ class Server:
         timeout_ms = -2
         behind = False  # replies sent since the last catch-up: bookkeeping owed
         catch_up_at = 0.0
-        gc.freeze()  # start-up's objects out of every later full collection (see Specs.on_settled)
-        self.daemon.specs.on_settled = gc.freeze
+        self.collector.install()  # start-up's objects out of every later full collection
+        self.daemon.specs.on_settled = gc.freeze  # (and each tier manager's, once it serves)
         self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
         logger.info("serving on %s", ", ".join(self.endpoints))
         while not self._stop:
@@ -210,6 +212,7 @@ class Server:
         self.daemon.poll()
         self._send_ready(router)
         self._keepalive(0)
+        self.collector.tick()
 
     def _feed_watchdog(self, interval_s: float) -> None:
         self.notifier.watchdog()
@@ -333,6 +336,7 @@ class Server:
         """Let go of the wake-up sockets, the context (if ours) and the state's lock
         (the end of :meth:`serve_forever`; for a server that never served, after its
         daemon was closed)."""
+        self.collector.uninstall()
         with self._wakers_lock:
             for sock in self._wakers:
                 sock.close(linger=0)

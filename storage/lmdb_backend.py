@@ -90,7 +90,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 import lmdb
 import numpy as np
@@ -279,8 +279,7 @@ class _ReadGate:
             self._cond.notify_all()
 
 
-@dataclass(frozen=True, slots=True)
-class _Record:
+class _Record(NamedTuple):  # (a tuple of untracked objects: the cyclic collector lets it go)
     key: bytes
     payload: np.ndarray  # uint8 view of the caller's buffer
     meta: bytearray  # the encoded metadata; the writer stamps the access time into it

@@ -57,7 +57,7 @@ class DiskReader:
         core.inflight.add(transfer)
         core.host_staging += len(pages)
         keys = [k for n in fresh for k in n.page_key_list()]
-        buffers = [core.host_pool.page(int(h)) for h in pages]
+        buffers = [core.host_pool.page_array(int(h)) for h in pages]
         storage = self.storage
         fingerprint = core.spec.fingerprint
 

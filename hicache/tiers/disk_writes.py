@@ -145,6 +145,6 @@ def _records(parts, host_pool) -> list[PageRecord]:
         for i in range(num_pages):
             key = page_keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES]
             meta = PageMeta(namespace, parent, tokens[i * page_bytes : (i + 1) * page_bytes])
-            records.append(PageRecord(key, host_pool.page(int(host[i])), meta))
+            records.append(PageRecord(key, host_pool.page_array(int(host[i])), meta))
             parent = key
     return records

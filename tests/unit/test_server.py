@@ -8,6 +8,7 @@ import zmq
 
 from hicache.config import DaemonConfig
 from hicache import protocol as p
+from hicache.daemon.collector import Collector
 from hicache.daemon.server import Server
 from hicache.daemon.statelock import AlreadyRunning
 
@@ -82,3 +83,31 @@ def test_the_served_daemon_keeps_settled_objects_out_of_full_collections(served)
     assert isinstance(ask(sock, p.Health(id=1)), p.HealthReply)  # the loop runs
     assert server.daemon.specs.on_settled is gc.freeze
     assert gc.get_freeze_count() > 0
+    assert server.collector._on_gc in gc.callbacks  # (each full collection's survivors too)
+
+
+def test_the_collector_freezes_what_survives_a_full_collection_and_unfreezes_once_an_hour():
+    now = [0.0]
+    collector = Collector(clock=lambda: now[0], unfreeze_every_s=3600.0)
+    gc.unfreeze()
+    collector.install()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        survivors = [[i] for i in range(1000)]  # tracked containers that outlive a collection
+        gc.collect()
+        assert gc.get_freeze_count() >= frozen + len(survivors)
+        now[0] = 3599.0
+        collector.tick()
+        assert gc.get_freeze_count() > 0 and collector.unfrozen == 0
+        now[0] = 3600.0
+        collector.tick()
+        assert gc.get_freeze_count() == 0 and collector.unfrozen == 1
+        gc.collect(1)  # a young collection freezes nothing
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert gc.get_freeze_count() > 0
+    finally:
+        collector.uninstall()
+        gc.unfreeze()
+    assert collector._on_gc not in gc.callbacks

@@ -181,22 +181,26 @@ class LocalDisk:
         return used + num_pages <= self.capacity_pages
 
     def evict(self, num_pages: int) -> int:
-        """Evict the tree's disk LRU and delete those records; returns the pages freed."""
-        freed = 0
+        """Evict the tree's disk LRU and delete those records (one deletion for them
+        all: each wakes the store's writer thread, which then takes the interpreter
+        from the owner thread for a while); returns the pages freed."""
+        doomed: list[bytes] = []
         for node in self.core.tree.iter_evictable(Tier.DISK):
-            if freed >= num_pages:
+            if len(doomed) >= num_pages:
                 break
-            freed += self._drop(node)
-        return freed
+            self._drop(node, doomed)
+        if doomed:
+            self.storage.delete(doomed)
+        return len(doomed)
 
-    def _drop(self, node: Node) -> int:
+    def _drop(self, node: Node, doomed: list[bytes]) -> None:
+        """``node`` leaves the disk tier; its keys go to ``doomed`` (to be deleted)."""
         self.core.misses.evicted(node, Tier.DISK)
         keys = node.page_key_list()
         if not node.tokens and len(node.residency) > 1:  # cached elsewhere still: it may
             self._give_tokens_back(node, keys)  # have to be written again
         self.core.tree.drop(node, Tier.DISK)
-        self.storage.delete(keys)
-        return len(keys)
+        doomed.extend(keys)
 
     def _give_tokens_back(self, node: Node, keys: list[bytes]) -> None:
         """The tree keeps no tokens of a node on disk (see :mod:`hicache.tree`): read

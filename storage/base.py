@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol, Union
 
 import numpy as np
@@ -36,8 +35,7 @@ from hicache.keys import PAGE_KEY_BYTES  # noqa: F401 - re-exported for backends
 Buffer = Union[torch.Tensor, np.ndarray, bytearray, memoryview]
 
 
-@dataclass(frozen=True, slots=True)
-class PageMeta:
+class PageMeta(NamedTuple):  # (tuples: built per page on the write path, far cheaper than frozen dataclasses)
     """What the tree needs to put a page back where it was."""
 
     namespace: bytes  # 16-byte namespace id
@@ -48,8 +46,7 @@ class PageMeta:
     fingerprint: bytes = b""  # the KV spec's, set by the backend from the put
 
 
-@dataclass(frozen=True, slots=True)
-class PageRecord:
+class PageRecord(NamedTuple):
     key: bytes  # 16-byte page key
     payload: Buffer  # the host page bytes (read by the writer before the future completes)
     meta: PageMeta

@@ -677,14 +677,20 @@ class LmdbBackend:
             raise HicacheError(f"{what}() called on the storage writer thread (from a future's callback?)")
 
     def _prepare(self, record: PageRecord, fingerprint: bytes) -> _Record:
-        key = _require_key(record.key)
-        meta = record.meta
-        namespace = _require_key(meta.namespace, "namespace id")
-        parent = _require_key(meta.parent, "parent page key")
-        tokens = meta.tokens
+        # (per page on the write path: the common types pass a cheap exact check first)
+        key, payload, meta = record.key, record.payload, record.meta
+        if type(key) is not bytes or len(key) != PAGE_KEY_BYTES:
+            key = _require_key(key)
+        namespace, parent, tokens = meta.namespace, meta.parent, meta.tokens
+        if type(namespace) is not bytes or len(namespace) != PAGE_KEY_BYTES:
+            namespace = _require_key(namespace, "namespace id")
+        if type(parent) is not bytes or len(parent) != PAGE_KEY_BYTES:
+            parent = _require_key(parent, "parent page key")
         if not isinstance(tokens, (bytes, bytearray, memoryview)) or len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"tokens must be packed int32 bytes (a multiple of {TOKEN_BYTES})")
-        payload = _byte_view(record.payload, writable=False)
+        if not (type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1
+                and payload.flags.c_contiguous):
+            payload = _byte_view(payload, writable=False)
         if not payload.nbytes:
             raise InvalidArgument(f"empty payload for key {key.hex()}")
         if payload.nbytes > self._capacity_bytes:

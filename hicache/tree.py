@@ -27,8 +27,9 @@ Invariants (all checked by :meth:`HiRadixTree.check_invariants`):
   references in ``pool`` keeps its device pages in that pool; a node with any reference
   (any pool, or a transfer pin) keeps its host pages and its disk record, and is never
   removed. A node that lives in no tier and holds no reference is removed.
-* Evictable and protected page counts per slot, and the set of evictable leaves per
-  slot, are maintained incrementally on every change.
+* Evictable and protected page counts per slot, the set of evictable leaves per slot,
+  and the count of clean host pages (on host and on disk, unprotected: they can leave
+  the host without a write) are maintained incrementally on every change.
 
 Edges are compared by page keys (:mod:`hicache.keys`: a page's key names the page and
 its whole prefix). A node keeps its pages' tokens while it is in a device pool or not on
@@ -709,19 +710,10 @@ class HiRadixTree:
             if parent is not None and parent in index.leaves:
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
 
-    @property
-    def policy(self) -> EvictionPolicy:
-        return self._policy
-
     def clean_host_pages(self) -> int:
         """Unprotected host pages that are on disk too: host copies that can go without
         a write first (leaf order permitting). O(1)."""
         return self._clean_host
-
-    def leaves(self, tier: Tier, pool: PoolId | None = None) -> list[Node]:
-        """The unprotected leaves of one tier, in no order. O(leaves)."""
-        index = self._slots.get(self._slot(tier, pool))
-        return list(index.leaves) if index is not None else []
 
     def sizes(self, tier: Tier, pool: PoolId | None = None) -> TierSizes:
         """Evictable and protected page counts of one tier. O(1)."""
@@ -1064,7 +1056,8 @@ class HiRadixTree:
             assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
         for slot in sizes:
             assert slot in self._slots, _slot_name(slot)
-        clean = sum(n.num_pages for n in self._nodes.values() if HOST_SLOT in n.residency and DISK_SLOT in n.residency and not n.lock_total)
+        clean = sum(n.num_pages for n in self._nodes.values()
+                    if HOST_SLOT in n.residency and DISK_SLOT in n.residency and not n.lock_total)
         assert self._clean_host == clean, ("clean host pages", self._clean_host, clean)
 
     def _check_subtree(

@@ -5,8 +5,8 @@ thread that allocated last — the owner thread, between two requests. What torc
 and start-up bring is frozen when the daemon starts serving (and again when a tier
 manager settles: :class:`hicache.daemon.specs.Specs`); what the tree and the transfers
 add while serving (nodes with their dicts, closures of transfers in flight) made full
-collections grow with the cache: 10 ms at first, 40 ms half an hour into a 1 M-page
-trace, with nothing collected (``bench_scale``: none of it was cyclic garbage).
+collections grow with the cache: 6 ms at first, 43 ms by the end of a 1 M-page trace
+(``bench_scale``, a few minutes), with nothing collected: none of it was garbage.
 
 :class:`Collector` freezes what survives each full collection, so that the next one
 walks only what came since; and every ``unfreeze_every_s`` (an hour) it unfreezes

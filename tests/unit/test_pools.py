@@ -99,6 +99,27 @@ def test_host_pool_sizing():
     pool.close()
 
 
+def test_a_host_pages_numpy_view_is_the_same_memory_and_not_tracked_by_the_collector():
+    import gc
+
+    pool = HostPool(SPEC, 3, pinned=False)
+    view = None
+    try:
+        pool.page(1).copy_(torch.arange(SPEC.host_page_bytes, dtype=torch.int64).to(torch.uint8))
+        view = pool.page_array(1)
+        assert view.dtype.name == "uint8" and view.shape == (SPEC.host_page_bytes,)
+        assert view.tobytes() == pool.page(1).numpy().tobytes()
+        view[0] = 200  # one memory: a write through the view shows in the pool
+        assert int(pool.page(1)[0]) == 200 and int(pool.page(0)[-1]) == 0
+        assert not gc.is_tracked(view) and gc.is_tracked(pool.page(1))
+        for bad in (-1, 3):
+            with pytest.raises(InvalidArgument):
+                pool.page_array(bad)
+    finally:
+        del view
+        pool.close()
+
+
 def test_page_mover_round_trip_in_process():
     exported = export_kv_pool(SPEC, num_pages=6)
     host = HostPool(SPEC, 4, pinned=False)

@@ -325,18 +325,19 @@ class HostPool:
 
     def page(self, host_page: int) -> torch.Tensor:
         """The bytes of one host page (what a disk record holds)."""
+        return self.pages[self._span(host_page)]
+
+    def _span(self, host_page: int) -> slice:
         if not 0 <= host_page < self.num_pages:
             raise InvalidArgument(f"host page {host_page} outside [0, {self.num_pages})")
-        return self.pages[host_page * self.page_bytes : (host_page + 1) * self.page_bytes]
+        return slice(host_page * self.page_bytes, (host_page + 1) * self.page_bytes)
 
     def page_array(self, host_page: int) -> np.ndarray:
         """:meth:`page` as a numpy view. A tensor is an object the cyclic garbage collector
         tracks, a numpy view is not: the disk writer's queue may hold a view of every
         page being written, and every full collection walked them all (10 ms then
         163 ms a collection as a backlog of 15,000 pages built up)."""
-        if not 0 <= host_page < self.num_pages:
-            raise InvalidArgument(f"host page {host_page} outside [0, {self.num_pages})")
-        return self._pages_array[host_page * self.page_bytes : (host_page + 1) * self.page_bytes]
+        return self._pages_array[self._span(host_page)]
 
     def _register(self, progress: Callable[[int], None] | None) -> None:
         cudart = torch.cuda.cudart()

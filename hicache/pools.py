@@ -339,6 +339,10 @@ class HostPool:
         163 ms a collection as a backlog of 15,000 pages built up)."""
         return self._pages_array[self._span(host_page)]
 
+    def pages_array(self) -> np.ndarray:
+        """Every page as one row of a 2-D numpy view (the disk writer reads its rows)."""
+        return self._pages_array.reshape(self.num_pages, self.page_bytes)
+
     def _register(self, progress: Callable[[int], None] | None) -> None:
         cudart = torch.cuda.cudart()
         base = self.buffer.data_ptr()

@@ -8,7 +8,8 @@ tree's disk residency is rebuilt after a restart::
              └─> metadata  (namespace, parent page key, the page's token ids, spec
                             fingerprint, payload size, last access)
 
-Writes are asynchronous: :meth:`StorageBackend.put` and :meth:`StorageBackend.delete`
+Writes are asynchronous: :meth:`StorageBackend.put` (or :meth:`StorageBackend.put_batch`,
+the same records as columns) and :meth:`StorageBackend.delete`
 queue work for the backend's writer and return a :class:`concurrent.futures.Future`
 that completes once the batch is committed (a committed batch survives the process
 being killed) — the caller keeps the source pages pinned until then. Reads are
@@ -28,7 +29,7 @@ from typing import NamedTuple, Protocol, Union
 import numpy as np
 import torch
 
-from hicache.keys import PAGE_KEY_BYTES  # noqa: F401 - re-exported for backends
+from hicache.keys import PAGE_KEY_BYTES  # (re-exported for backends)
 
 # A destination the payload is copied into: a writable, contiguous byte buffer of
 # exactly the payload size (a host page of the host pool, a numpy array, a bytearray).
@@ -50,6 +51,27 @@ class PageRecord(NamedTuple):
     key: bytes  # 16-byte page key
     payload: Buffer  # the host page bytes (read by the writer before the future completes)
     meta: PageMeta
+
+
+class PageBatch(NamedTuple):
+    """Records as columns, with no Python object per page: what the disk writer puts.
+
+    Record ``i`` is page key ``keys[16i:16i+16]``, with namespace and parent page key
+    from the same 16-byte slots of ``namespaces`` and ``parents``, the ``i``-th of the
+    equal slices of ``tokens``, and the payload in row ``rows[i]`` of ``source`` — a 2-D
+    uint8 array, one payload per row (a host pool's pages), read by the writer before
+    the put's future completes."""
+
+    keys: bytes
+    namespaces: bytes
+    parents: bytes
+    tokens: bytes
+    source: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def num_records(self) -> int:
+        return len(self.keys) // PAGE_KEY_BYTES
 
 
 class PutResult(NamedTuple):
@@ -75,6 +97,9 @@ class StorageBackend(Protocol):
 
     def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
         """Queue ``records`` (one spec, ``fingerprint``) for one committed batch."""
+
+    def put_batch(self, batch: PageBatch, *, fingerprint: bytes) -> Future[PutResult]:
+        """:meth:`put` of ``batch``'s records."""
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer;

@@ -100,7 +100,7 @@ import xxhash
 from hicache.errors import HicacheError, InvalidArgument, StorageUnavailable
 from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
 from hicache.spec import FINGERPRINT_BYTES
-from hicache.storage.base import Buffer, PageMeta, PageRecord, PutResult, StorageStats
+from hicache.storage.base import Buffer, PageBatch, PageMeta, PageRecord, PutResult, StorageStats
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ _META = struct.Struct("<B3xQd16s16s16sI")
 META_BYTES = _META.size  # 72
 _META_ACCESS = struct.Struct("<d")
 _META_ACCESS_OFFSET = 12
+_META_NAMESPACE = 20  # offsets of the namespace id and the parent page key
+_META_PARENT = 36
 
 _PAYLOAD_DB = b"payload"
 _META_DB = b"meta"
@@ -124,6 +126,7 @@ _MIB = 1 << 20
 # Keeps successive access stamps strictly increasing, so the order persisted for a
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
+_ENCODE_BYTES = 1 * _MIB  # values encoded at a time by the writer (its scratch array)
 _CHECK_ATTEMPTS = 1000  # check_invariants' reads of a store that writes keep changing
 _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
@@ -175,6 +178,20 @@ def _require_key(key: bytes, what: str = "page key") -> bytes:
     return bytes(key)
 
 
+def _require_bytes(data, what: str) -> bytes:
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    raise InvalidArgument(f"{what} must be bytes, got {type(data).__name__}")
+
+
+def _resolved(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def _require_fingerprint(fingerprint: bytes) -> bytes:
     if not isinstance(fingerprint, (bytes, bytearray)) or len(fingerprint) != FINGERPRINT_BYTES:
         raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
@@ -205,14 +222,26 @@ def _parse_payload(value) -> tuple[bytes, int] | None:
     return fingerprint, length
 
 
-def _encode_meta(
-    namespace: bytes, parent: bytes, fingerprint: bytes, tokens: bytes, payload_size: int
-) -> bytearray:
-    """The metadata record with last access 0; the writer stamps it on commit."""
-    value = bytearray(META_BYTES + len(tokens))
-    _META.pack_into(value, 0, META_VERSION, payload_size, 0.0, namespace, parent, fingerprint, len(tokens))
-    value[META_BYTES:] = tokens
-    return value
+def _encode_metas(namespaces: bytes, parents: bytes, tokens: bytes, fingerprint: bytes,
+                  payload_size: int) -> np.ndarray:
+    """The metadata records of a put, one row each (``_META`` then the token ids), with
+    last access 0: the writer stamps it on commit. Arguments as in
+    :class:`~hicache.storage.base.PageBatch`."""
+    n = len(namespaces) // PAGE_KEY_BYTES
+    token_bytes = len(tokens) // n
+    fixed = bytearray(META_BYTES)
+    _META.pack_into(fixed, 0, META_VERSION, payload_size, 0.0, bytes(PAGE_KEY_BYTES), bytes(PAGE_KEY_BYTES),
+                    fingerprint, token_bytes)
+    meta = np.empty((n, META_BYTES + token_bytes), dtype=np.uint8)
+    meta[:, :META_BYTES] = np.frombuffer(fixed, dtype=np.uint8)
+    meta[:, _META_NAMESPACE : _META_NAMESPACE + PAGE_KEY_BYTES] = _rows(namespaces, n)
+    meta[:, _META_PARENT : _META_PARENT + PAGE_KEY_BYTES] = _rows(parents, n)
+    meta[:, META_BYTES:] = _rows(tokens, n)
+    return meta
+
+
+def _rows(data: bytes, n: int) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).reshape(n, -1)
 
 
 def _meta_fields(value) -> tuple | None:
@@ -279,21 +308,29 @@ class _ReadGate:
             self._cond.notify_all()
 
 
-class _Record(NamedTuple):  # (a tuple of untracked objects: the cyclic collector lets it go)
-    key: bytes
-    payload: np.ndarray  # uint8 view of the caller's buffer
-    meta: bytearray  # the encoded metadata; the writer stamps the access time into it
+class _Part(NamedTuple):
+    """Records of one put as columns (see :class:`~hicache.storage.base.PageBatch`), no
+    object per record but its key: the writer's Python work per page stays small."""
+
+    keys: list[bytes]  # one per record
+    meta: np.ndarray  # (records, META_BYTES + token bytes): encoded, last access 0
+    source: np.ndarray  # (pages, payload size) uint8
+    rows: np.ndarray  # (records,) int64: each record's payload row in ``source``
 
 
 @dataclass(frozen=True, slots=True)
 class _PutOp:
-    records: tuple[_Record, ...]
+    parts: tuple[_Part, ...]  # (one, but for records of several sizes: runs of one size each)
     fingerprint: bytes
     future: Future
 
     @property
+    def num_records(self) -> int:
+        return sum(len(part.keys) for part in self.parts)
+
+    @property
     def num_bytes(self) -> int:
-        return sum(r.payload.nbytes for r in self.records)
+        return sum(len(part.keys) * part.source.shape[1] for part in self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,24 +455,83 @@ class LmdbBackend:
 
     def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
         """Queue ``records`` as one batch; the future gives a :class:`PutResult` once the
-        batch is committed. The payload buffers are read by the writer before then.
-        Raises :class:`InvalidArgument` for a malformed record, or records larger in
-        total than the capacity."""
+        batch is committed. The records of one put are one spec's pages: payloads of one
+        size, as many token ids each; the payloads are copied by this call. Raises
+        :class:`InvalidArgument` for a malformed record, or records larger in total than
+        the capacity. (:meth:`put_batch` takes them as columns, without the copy.)"""
         self._check_usable()
         fingerprint = _require_fingerprint(fingerprint)
-        prepared = tuple(self._prepare(record, fingerprint) for record in records)
-        sizes = {r.key: r.payload.nbytes for r in prepared}
+        keys, namespaces, parents, tokens, payloads = [], [], [], [], []
+        for record in records:
+            key, payload, meta = record.key, record.payload, record.meta
+            keys.append(_require_key(key))
+            namespaces.append(_require_key(meta.namespace, "namespace id"))
+            parents.append(_require_key(meta.parent, "parent page key"))
+            if not isinstance(meta.tokens, (bytes, bytearray, memoryview)) or len(meta.tokens) % TOKEN_BYTES:
+                raise InvalidArgument(f"tokens must be packed int32 bytes (a multiple of {TOKEN_BYTES})")
+            tokens.append(bytes(meta.tokens))
+            payloads.append(_byte_view(payload, writable=False))
+        if not keys:
+            return _resolved(PutResult(0, ()))
+        parts = []
+        start = 0
+        for end in range(1, len(keys) + 1):  # runs of records of one size: one part each
+            if end < len(keys) and (payloads[end].nbytes, len(tokens[end])) == (payloads[start].nbytes, len(tokens[start])):
+                continue
+            parts.append(PageBatch(b"".join(keys[start:end]), b"".join(namespaces[start:end]),
+                                   b"".join(parents[start:end]), b"".join(tokens[start:end]),
+                                   np.stack(payloads[start:end]), np.arange(end - start, dtype=np.int64)))
+            start = end
+        return self._put_parts(parts, fingerprint)
+
+    def put_batch(self, batch: PageBatch, *, fingerprint: bytes) -> Future[PutResult]:
+        """:meth:`put` of ``batch``'s records (:class:`~hicache.storage.base.PageBatch`):
+        validated in a few vectorized steps; the writer reads the payload rows."""
+        self._check_usable()
+        return self._put_parts([batch], _require_fingerprint(fingerprint))
+
+    def _put_parts(self, batches: list[PageBatch], fingerprint: bytes) -> Future[PutResult]:
+        parts = [part for batch in batches if (part := self._part(batch, fingerprint)) is not None]
+        if not parts:
+            return _resolved(PutResult(0, ()))
+        sizes = {key: part.source.shape[1] for part in parts for key in part.keys}
         total = sum(sizes.values())
         if total > self._capacity_bytes:
             raise InvalidArgument(
                 f"put of {total} bytes does not fit a store of capacity {self._capacity_bytes} bytes"
             )
         future: Future[PutResult] = Future()
-        if not prepared:
-            future.set_result(PutResult(0, ()))
-            return future
-        self._enqueue(_PutOp(prepared, fingerprint, future), len(prepared))
+        self._enqueue(_PutOp(tuple(parts), fingerprint, future), sum(len(part.keys) for part in parts))
         return future
+
+    def _part(self, batch: PageBatch, fingerprint: bytes) -> _Part | None:
+        """``batch`` checked and its metadata encoded; ``None`` if it has no record."""
+        keys, namespaces, parents, tokens = (_require_bytes(x, name) for x, name in zip(
+            batch[:4], ("keys", "namespaces", "parents", "tokens"), strict=True))
+        source, rows = batch.source, batch.rows
+        n = len(keys) // PAGE_KEY_BYTES
+        if len(keys) % PAGE_KEY_BYTES or len(namespaces) != len(keys) or len(parents) != len(keys):
+            raise InvalidArgument(f"keys, namespaces and parents must be {PAGE_KEY_BYTES} bytes a record each")
+        if not n:
+            return None
+        if len(tokens) % n or len(tokens) // n % TOKEN_BYTES:
+            raise InvalidArgument(f"tokens must be packed int32 bytes, as many for each of the {n} records")
+        if not (isinstance(source, np.ndarray) and source.dtype == np.uint8 and source.ndim == 2
+                and source.flags.c_contiguous):
+            raise InvalidArgument("source must be a C-contiguous 2-D uint8 array (one payload a row)")
+        size = source.shape[1]
+        if not size:
+            raise InvalidArgument("empty payloads")
+        if size > self._capacity_bytes:
+            raise InvalidArgument(f"record of {size} bytes is larger than the capacity ({self._capacity_bytes} bytes)")
+        rows = np.asarray(rows)
+        if rows.shape != (n,) or rows.dtype.kind not in "iu":
+            raise InvalidArgument(f"rows must be {n} integers, one per record")
+        if rows.min() < 0 or rows.max() >= len(source):
+            raise InvalidArgument(f"payload rows outside the source's {len(source)}")
+        key_list = [keys[i : i + PAGE_KEY_BYTES] for i in range(0, len(keys), PAGE_KEY_BYTES)]
+        return _Part(key_list, _encode_metas(namespaces, parents, tokens, fingerprint, size), source,
+                     rows.astype(np.int64))
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer (a
@@ -676,29 +772,6 @@ class LmdbBackend:
         if threading.current_thread() is self._writer:
             raise HicacheError(f"{what}() called on the storage writer thread (from a future's callback?)")
 
-    def _prepare(self, record: PageRecord, fingerprint: bytes) -> _Record:
-        # (per page on the write path: the common types pass a cheap exact check first)
-        key, payload, meta = record.key, record.payload, record.meta
-        if type(key) is not bytes or len(key) != PAGE_KEY_BYTES:
-            key = _require_key(key)
-        namespace, parent, tokens = meta.namespace, meta.parent, meta.tokens
-        if type(namespace) is not bytes or len(namespace) != PAGE_KEY_BYTES:
-            namespace = _require_key(namespace, "namespace id")
-        if type(parent) is not bytes or len(parent) != PAGE_KEY_BYTES:
-            parent = _require_key(parent, "parent page key")
-        if not isinstance(tokens, (bytes, bytearray, memoryview)) or len(tokens) % TOKEN_BYTES:
-            raise InvalidArgument(f"tokens must be packed int32 bytes (a multiple of {TOKEN_BYTES})")
-        if not (type(payload) is np.ndarray and payload.dtype == np.uint8 and payload.ndim == 1
-                and payload.flags.c_contiguous):
-            payload = _byte_view(payload, writable=False)
-        if not payload.nbytes:
-            raise InvalidArgument(f"empty payload for key {key.hex()}")
-        if payload.nbytes > self._capacity_bytes:
-            raise InvalidArgument(
-                f"record of {payload.nbytes} bytes is larger than the capacity ({self._capacity_bytes} bytes)"
-            )
-        return _Record(key, payload, _encode_meta(namespace, parent, fingerprint, tokens, payload.nbytes))
-
     def _enqueue(self, op: _Op, num_records: int) -> None:
         with self._queue_cond:
             if self._closing:
@@ -711,6 +784,12 @@ class LmdbBackend:
         """A last-access time after every earlier one. Call with ``_lock`` held."""
         self._last_stamp = max(self._clock(), self._last_stamp + _STAMP_STEP_S)
         return self._last_stamp
+
+    def _next_stamps(self, n: int) -> np.ndarray:
+        """``n`` increasing last-access times after every earlier one (``_lock`` held)."""
+        stamps = self._next_stamp() + np.arange(n) * _STAMP_STEP_S
+        self._last_stamp = float(stamps[-1])
+        return stamps
 
     def _record_reads(self, hits: list[bytes], num_failed: int) -> None:
         with self._lock:
@@ -854,7 +933,7 @@ class LmdbBackend:
             num_records = num_bytes = 0
             while self._queue:
                 op = self._queue[0]
-                op_records = len(op.records) if isinstance(op, _PutOp) else 0
+                op_records = op.num_records if isinstance(op, _PutOp) else 0
                 op_bytes = op.num_bytes if isinstance(op, _PutOp) else 0
                 if batch and (
                     num_records + op_records > self._max_batch_records or num_bytes + op_bytes > self._max_batch_bytes
@@ -879,7 +958,7 @@ class LmdbBackend:
                 self._commits += 1
 
     def _commit_batch(self, batch: list[_Op], access: dict[bytes, float]) -> None:
-        num_records = sum(len(op.records) for op in batch if isinstance(op, _PutOp))
+        num_records = sum(op.num_records for op in batch if isinstance(op, _PutOp))
         while True:
             try:
                 state, outcomes = self._write_batch(batch, access)
@@ -962,23 +1041,46 @@ class LmdbBackend:
         return None if value is None or _meta_fields(value) is None else _META_SIZE_ACCESS.unpack_from(value, 4)[0]
 
     def _write_put(self, txn, op: _PutOp, state: _BatchState) -> PutResult:
-        sizes = {record.key: record.payload.nbytes for record in op.records}
-        for key, size in sizes.items():
-            old = self._size_of(txn, key, state)
-            state.num_bytes += size - (old or 0)
-            state.num_records += old is None
+        sizes = {key: part.source.shape[1] for part in op.parts for key in part.keys}
+        self._count_puts(txn, sizes, state)
+        n = op.num_records
         with self._lock:
-            stamps = [self._next_stamp() for _ in op.records]
+            stamps = self._next_stamps(n).astype("<f8").view(np.uint8).reshape(n, 8)
+        evicted = self._evict(txn, state, exclude=sizes)
+        payloads = txn.cursor(db=self._payload_db)
+        metas = txn.cursor(db=self._meta_db)
         changes = state.changes
-        evicted = self._evict(txn, state, exclude=sizes.keys())
-        for record, stamp in zip(op.records, stamps, strict=True):
-            key, payload, meta = record.key, record.payload, record.meta
-            txn.put(key, self._encode_payload(payload, op.fingerprint), db=self._payload_db)
-            _META_ACCESS.pack_into(meta, _META_ACCESS_OFFSET, stamp)
-            txn.put(key, meta, db=self._meta_db)
-            changes.pop(key, None)
-            changes[key] = payload.nbytes
-        return PutResult(len(op.records), evicted)
+        done = 0
+        for keys, meta, source, rows in op.parts:
+            meta[:, _META_ACCESS_OFFSET : _META_ACCESS_OFFSET + 8] = stamps[done : done + len(keys)]
+            done += len(keys)
+            step = max(1, _ENCODE_BYTES // (HEADER_BYTES + source.shape[1]))
+            for start in range(0, len(keys), step):
+                values = self._encode_payloads(source, rows[start : start + step], op.fingerprint)
+                payloads.putmulti(zip(keys[start : start + step], values))
+            metas.putmulti(zip(keys, meta))
+            for key in keys:
+                changes.pop(key, None)  # (the insertion order is the recency order)
+                changes[key] = source.shape[1]
+        return PutResult(n, evicted)
+
+    def _count_puts(self, txn, sizes: dict[bytes, int], state: _BatchState) -> None:
+        """Add a put of ``sizes`` (key -> payload size) to the batch's record and byte
+        counts, less what the keys held before (in this batch, else in the store)."""
+        changes = state.changes
+        state.num_bytes += sum(sizes.values())
+        state.num_records += len(sizes)
+        stored = []
+        for key in sizes:
+            if key not in changes:
+                stored.append(key)
+            elif (old := changes[key]) is not None:
+                state.num_bytes -= old
+                state.num_records -= 1
+        for _, value in txn.cursor(db=self._meta_db).getmulti(stored):  # (rare: keys written before)
+            if _meta_fields(value) is not None:
+                state.num_bytes -= _META_SIZE_ACCESS.unpack_from(value, 4)[0]
+                state.num_records -= 1
 
     def _evict(self, txn, state: _BatchState, exclude) -> tuple[bytes, ...]:
         """Delete least-recently-used records until the batch fits the capacity; keys in
@@ -1088,14 +1190,23 @@ class LmdbBackend:
             _META_ACCESS.pack_into(patched, _META_ACCESS_OFFSET, stamp)
             txn.put(key, patched, db=self._meta_db)
 
-    def _encode_payload(self, payload: np.ndarray, fingerprint: bytes) -> memoryview:
-        """Header + payload in the writer's scratch buffer (valid until the next call;
-        LMDB copies it on put)."""
-        length = payload.nbytes
-        if self._scratch.nbytes < HEADER_BYTES + length:
-            self._scratch = np.empty(HEADER_BYTES + length, dtype=np.uint8)
-        value = memoryview(self._scratch)[: HEADER_BYTES + length]
-        _HEADER.pack_into(value, 0, PAYLOAD_MAGIC, PAYLOAD_VERSION, HEADER_BYTES, fingerprint, length, 0)
-        self._scratch[HEADER_BYTES : HEADER_BYTES + length] = payload
-        _CHECKSUM.pack_into(value, _CHECKSUM_OFFSET, _payload_checksum(value, length))
-        return value
+    def _encode_payloads(self, source: np.ndarray, rows: np.ndarray, fingerprint: bytes) -> np.ndarray:
+        """Header + payload of ``rows`` of ``source``, one value a row, in the writer's
+        scratch array (valid until the next call; LMDB copies each value on put)."""
+        n, size = len(rows), source.shape[1]
+        width = HEADER_BYTES + size
+        if self._scratch.size < n * width:
+            self._scratch = np.empty(n * width, dtype=np.uint8)
+        values = self._scratch[: n * width].reshape(n, width)
+        header = bytearray(HEADER_BYTES)
+        _HEADER.pack_into(header, 0, PAYLOAD_MAGIC, PAYLOAD_VERSION, HEADER_BYTES, fingerprint, size, 0)
+        values[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+        np.take(source, rows, axis=0, out=values[:, HEADER_BYTES:], mode="clip")  # (rows checked on put)
+        prefix = xxhash.xxh3_64(bytes(header[:_CHECKSUM_OFFSET]))
+        sums = np.empty(n, dtype="<u8")
+        for i, payload in enumerate(values[:, HEADER_BYTES:]):
+            digest = prefix.copy()
+            digest.update(payload)
+            sums[i] = digest.intdigest()
+        values[:, _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8] = sums.view(np.uint8).reshape(n, 8)
+        return values

@@ -19,7 +19,7 @@ def stored_run(store: StorageBackend, keys: Sequence[bytes]) -> int:
 
 
 class SlowStore:
-    """A store whose writes are slowed on purpose: each ``put`` waits on one thread of
+    """A store whose writes are slowed on purpose: each ``put`` (or ``put_batch``) waits on one thread of
     its own — for ``gate`` to be open (it starts open; ``close_gate`` holds every write
     back), then ``delay_s`` — and then writes through the real store: a disk that
     cannot keep up. ``max_pages_in_flight``: the most pages ever handed to ``put`` and
@@ -46,11 +46,17 @@ class SlowStore:
         self.gate.set()
 
     def put(self, records, *, fingerprint: bytes):
+        records = list(records)
+        return self._slowly(len(records), lambda: self._inner.put(records, fingerprint=fingerprint))
+
+    def put_batch(self, batch, *, fingerprint: bytes):
+        return self._slowly(batch.num_records, lambda: self._inner.put_batch(batch, fingerprint=fingerprint))
+
+    def _slowly(self, num_pages: int, put):
         import time
 
-        records = list(records)
         with self._lock:
-            self.pages_in_flight += len(records)
+            self.pages_in_flight += num_pages
             self.max_pages_in_flight = max(self.max_pages_in_flight, self.pages_in_flight)
             self.puts += 1
 
@@ -58,10 +64,10 @@ class SlowStore:
             try:
                 self.gate.wait()
                 time.sleep(self._delay_s)
-                return self._inner.put(records, fingerprint=fingerprint).result()
+                return put().result()
             finally:
                 with self._lock:
-                    self.pages_in_flight -= len(records)
+                    self.pages_in_flight -= num_pages
 
         return self._thread.submit(slow)
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from hicache.errors import HicacheError, InvalidArgument
-from hicache.storage.base import PageMeta, PageRecord, PutResult, StorageStats
+from hicache.storage.base import PageBatch, PageMeta, PageRecord, PutResult, StorageStats
 from hicache.storage import lmdb_backend
 from hicache.storage.lmdb_backend import HEADER_BYTES, LmdbBackend
 from storage_util import stored_run
@@ -526,18 +526,18 @@ def test_reads_run_while_the_writer_commits_and_grows_the_map(open_store, writem
 def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_store, monkeypatch):
     store = open_store()
     _put(store, "ab")
-    real_encode = store._encode_payload
+    real_encode = store._encode_payloads
 
-    def failing(payload, fingerprint):
+    def failing(source, rows, fingerprint):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(store, "_encode_payload", failing)
+    monkeypatch.setattr(store, "_encode_payloads", failing)
     future = store.put([record(key_of("c"), 1000)], fingerprint=FP)
     with pytest.raises(OSError, match="disk on fire"):
         future.result()
     store.check_invariants()
     assert stored_run(store, [key_of("c")]) == 0
-    monkeypatch.setattr(store, "_encode_payload", real_encode)
+    monkeypatch.setattr(store, "_encode_payloads", real_encode)
     assert _put(store, "c") == PutResult(1, ())
     assert stored_run(store, [key_of(n) for n in "abc"]) == 3
     store.check_invariants()
@@ -577,7 +577,7 @@ def test_the_check_reads_the_store_between_commits(open_store, monkeypatch):
 
     def write_then_hold(batch, access):
         result = real_write(batch, access)
-        if any(getattr(op, "records", None) for op in batch) and not committed.is_set():
+        if any(getattr(op, "parts", None) for op in batch) and not committed.is_set():
             committed.set()  # in the store, not yet in the index
             indexed.wait()
         return result
@@ -739,3 +739,61 @@ def test_metadata_in_batches_lists_every_record_once(open_store):
             store.flush()
     assert len(listed) == len(set(listed))
     assert listed == [key for key in whole if key not in doomed or whole.index(key) < 8]
+
+
+def _batch_of(keys: list[bytes], pool: np.ndarray, rows, parents=None, num_tokens: int = 4) -> PageBatch:
+    metas = [meta_for(key, ROOT if parents is None else parents[i], num_tokens) for i, key in enumerate(keys)]
+    return PageBatch(b"".join(keys), b"".join(m.namespace for m in metas), b"".join(m.parent for m in metas),
+                     b"".join(m.tokens for m in metas), pool, np.asarray(rows))
+
+
+def test_put_batch_stores_what_put_stores(open_store):
+    """The columnar put (the disk writer's) writes the same records as ``put``: payloads
+    from the named rows of the source, in any order, and byte-equal metadata."""
+    size = 3000
+    keys = [key_of(("b", i)) for i in range(6)]
+    pool = np.stack([content(key_of(("row", r)), size) for r in range(10)])
+    rows = [7, 2, 9, 0, 2, 5]  # (a row may feed two records)
+    parents = [ROOT] + keys[:-1]
+    by_batch, by_records = open_store("batch"), open_store("records")
+    assert by_batch.put_batch(_batch_of(keys, pool, rows, parents), fingerprint=FP).result() == PutResult(6, ())
+    by_records.put([PageRecord(k, pool[r].copy(), meta_for(k, p)) for k, r, p in zip(keys, rows, parents)],
+                   fingerprint=FP).result()
+    for key, row in zip(keys, rows):
+        assert np.array_equal(read(by_batch, key, size), pool[row])
+    strip = lambda meta: meta._replace(last_access_s=0.0)  # noqa: E731
+    assert ([(k, strip(m)) for k, m in by_batch.iter_metadata()]
+            == [(k, strip(m)) for k, m in by_records.iter_metadata()])
+    assert by_batch.stats()[:3] == by_records.stats()[:3] == (6, 6 * size, 64 << 20)
+    by_batch.check_invariants()
+
+
+def test_put_batch_rejects_malformed_columns_and_changes_nothing(open_store):
+    store = open_store()
+    keys = [key_of(("m", i)) for i in range(3)]
+    pool = np.zeros((4, 100), dtype=np.uint8)
+    good = _batch_of(keys, pool, [0, 1, 2])
+    bad = [
+        good._replace(rows=np.array([0, 1, 4])),  # outside the source
+        good._replace(rows=np.array([0, -1, 2])),
+        good._replace(rows=np.array([0, 1])),  # not one per record
+        good._replace(rows=np.array([0.0, 1.0, 2.0])),
+        good._replace(keys=good.keys[:-1]),  # not whole keys
+        good._replace(parents=good.parents[:16]),
+        good._replace(tokens=good.tokens[:-1]),  # not int32 ids, as many each
+        good._replace(keys="not bytes"),
+        good._replace(source=pool.astype(np.int16)),
+        good._replace(source=pool[:, ::2]),  # not contiguous
+        good._replace(source=np.zeros((4, 0), dtype=np.uint8)),
+        good._replace(source=pool.reshape(-1)),  # not 2-D
+    ]
+    for batch in bad:
+        with pytest.raises(InvalidArgument):
+            store.put_batch(batch, fingerprint=FP)
+    with pytest.raises(InvalidArgument):
+        store.put_batch(good, fingerprint=b"short")
+    assert store.stats().records == 0 and store.stats().pending_writes == 0
+    assert store.put_batch(good._replace(keys=b"", namespaces=b"", parents=b"", tokens=b"", rows=np.array([], int)),
+                           fingerprint=FP).result() == PutResult(0, ())
+    assert store.put_batch(good, fingerprint=FP).result() == PutResult(3, ())
+    store.check_invariants()

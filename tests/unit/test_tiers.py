@@ -942,10 +942,10 @@ def test_a_store_that_refuses_a_write_leaves_the_pages_on_host_and_the_writer_cl
         def __init__(self, inner):
             self.inner, self.refuse = inner, True
 
-        def put(self, records, *, fingerprint):
+        def put_batch(self, batch, *, fingerprint):
             if self.refuse:
                 raise StorageUnavailable("the disk is gone")
-            return self.inner.put(records, fingerprint=fingerprint)
+            return self.inner.put_batch(batch, fingerprint=fingerprint)
 
         def __getattr__(self, name):
             return getattr(self.inner, name)

@@ -23,6 +23,8 @@ each; a trace with more evictions than that booked the older ones as ``never_sto
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES, NamespaceId, PageKey, chain_page_keys
@@ -30,6 +32,7 @@ from hicache.metrics import NullMetrics
 from hicache.tree import MatchResult, Node, Tier
 
 WAYS = 16
+PENDING_KEYS = 4096  # evicted page keys that wait at most before they are recorded
 EVICTION_SLOTS = 1 << 22
 _SMALL = 8  # batches up to this many keys take the plain-int path
 _TAG_SHIFT = 35  # a tag: the top 29 bits of the key's last 8 bytes ...
@@ -119,9 +122,16 @@ class EvictionLog:
 
 
 class MissReasons:
+    """The eviction log behind the miss reasons. Evictions are recorded in batches: a
+    node's keys wait in a list until a reason is asked for or :data:`PENDING_KEYS` keys
+    wait (an eviction step drops many small nodes, and one vectorized record of all
+    their keys costs about what one node's did), in the order they left their tiers."""
+
     def __init__(self, metrics=None, slots: int = EVICTION_SLOTS) -> None:
         self.metrics = metrics if metrics is not None else NullMetrics()
         self._log = EvictionLog(slots)
+        self._pending: list[tuple[Tier, bytes]] = []
+        self._num_pending = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,13 +139,25 @@ class MissReasons:
 
     def evicted(self, node: Node, tier: Tier) -> None:
         """``node``'s pages are leaving ``tier`` (and the cache, if it is their last)."""
-        self._log.record(node.page_keys, tier)
+        self._pending.append((tier, node.page_keys))
+        self._num_pending += node.num_pages
+        if self._num_pending >= PENDING_KEYS:
+            self.flush()
         self.metrics.evicted(tier, node.num_pages)
         if len(node.residency) == 1:
             self.metrics.dropped(tier, node.num_pages)
 
+    def flush(self) -> None:
+        """Record the evictions that wait: one record per run of one tier, in order."""
+        if not self._pending:
+            return
+        pending, self._pending, self._num_pending = self._pending, [], 0
+        for tier, run in itertools.groupby(pending, key=lambda item: item[0]):
+            self._log.record(b"".join(keys for _, keys in run), tier)
+
     def reason(self, page_key: PageKey) -> str:
         """``evicted_<tier>`` if this page's eviction is remembered, else ``never_stored``."""
+        self.flush()
         tier = self._log.tier(page_key)
         return f"evicted_{tier.label}" if tier is not None else "never_stored"
 

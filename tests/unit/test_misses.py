@@ -87,3 +87,30 @@ def test_miss_reasons_stay_right_after_more_evictions_than_the_old_window():
     finally:
         tm.close()
         engine.close()
+
+
+def test_batched_evictions_keep_their_order_across_tiers():
+    """Evictions wait in a batch until a reason is asked for (or the batch is full):
+    a page that left the device, came back and left the host within one batch reads as
+    evicted from the host, and the other way round; a batch fills and records itself."""
+    from types import SimpleNamespace
+
+    from hicache.tiers.misses import PENDING_KEYS, MissReasons
+
+    rng = np.random.default_rng(3)
+
+    def node(keys):
+        return SimpleNamespace(page_keys=keys, num_pages=len(keys) // PAGE_KEY_BYTES, residency={Tier.HOST: 0})
+
+    misses = MissReasons(slots=1 << 16)
+    a, b = random_keys(rng, 3), random_keys(rng, 5)
+    misses.evicted(node(a), Tier.DEVICE)
+    misses.evicted(node(b), Tier.HOST)
+    misses.evicted(node(a), Tier.HOST)
+    misses.evicted(node(b), Tier.DEVICE)
+    assert misses._log.tier(a[:PAGE_KEY_BYTES]) is None  # (waiting)
+    assert [misses.reason(k[j : j + PAGE_KEY_BYTES]) for k in (a, b) for j in (0, PAGE_KEY_BYTES)] == [
+        "evicted_host", "evicted_host", "evicted_device", "evicted_device"]
+    many = random_keys(rng, PENDING_KEYS)
+    misses.evicted(node(many), Tier.DISK)
+    assert misses._log.tier(many[-PAGE_KEY_BYTES:]) is Tier.DISK  # a full batch is recorded at once

@@ -404,16 +404,17 @@ class TierManager:
         here free theirs later). Returns the pages freed now."""
         freed = 0
         back_up = self.writes.backup_before_evict
-        for node in self.tree.iter_evictable(Tier.DEVICE, pool.pool_id):
-            if freed >= num_pages:
-                break
-            if (back_up or self._backups.is_deferred(node)) and node.host_pages is None and not node.on_disk:
-                self._backups.backup(pool, node, then_drop=True)
-                continue
-            self._core.misses.evicted(node, Tier.DEVICE)
-            pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
-            pool.allocator.free(pages)
-            freed += len(pages)
+        with pool.allocator.free_group():  # (one release of every node's pages)
+            for node in self.tree.iter_evictable(Tier.DEVICE, pool.pool_id):
+                if freed >= num_pages:
+                    break
+                if (back_up or self._backups.is_deferred(node)) and node.host_pages is None and not node.on_disk:
+                    self._backups.backup(pool, node, then_drop=True)
+                    continue
+                self._core.misses.evicted(node, Tier.DEVICE)
+                pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
+                pool.allocator.free(pages)
+                freed += len(pages)
         return freed
 
     def _evict_host(self, num_pages: int) -> int:
@@ -421,6 +422,10 @@ class TierManager:
         Pages that have a disk copy go first; a page without one is written before it
         is dropped (:meth:`_write_before_drop`), so that it is freed later (and counts
         towards ``num_pages``: no more writes start than needed)."""
+        with self.host_alloc.free_group():  # (one release of every node's pages)
+            return self._evict_host_nodes(num_pages)
+
+    def _evict_host_nodes(self, num_pages: int) -> int:
         freed = 0
         later = []
         for node in self.tree.iter_evictable(Tier.HOST):

@@ -10,8 +10,8 @@ into a process stay cached), then writes as many new pages into the now full sto
 the oldest page's file for each new one, the raw file overwrites the oldest slots — a
 disk tier in service runs full), through
 
-* ``lmdb``: :class:`hicache.storage.lmdb_backend.LmdbBackend`, its real API: ``put`` of
-  ``--batch`` records per call, all futures awaited (``flush``), then ``get`` of
+* ``lmdb``: :class:`hicache.storage.lmdb_backend.LmdbBackend`, its real API: ``put_batch``
+  of ``--batch`` records per call (as the daemon's disk writer puts host pool rows), all futures awaited (``flush``), then ``get`` of
   ``--batch`` keys per call into preallocated numpy page buffers (checksums verified);
 * ``file``: one file per page in a flat directory — write a temp file, ``os.replace``
   it into place; read = ``open`` + ``readinto`` a preallocated buffer;
@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from hicache.storage.base import PageMeta, PageRecord
+from hicache.storage.base import PageBatch
 from hicache.storage.lmdb_backend import LmdbBackend
 
 SIZES = {"64k": 64 << 10, "1m": 1 << 20, "2m": 2 << 20}
@@ -116,22 +116,28 @@ def bench_lmdb(root: str, keys: list[bytes], more_keys: list[bytes], sources: li
     path = fresh_dir(root, "lmdb", args.prefault_mib)
     tokens = bytes(4 * TOKENS_PER_PAGE)
 
-    def records_of(page_keys: list[bytes]) -> list[PageRecord]:
-        return [
-            PageRecord(key, sources[i % len(sources)], PageMeta(namespace=NAMESPACE, parent=bytes(16), tokens=tokens))
-            for i, key in enumerate(page_keys)
-        ]
+    source = np.stack(sources)  # (the daemon's disk writer puts rows of its host pool)
 
-    def put_all(records: list[PageRecord]) -> tuple[float, int]:
+    def batches_of(page_keys: list[bytes]) -> list[PageBatch]:
+        """``page_keys`` as the daemon's disk writer puts them, ``batch`` records a put."""
+        out = []
+        for start in range(0, len(page_keys), batch):
+            chunk = page_keys[start : start + batch]
+            out.append(PageBatch(b"".join(chunk), NAMESPACE * len(chunk), bytes(16) * len(chunk),
+                                 tokens * len(chunk), source,
+                                 np.arange(start, start + len(chunk), dtype=np.int64) % len(sources)))
+        return out
+
+    def put_all(batches: list[PageBatch]) -> tuple[float, int]:
         start = time.perf_counter()
-        futures = [store.put(records[i : i + batch], fingerprint=FINGERPRINT) for i in range(0, len(records), batch)]
+        futures = [store.put_batch(b, fingerprint=FINGERPRINT) for b in batches]
         store.flush()
         seconds = time.perf_counter() - start
         results = [f.result() for f in futures]
-        assert sum(r.written for r in results) == len(records)
+        assert sum(r.written for r in results) == sum(b.num_records for b in batches)
         return seconds, sum(len(r.evicted) for r in results)
 
-    records, more_records = records_of(keys), records_of(more_keys)
+    records, more_records = batches_of(keys), batches_of(more_keys)
     batch_bounds = {}
     if args.max_batch_mib is not None:
         batch_bounds["max_batch_bytes"] = args.max_batch_mib << 20

@@ -47,7 +47,8 @@ hicache_pages                          (gauge)  tier, state (free, private,
 hicache_sessions                       (gauge)  —
 hicache_oldest_lock_age_seconds        (gauge)  — (0 when no lock is held)
 hicache_queue_pages                    (gauge)  queue (backup_deferred, host_staging,
-                                                disk_write, disk_write_deferred)
+                                                disk_write, disk_write_deferred,
+                                                load_waiting)
 hicache_queue_limit_pages              (gauge)  queue (the bounded ones: host_staging,
                                                 disk_write)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
-QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred")
+QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed", "no_room")

@@ -7,6 +7,14 @@ pool's copy engine, stamping the load's ticket on the layer counters as each lay
 lands. Its future completes as soon as the pages are reserved and the copies started —
 or, with disk pages, once they are in host memory, so that a failed read shortens the
 hit instead of handing out pages that will never be written.
+
+A load whose device pages are not free *now* but on their way — evictions wait for
+backups still copying, or for host room that disk writes still hold — is *parked* rather
+than shortened: it keeps its path locked and is tried again as transfers finish (each
+time the pool's room changed), up to :data:`LOAD_WAIT_S`; only then, or when nothing is
+in flight that could free a page, does it take what fits. A match promised the pages
+from its count of what eviction can free; the writer falling behind the traffic delays
+the load instead of cutting it short (backpressure on the engine, not recomputed pages).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from hicache.tree import Node, Tier
 
 logger = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 2.0  # how long a load may wait for device pages on their way before it takes what fits
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -39,6 +49,15 @@ class _Pending:
     future: Future
     wanted: int  # pages of the requested node's path: what the match reported
     reads_left: int = 0
+
+
+@dataclass(eq=False)
+class _Parked:
+    node: Node  # locked in the pool while it waits
+    pool: DevicePoolState
+    future: Future
+    deadline: float
+    pages: int  # device pages it waits for
 
 
 def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
@@ -107,6 +126,8 @@ class Loads:
         self.disk = disk
         self._alloc_device = alloc_device
         self.on_timing: Callable[[LoadTiming], None] | None = None  # told of each timed load (benchmarks)
+        self.parked: list[_Parked] = []  # loads waiting for device pages on their way, oldest first
+        self._room_tried: tuple | None = None  # the pools' room at the last retry of the parked loads
 
     def load(self, node: Node, pool: DevicePoolState) -> Future:
         """A future of :class:`LoadResult` (see the module docstring)."""
@@ -114,6 +135,12 @@ class Loads:
         if not tree.is_live(node):
             raise UnknownNode(f"{node!r} is not a live node")
         future: Future = Future()
+        self._try(node, pool, future, time.monotonic() + LOAD_WAIT_S)
+        return future
+
+    def _try(self, node: Node, pool: DevicePoolState, future: Future, deadline: float) -> None:
+        """Start the load, park it (see the module docstring), or answer it at once."""
+        tree = self.core.tree
         path = tree.path(node)
         device_len = 0
         while device_len < len(path) and path[device_len].device_pages(pool.pool_id) is not None:
@@ -128,11 +155,15 @@ class Loads:
             pages = self._alloc_device(pool, sum(n.num_pages for n in segment))
             if pages is not None:
                 break
+            if self.core.inflight and time.monotonic() < deadline:  # room may be on its way
+                tree.lock(node, pool.pool_id)
+                self.parked.append(_Parked(node, pool, future, deadline, sum(n.num_pages for n in segment)))
+                return
             segment.pop()
         wanted = sum(n.num_pages for n in path)
         if not segment:
             future.set_result(self._device_only(pool, path[:device_len], node, wanted))
-            return future
+            return
         tree.lock(segment[-1], pool.pool_id)
         pool.staging += len(pages)
         pending = _Pending(pool, segment, pages, future, wanted)
@@ -140,11 +171,52 @@ class Loads:
         reads = self.disk.read(from_disk) if from_disk else []
         if not reads:
             self._start(pending)
-            return future
+            return
         pending.reads_left = len(reads)
         for transfer in reads:
             transfer.waiters.append(lambda: self._read_done(pending))
-        return future
+
+    def retry_parked(self) -> int:
+        """Try the parked loads again, oldest first, if a pool's room changed since the
+        last try (or one's time is up); returns how many left the queue."""
+        if not self.parked:
+            return 0
+        tree = self.core.tree
+        room = self._room()
+        if room == self._room_tried and time.monotonic() < self.parked[0].deadline and self.core.inflight:
+            return 0
+        parked, self.parked = self.parked, []
+        for item in parked:
+            tree.unlock(item.node, item.pool.pool_id)
+            try:
+                self._try(item.node, item.pool, item.future, item.deadline)
+            except BaseException as exc:  # (a bug: fail the load, not the loop)
+                item.future.set_exception(exc)
+        self._room_tried = self._room()
+        return len(parked) - len(self.parked)
+
+    def _room(self) -> tuple:
+        """What decides whether a parked load fits: its pool's free and evictable pages,
+        and the host tier's (a backup landing lets a device page go without a copy)."""
+        core = self.core
+        tree = core.tree
+        return (tuple((p.pool.allocator.num_free, tree.sizes(Tier.DEVICE, p.pool.pool_id).evictable)
+                      for p in self.parked),
+                core.host_alloc.num_free, tree.sizes(Tier.HOST), tree.clean_host_pages())
+
+    def parked_pages(self) -> int:
+        return sum(item.pages for item in self.parked)
+
+    def cancel_parked(self, pool: DevicePoolState) -> None:
+        """The pool's engine is gone: its parked loads end with the device part only."""
+        keep = []
+        for item in self.parked:
+            if item.pool is not pool:
+                keep.append(item)
+                continue
+            self.core.tree.unlock(item.node, pool.pool_id)
+            item.future.set_result(self._device_only(pool, [], self.core.tree.root(item.node.namespace), 0))
+        self.parked = keep
 
     def _read_done(self, pending: _Pending) -> None:
         pending.reads_left -= 1

@@ -207,7 +207,9 @@ class TierManager:
         """The engine is gone: refuse new work for its pool, and once no transfer uses
         the pool any more, forget its pages (private ones included) and unmap it (see
         :meth:`poll`). The caller has released the session's locks."""
-        self.pools.get(pool_id).retired = True
+        pool = self.pools.get(pool_id)
+        pool.retired = True
+        self._loads.cancel_parked(pool)
         self.pools.reap(self._inflight.pools(), self.tree)
 
     def device_pools(self) -> list[DevicePool]:
@@ -515,6 +517,8 @@ class TierManager:
             self.pools.reap(self._inflight.pools(), self.tree)
         if self._backups.deferred:
             ran += self._retry_backups()
+        if self._loads.parked:
+            ran += self._loads.retry_parked()
         return ran + self._timers.run_due()
 
     def _retry_backups(self) -> int:
@@ -538,7 +542,7 @@ class TierManager:
         return future.result()
 
     def idle(self) -> bool:
-        return not self._inflight and not self.disk.pending
+        return not self._inflight and not self.disk.pending and not self._loads.parked
 
     @property
     def deferred_backups(self) -> int:
@@ -559,12 +563,14 @@ class TierManager:
         ``backup_deferred`` / ``disk_write_deferred``: work waiting for room (retried,
         never dropped while the page is cached); ``host_staging``: host pages reserved
         by backups and disk reads landing; ``disk_write``: pages written and not yet
-        committed."""
+        committed; ``load_waiting``: device pages that parked loads wait for (see
+        :mod:`hicache.tiers.loads`)."""
         return {
             "backup_deferred": (self._backups.deferred_pages(), None),
             "host_staging": (self._core.host_staging, self.host_alloc.capacity),
             "disk_write": (self.disk.pending, self.disk.write_limit if self.disk.enabled else None),
             "disk_write_deferred": (self.disk.deferred_writes(), None),
+            "load_waiting": (self._loads.parked_pages(), None),
         }
 
     def persist(self) -> int:

@@ -883,6 +883,68 @@ def test_device_pages_waiting_for_a_backup_make_no_room_for_a_load():
         engine.close()
 
 
+def test_a_load_waits_for_device_pages_on_their_way_instead_of_falling_short():
+    """Device pool of 8, full of two prompts whose backups are still copying (nothing
+    may drop its only copy): a host-only prompt's load cannot have its 3 pages now (a
+    match counts such pages as no room; here the load comes first, as when the room a
+    match saw went before its load). It waits (counted in the ``load_waiting`` queue,
+    its path locked) and once the backups land takes all 3 pages, with the inserted
+    bytes, nothing short. With nothing in flight it would take what fits at once."""
+    from hicache.metrics import Metrics
+
+    engine = Engine(num_pages=8)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, host_pages=12, metrics=metrics)
+    try:
+        a = prefill(tm, engine, tokens(0, 3)).node
+        tm.flush()
+        tm.evict(Tier.DEVICE, 3, 0)
+        assert a.device_pools == [] and a.host_pages is not None
+        prefill(tm, engine, tokens(100, 5))
+        prefill(tm, engine, tokens(200, 3))  # (their backups start: not polled yet)
+        assert tm.pools.get(0).allocator.num_free == 0 and tm.queues()["host_staging"][0] == 8
+        tm.lock(a, 0)
+        future = tm.load(a, 0)
+        assert not future.done() and tm.queues()["load_waiting"] == (3, None)
+        assert not tm.idle()
+        loaded = tm.wait(future)
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        assert loaded.num_loaded_pages == 3
+        engine.check(NS, tokens(0, 3), loaded.device_pages)
+        assert metrics.registry.get_sample_value("hicache_load_short_tokens_total") == 0
+        assert tm.queues()["load_waiting"] == (0, None)
+        tm.unlock(a, 0)
+        tm.flush()
+        tm.check_invariants()
+    finally:
+        tm.close()
+        engine.close()
+
+
+def test_a_waiting_load_of_an_engine_that_goes_away_ends_and_holds_nothing():
+    engine = Engine(num_pages=8)
+    tm, _ = make_tm(engine, host_pages=12)
+    try:
+        a = prefill(tm, engine, tokens(0, 3)).node
+        tm.flush()
+        tm.evict(Tier.DEVICE, 3, 0)
+        prefill(tm, engine, tokens(100, 5))
+        prefill(tm, engine, tokens(200, 3))
+        tm.lock(a, 0)
+        future = tm.load(a, 0)
+        assert not future.done()
+        tm.unlock(a, 0)  # (the session's locks go first)
+        tm.retire_pool(0)
+        assert future.done() and future.result().num_loaded_pages == 0
+        assert tm.queues()["load_waiting"] == (0, None)
+        tm.flush()
+        assert a.lock_total == 0
+        tm.check_invariants()
+    finally:
+        tm.close()
+        engine.close()
+
+
 def test_host_pages_waiting_for_their_disk_write_make_no_room_for_a_disk_part(tmp_path):
     """Host tier of 6, the disk writer held back with a queue of 2 pages: after three
     prompts the host tier is full of pages whose writes run or wait (deferred). The tree

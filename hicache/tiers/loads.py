@@ -9,8 +9,8 @@ or, with disk pages, once they are in host memory, so that a failed read shorten
 hit instead of handing out pages that will never be written.
 
 A load whose device pages are not free *now* but on their way — evictions wait for
-backups still copying, or for host room that disk writes still hold — is *parked* rather
-than shortened: it keeps its path locked and is tried again as transfers finish (each
+backups still copying, or for host room that disk writes still hold — or whose disk pages
+have no host room to be read into yet, is *parked* rather than shortened: it keeps its path locked and is tried again as transfers finish (each
 time the pool's room changed), up to :data:`LOAD_WAIT_S`; only then, or when nothing is
 in flight that could free a page, does it take what fits. A match promised the pages
 from its count of what eviction can free; the writer falling behind the traffic delays
@@ -150,14 +150,21 @@ class Loads:
             if n.host_pages is None and not (n.on_disk and self.disk.enabled):
                 break
             segment.append(n)
+        # Disk-only pages are read into host pages first: free ones, or clean ones that
+        # eviction can drop (the segment's own excepted: its load locks them).
+        staged = sum(n.num_pages for n in segment if n.host_pages is None)
+        if staged and self._may_wait(deadline):
+            own = sum(n.num_pages for n in segment if n.host_pages is not None)
+            if staged > self.core.host_alloc.num_free + max(0, tree.clean_host_pages() - own):
+                self._park(node, pool, future, deadline, segment)
+                return
         pages = None
         while segment:
             pages = self._alloc_device(pool, sum(n.num_pages for n in segment))
             if pages is not None:
                 break
-            if self.core.inflight and time.monotonic() < deadline:  # room may be on its way
-                tree.lock(node, pool.pool_id)
-                self.parked.append(_Parked(node, pool, future, deadline, sum(n.num_pages for n in segment)))
+            if self._may_wait(deadline):  # room may be on its way (the eviction may have started it)
+                self._park(node, pool, future, deadline, segment)
                 return
             segment.pop()
         wanted = sum(n.num_pages for n in path)
@@ -175,6 +182,14 @@ class Loads:
         pending.reads_left = len(reads)
         for transfer in reads:
             transfer.waiters.append(lambda: self._read_done(pending))
+
+    def _may_wait(self, deadline: float) -> bool:
+        return bool(self.core.inflight) and time.monotonic() < deadline
+
+    def _park(self, node: Node, pool: DevicePoolState, future: Future, deadline: float,
+              segment: list[Node]) -> None:
+        self.core.tree.lock(node, pool.pool_id)
+        self.parked.append(_Parked(node, pool, future, deadline, sum(n.num_pages for n in segment)))
 
     def retry_parked(self) -> int:
         """Try the parked loads again, oldest first, if a pool's room changed since the

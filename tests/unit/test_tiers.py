@@ -921,6 +921,48 @@ def test_a_load_waits_for_device_pages_on_their_way_instead_of_falling_short():
         engine.close()
 
 
+def test_a_load_waits_for_host_room_to_read_its_disk_pages_into(tmp_path):
+    """Host tier of 6, all of it a prompt whose disk write is held back (its pages stay
+    pinned, none clean): a disk-only prompt's load has no host page to read into now. It
+    waits, and once the write lands (the pages clean, evictable) reads and delivers all
+    of it, byte-exact, nothing short."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import SlowStore
+
+    engine = Engine(num_pages=16)
+    store = SlowStore(LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes), 0.0)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, host_pages=6, storage=store, metrics=metrics)
+    try:
+        a = prefill(tm, engine, tokens(0, 2)).node
+        tm.flush()
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 6)
+        tm.flush()
+        assert a.on_disk and a.host_pages is None and a.device_pools == []
+        store.close_gate()
+        prefill(tm, engine, tokens(100, 6))
+        tm.poll(0)
+        assert tm.host_alloc.num_free == 0 and tm.tree.clean_host_pages() == 0
+        tm.lock(a, 0)
+        future = tm.load(a, 0)
+        assert not future.done() and tm.queues()["load_waiting"] == (2, None)
+        store.open_gate()
+        loaded = tm.wait(future)
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        assert loaded.num_loaded_pages == 2
+        engine.check(NS, tokens(0, 2), loaded.device_pages)
+        assert metrics.registry.get_sample_value("hicache_load_short_tokens_total") == 0
+        tm.unlock(a, 0)
+        tm.flush()
+        tm.check_invariants()
+    finally:
+        tm.close()
+        store.close()
+        engine.close()
+
+
 def test_a_waiting_load_of_an_engine_that_goes_away_ends_and_holds_nothing():
     engine = Engine(num_pages=8)
     tm, _ = make_tm(engine, host_pages=12)

@@ -321,6 +321,7 @@ class _Part(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class _PutOp:
     parts: tuple[_Part, ...]  # (one, but for records of several sizes: runs of one size each)
+    sizes: dict[bytes, int]  # key -> payload size, each key once (the last record of a key wins)
     fingerprint: bytes
     future: Future
 
@@ -501,7 +502,7 @@ class LmdbBackend:
                 f"put of {total} bytes does not fit a store of capacity {self._capacity_bytes} bytes"
             )
         future: Future[PutResult] = Future()
-        self._enqueue(_PutOp(tuple(parts), fingerprint, future), sum(len(part.keys) for part in parts))
+        self._enqueue(_PutOp(tuple(parts), sizes, fingerprint, future), sum(len(part.keys) for part in parts))
         return future
 
     def _part(self, batch: PageBatch, fingerprint: bytes) -> _Part | None:
@@ -1041,7 +1042,7 @@ class LmdbBackend:
         return None if value is None or _meta_fields(value) is None else _META_SIZE_ACCESS.unpack_from(value, 4)[0]
 
     def _write_put(self, txn, op: _PutOp, state: _BatchState) -> PutResult:
-        sizes = {key: part.source.shape[1] for part in op.parts for key in part.keys}
+        sizes = op.sizes
         self._count_puts(txn, sizes, state)
         n = op.num_records
         with self._lock:

@@ -17,11 +17,12 @@ from hicache import protocol as p
 from hicache.config import DaemonConfig
 from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.sharing import NoSharing, RadixSharing, SharingPolicy
-from hicache.errors import InvalidArgument
+from hicache.errors import InvalidArgument, PermissionDenied
 from hicache.keys import TOKEN_BYTES, NamespaceId, namespace_id
 from hicache.tiers import Hit
 
 _MAX_EXTRA_KEY = 1024  # characters
+_MAX_NAMESPACES = 4096  # namespaces a session remembers
 
 
 class CacheOps:
@@ -43,13 +44,23 @@ class CacheOps:
         self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else self._no_sharing
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
 
-    def _namespace(self, session: Session, extra_key: str) -> NamespaceId:
-        ns = session.namespaces.get(extra_key)
+    def _namespace(self, session: Session, extra_key: str, tenant) -> NamespaceId:
+        """The namespace of the session's model, a tenant its identity may use (``UNSET``
+        or ``""``: its first) and the extra key."""
+        ns = session.namespaces.get((tenant, extra_key))
         if ns is None:
             if len(extra_key) > _MAX_EXTRA_KEY:
                 raise InvalidArgument(f"extra_key is longer than {_MAX_EXTRA_KEY} characters")
-            ns = namespace_id(session.manager.spec.fingerprint, extra_key or None)
-            session.namespaces[extra_key] = ns
+            identity = session.creds.identity
+            name = tenant if tenant is not p.UNSET and tenant else ""
+            if identity is not None:
+                name = name or identity.default_tenant
+                if name not in identity.tenants:
+                    raise PermissionDenied(f"identity {identity.name!r} may not use tenant {name[:64]!r}")
+            ns = namespace_id(session.manager.spec.fingerprint, extra_key or None, name)
+            if len(session.namespaces) >= _MAX_NAMESPACES:
+                session.namespaces.clear()  # a cache: a client naming ever new extra keys does not grow it
+            session.namespaces[(tenant, extra_key)] = ns
         return ns
 
     def _tokens(self, tokens: bytes) -> bytes:
@@ -98,7 +109,7 @@ class CacheOps:
         session = self._session(m.session)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
-        namespace = self._namespace(session, m.extra_key)
+        namespace = self._namespace(session, m.extra_key, m.tenant)
         tokens = self._tokens(m.tokens)
         hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
         if isinstance(hit, Future):
@@ -117,7 +128,7 @@ class CacheOps:
         session = self._session(m.session)
         if len(m.tokens) > self._max_batch:
             raise InvalidArgument(f"more than {self._max_batch} lookups in one batch")
-        ns = self._namespace(session, m.extra_key)
+        ns = self._namespace(session, m.extra_key, m.tenant)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
         batch = [self._tokens(tokens) for tokens in m.tokens]  # all checked before any is looked up
@@ -177,7 +188,7 @@ class CacheOps:
         pages = manager.page_ids(session.pool_id, m.pages)
         if len(pages) != len(tokens) // TOKEN_BYTES // manager.spec.page_size:
             raise InvalidArgument("one page id per whole page of tokens")
-        namespace = self._namespace(session, m.extra_key)
+        namespace = self._namespace(session, m.extra_key, m.tenant)
         result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages)
         if result is None:  # not stored: the pages went back to the pool
             return p.InsertReply(id=m.id, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
@@ -194,7 +205,7 @@ class CacheOps:
         session = self._session(m.session)
         tokens = self._tokens(m.tokens)
         manager = session.manager
-        namespace = self._namespace(session, m.extra_key)
+        namespace = self._namespace(session, m.extra_key, m.tenant)
         if self._sharing_for(m.extra_key) is self._no_sharing:  # nothing is kept for these keys
             manager.page_ids(session.pool_id, m.pages)  # (still checked)
             done: Future = Future()

@@ -3,14 +3,20 @@
     hicache serve [--config FILE] [--socket PATH] [--tcp ENDPOINT] [--no-disk]
     hicache status [--endpoint E] [--json] [--watch [SECONDS]]
     hicache check [--endpoint E]
+    hicache reload [--endpoint E]
+    hicache keygen PATH_STEM
     hicache demo [--endpoint E] [--conversations N] [--turns N]
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
 the state directory, socket in the runtime directory — see :mod:`hicache.config`);
 SIGTERM or SIGINT drains it and it exits 0. If another daemon serves the same socket or
 store, it exits 1 at once, having touched neither. ``status`` prints the live figures of a
-running daemon, ``check`` runs its invariant checks (exit 1 if one fails). This is the
-only place that configures logging.
+running daemon, ``check`` runs its invariant checks (exit 1 if one fails), ``reload``
+makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP does).
+``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode 0600).
+The client commands take ``--server-key`` / ``--key-file`` (or ``HICACHE_SERVER_KEY`` /
+``HICACHE_CLIENT_KEY_FILE``) for a CURVE endpoint. This is the only place that
+configures logging.
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["disk.enabled"] = False
     config = DaemonConfig.load(args.config, overrides)
     try:
-        server = Server(config)
+        server = Server(config, config_path=args.config)
     except AlreadyRunning as exc:
         print(f"hicache: {exc}; not starting", file=sys.stderr)
         return 1
     endpoints = server.bind()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
+    signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
     metrics = f", metrics on {server.metrics_url}" if server.metrics_url else ""
     print(f"hicache {__version__} serving on {' '.join(endpoints)}{metrics}", flush=True)
     server.serve_forever()
@@ -62,10 +69,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from hicache.client import CacheClient
     from hicache.errors import Unavailable
 
-    client = CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False)
+    client = _client(args)
     try:
         shown = 0
         while True:
@@ -110,10 +116,10 @@ def _print_status(stats: dict, as_json: bool) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hicache.client import CacheClient, RemoteError
+    from hicache.client import RemoteError
     from hicache.errors import Unavailable
 
-    client = CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False)
+    client = _client(args)
     try:
         client.check()
     except (RemoteError, Unavailable) as exc:
@@ -122,6 +128,43 @@ def _check(args: argparse.Namespace) -> int:
     finally:
         client.close()
     print("hicache check: ok")
+    return 0
+
+
+def _client(args: argparse.Namespace):
+    from hicache.client import CacheClient
+
+    return CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False,
+                       server_key=args.server_key, key_file=args.key_file)
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from hicache.client import RemoteError
+    from hicache.errors import Unavailable
+
+    client = _client(args)
+    try:
+        figures = client.reload()
+    except (RemoteError, Unavailable) as exc:
+        print(f"hicache reload: FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"hicache reload: {figures['identities']} identities, {figures['sessions_ended']} sessions ended")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from hicache.auth import write_keypair
+    from hicache.errors import InvalidArgument
+
+    try:
+        public, secret = write_keypair(args.stem)
+    except (InvalidArgument, OSError) as exc:
+        print(f"hicache keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {public} (list it in [[auth.identities]], or give it to clients as the server key)\n"
+          f"secret key: {secret} (mode 0600: keep it with the process it identifies)")
     return 0
 
 
@@ -145,17 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(run=_serve)
 
     for name, run, text in (("status", _status, "live figures of a running daemon"),
-                            ("check", _check, "run a running daemon's invariant checks")):
+                            ("check", _check, "run a running daemon's invariant checks"),
+                            ("reload", _reload, "make a running daemon re-read its [auth] section")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--config", help="TOML configuration file (to find the socket)")
         sub.add_argument("--endpoint", help="e.g. ipc:///run/hicache/hicache.sock")
         sub.add_argument("--timeout", type=float, default=5.0)
+        sub.add_argument("--server-key", help="the daemon's public key (Z85) or its .key file: CURVE")
+        sub.add_argument("--key-file", help="this client's .key_secret file (with --server-key)")
         if name == "status":
             sub.add_argument("--json", action="store_true")
             sub.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
                              help="refresh every SECONDS (default 2) until Ctrl-C")
             sub.add_argument("--count", type=int, default=0, help="with --watch: stop after this many")
         sub.set_defaults(run=run)
+
+    keygen = commands.add_parser("keygen", help="write a CURVE key pair")
+    keygen.add_argument("stem", help="writes STEM.key (public) and STEM.key_secret (0600)")
+    keygen.set_defaults(run=_keygen)
 
     demo = commands.add_parser("demo", help="the reference engine on a multi-turn chat, through a daemon")
     demo.add_argument("--endpoint", help="use this running daemon instead of starting one")

@@ -175,7 +175,8 @@ class Registrar:
             raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r}")
         manager, pool_id = found
         owner = self.sessions.owner_of(manager, pool_id)
-        if owner is None or (session.creds.uid is not None and owner.creds.uid != session.creds.uid):
+        if owner is None or (session.creds.uid is not None and owner.creds.uid != session.creds.uid) or (
+                _identity_name(owner) != _identity_name(session)):
             raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r} by this user")
         counters = manager.pools.get(pool_id).counters
         fds = self._fds()
@@ -237,3 +238,8 @@ class _CudaOwner:
 
     def close(self) -> None:
         pass
+
+
+def _identity_name(session: Session) -> str | None:
+    identity = session.creds.identity
+    return None if identity is None else identity.name

@@ -27,8 +27,12 @@ echo ~9 % slower). ``stats`` settles the bookkeeping first, so its counts are ex
 The loop survives whatever a peer sends: a message that cannot be decoded gets an error
 reply, and anything a message makes go wrong in the handling (a bug included) is logged
 and counted, and the loop goes on. Sessions are bound to the connection that said
-hello (its routing id); the first message of each connection is read with its
-metadata, whose ``Peer-Address`` names the peer's user and process on ``ipc://``.
+hello (its routing id). Connections are admitted by the ZAP handler
+(:mod:`hicache.daemon.auth`: CURVE keys on ``tcp://``, Unix users on ``ipc://``), which
+names each in its user id; every message is read with that metadata (~1 us) and its
+sender resolved against the current identities — a routing id proves nothing (a client
+may pick one), and a reload may have withdrawn what admitted the connection: such a
+message is dropped and counted. SIGHUP (or a ``reload`` request) re-reads ``[auth]``.
 
 Before anything else, the server takes the state's lock
 (:mod:`hicache.daemon.statelock`): a second daemon on the same socket or store exits
@@ -55,7 +59,9 @@ from pathlib import Path
 
 import zmq
 
+from hicache.auth import read_secret
 from hicache.config import DaemonConfig
+from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
 from hicache.daemon.sd_notify import Notifier
@@ -81,8 +87,13 @@ _SEND_MORE = _SNDMORE | _NOBLOCK
 
 class Server:
     def __init__(self, config: DaemonConfig, *, notifier: Notifier | None = None,
-                 context: zmq.Context | None = None, daemon: Daemon | None = None) -> None:
+                 context: zmq.Context | None = None, daemon: Daemon | None = None,
+                 config_path: str | os.PathLike | None = None) -> None:
+        """``config_path``: the file ``config`` came from, re-read (its ``[auth]``) on
+        SIGHUP or a ``reload`` request."""
         self.config = config
+        # The daemon's CURVE key pair, read (and checked) before anything is opened.
+        self._server_keys = read_secret(config.auth.secret_key_file) if config.auth.curve else None
         self._state_lock = StateLock.for_config(config)  # before the store is opened
         self._context = context or transport.new_context()
         self._own_context = context is None
@@ -98,7 +109,14 @@ class Server:
         self.notifier = notifier or Notifier.from_env()
         self.daemon.keepalive = self._keepalive
         self._peers: dict[bytes, PeerCreds] = {}  # routing id -> who is at the other end
+        self._users: dict[bytes, str] = {}  # routing id -> the ZAP user id its creds were learned from
         self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER)
+        self.daemon.on_reload = self._relearn_peers
+        self._config_path = config_path
+        if config_path is not None:
+            self.daemon.reload_source = lambda: DaemonConfig.load(config_path).auth
+        self._reload_requested = False
+        self._zap: ZapHandler | None = None
         self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
@@ -126,8 +144,11 @@ class Server:
             pass  # a wake-up is already queued, or we are shutting down
 
     def bind(self) -> list[str]:
+        # The ZAP handler first: a CURVE handshake with no handler admits any key.
+        self._zap = ZapHandler(self._context, lambda: self.daemon.identities, self.daemon.metrics.auth_refused)
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)  # plain connections are asked about too
         # Messages a little over the limit still get an error reply; far over, the peer
         # is disconnected by the transport before we buffer them.
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.server.max_message_bytes)
@@ -139,8 +160,15 @@ class Server:
         self.daemon.fds = FdExchange(socket_path_for(socket_path), mode=self.config.server.socket_mode)
         router.bind(self._wake_endpoint)
         for endpoint in self.config.server.endpoints:
+            # Security options apply to the endpoints bound after they are set.
+            curve = self._server_keys is not None and (endpoint.startswith("tcp://") or self.config.auth.curve_ipc)
+            router.setsockopt(zmq.CURVE_SERVER, int(curve))
+            if curve:
+                router.setsockopt(zmq.CURVE_SECRETKEY, self._server_keys[1])
             router.bind(endpoint)
             self.endpoints.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+            logger.info("listening on %s (%s)", self.endpoints[-1], "CURVE" if curve else
+                        "Unix users" if endpoint.startswith("ipc://") else "NO AUTHENTICATION: insecure_tcp")
         os.chmod(socket_path, self.config.server.socket_mode)
         self._router = router
         metrics = self.config.metrics
@@ -178,6 +206,9 @@ class Server:
                 if exc.errno != errno.EINTR:
                     raise
                 frames = None
+            if self._reload_requested:
+                self._reload_requested = False
+                self._fenced(self._reload, router)
             if frames is not None and self._fenced(self._handle, router, frames):
                 # Answered. Its bookkeeping waits for an idle moment: run right after the
                 # send, it holds a core the reply's way out needs (see the module doc).
@@ -240,33 +271,73 @@ class Server:
             wait = min(wait, max(0.0, deadline - self.daemon.clock()))
         return math.ceil(wait * 20) * 50
 
-    def _recv(self, router: zmq.Socket, flags: int) -> list[bytes]:
-        """One message's frames. A DEALER's request arrives as [identity, body]: two
-        receives and one look at RCVMORE, where ``recv_multipart`` makes two of each
-        plus its own Python frame — each call into pyzmq costs microseconds on a cold
-        cache, ~17 us a round trip in all here (bench_rpc: a REP echo and a ROUTER echo
-        read this way take the same time). A REQ envelope (or anything longer) reads
-        on frame by frame. The first message of a connection is read as a ``Frame``,
-        for its metadata (~2 us more): who the peer is."""
+    def _recv(self, router: zmq.Socket, flags: int) -> list[bytes] | None:
+        """One message's frames, or ``None`` for a message nobody admitted. A DEALER's
+        request arrives as [identity, body]: two receives and one look at RCVMORE,
+        where ``recv_multipart`` makes two of each plus its own Python frame — each call
+        into pyzmq costs microseconds on a cold cache, ~17 us a round trip in all here
+        (bench_rpc: a REP echo and a ROUTER echo read this way take the same time). A REQ
+        envelope (or anything longer) reads on frame by frame. The body is read as a
+        ``Frame`` for its metadata: the ZAP user id, who sent it."""
         identity = router.recv(flags)
-        if identity in self._peers:
-            frames = [identity, router.recv(flags)]
-        else:
-            frame = router.recv(flags, copy=False)
-            self._learn_peer(identity, frame)
-            frames = [identity, frame.bytes]
+        frame = router.recv(flags, copy=False)
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:  # no handshake: inproc, a worker's wake-up
+            user = None
+        frames = [identity, frame.bytes]
         while router.getsockopt(_RCVMORE):
             frames.append(router.recv(flags))
+        if user is None:
+            wake = identity.startswith(_WAKE_ID) and len(frames) == 2 and not frames[1]
+            return frames if wake else None
+        if self._users.get(identity) != user and not self._learn_peer(identity, user):
+            return None
         return frames
 
-    def _learn_peer(self, identity: bytes, frame: zmq.Frame) -> None:
+    def _learn_peer(self, identity: bytes, user: str) -> bool:
+        """Who sent a message on connection ``identity``, from the ZAP user id it came
+        with, under the identities configured now: False (and counted) when they no
+        longer allow it."""
         if len(self._peers) >= _MAX_PEERS:
-            self._peers.clear()
+            self._forget_peers()
+        self._users.pop(identity, None)
+        self._peers.pop(identity, None)
+        parsed = parse_user_id(user)
+        allowed = None
+        if parsed is not None:
+            name, mechanism, address, key = parsed
+            allowed = self.daemon.identities.resolve(mechanism, address, key)
+        if allowed is None or allowed.name != name:
+            self.daemon.metrics.auth_refused("revoked")
+            return False
+        self._users[identity] = user
+        self._peers[identity] = PeerCreds.parse(address, allowed, mechanism, key)
+        return True
+
+    def _forget_peers(self) -> None:
+        self._users.clear()
+        self._peers.clear()
+
+    def _relearn_peers(self, table: IdentityTable) -> None:
+        """A reload: every known connection resolved anew (the message in hand too);
+        those no longer allowed are forgotten, and their next message refused."""
+        for identity, user in list(self._users.items()):
+            self._learn_peer(identity, user)
+
+    def request_reload(self) -> None:
+        """SIGHUP: re-read ``[auth]`` at the loop's next turn (safe from a signal handler)."""
+        self._reload_requested = True
+
+    def _reload(self, router: zmq.Socket) -> bool:
+        if self.daemon.reload_source is None:
+            logger.warning("reload asked for, but the daemon was started without a configuration file")
+            return False
         try:
-            address = frame.get("Peer-Address")
-        except zmq.ZMQError:  # inproc (a worker's wake-up): no peer address
-            address = ""
-        self._peers[identity] = PeerCreds.parse(address or "")
+            self.daemon.reload_auth(self.daemon.reload_source())
+        except Exception as exc:  # a bad file: keep serving with what we have
+            logger.error("reload failed, keeping the identities in force: %s", exc)
+        return False
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> bool:
         """Answer one message (or send its future's reply when it is done). True when
@@ -337,6 +408,9 @@ class Server:
         (the end of :meth:`serve_forever`; for a server that never served, after its
         daemon was closed)."""
         self.collector.uninstall()
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         with self._wakers_lock:
             for sock in self._wakers:
                 sock.close(linger=0)

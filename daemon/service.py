@@ -18,7 +18,9 @@ stable code and a message; a request that fails changes nothing (a refused
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 import traceback
 from collections import Counter
@@ -29,8 +31,9 @@ from typing import Any
 
 from hicache import __version__
 from hicache import protocol as p
-from hicache.config import DaemonConfig
+from hicache.config import AuthConfig, DaemonConfig
 from hicache.daemon import snapshot
+from hicache.daemon.auth import Identity, IdentityTable
 from hicache.daemon.cache_ops import CacheOps
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
@@ -41,6 +44,7 @@ from hicache.errors import (
     HicacheError,
     InvalidArgument,
     InvariantBroken,
+    PermissionDenied,
     ResourceExhausted,
     VersionMismatch,
 )
@@ -57,6 +61,8 @@ logger = logging.getLogger(__name__)
 # (32 a slice: loop steps of up to ~40 ms in bench_scale were catch-ups; 8: the slowest
 # lock 29 ms in one run against 33 and 43 in two with 32.)
 COMPLETIONS_PER_POLL = 8
+_UNRATED_OPS = frozenset({"heartbeat", "bye", "health"})  # never refused for an identity's request rate
+_ADMIN_OPS = frozenset({"stats", "flush", "check", "reload"})
 
 
 def _as_error(exc: BaseException) -> HicacheError:
@@ -120,6 +126,13 @@ class Daemon:
         # learn who is at its other end: the server's (tests without sockets: LOCAL).
         self._peer = b""
         self.peer_creds: Callable[[bytes], PeerCreds] = lambda peer: LOCAL
+        # Who may connect and what each may do (see hicache.daemon.auth); replaced by a
+        # reload. ``reload_source`` reads the [auth] section anew (the server's: its file).
+        self.identities = self._table(config.auth)
+        self.reload_source: Callable[[], AuthConfig] | None = None
+        self.on_reload: Callable[[IdentityTable], None] = lambda table: None
+        self._buckets: dict[str, list[float]] = {}  # identity -> [tokens, refilled at]
+        metrics.identities(self.identities.by_name)
         self.draining = False
         self.counts: Counter = Counter()  # (op, status) -> requests, for stats
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
@@ -134,6 +147,7 @@ class Daemon:
             p.Release: ops.release, p.Store: ops.store, p.LoadInto: ops.load_into,
             p.Heartbeat: self._heartbeat, p.Bye: self._bye,
             p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
+            p.Reload: self._reload,
         }
         # request type -> (handler, op name): one lookup on the request path
         self._handlers: dict[type, tuple[Callable[[Any], Any], str]] = {
@@ -158,6 +172,10 @@ class Daemon:
         start = time.perf_counter()
         self._peer = peer
         try:
+            if self._limited and op not in _UNRATED_OPS:
+                self._admit(op)
+            elif op in _ADMIN_OPS:
+                self._require_admin(op)
             reply = handler(request)
         except (HicacheError, RecursionError, MemoryError) as exc:
             error = _as_error(exc)
@@ -223,6 +241,87 @@ class Daemon:
         future.add_done_callback(done)
         return out
 
+    @staticmethod
+    def _table(auth: AuthConfig) -> IdentityTable:
+        try:
+            return IdentityTable(auth)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    @property
+    def _limited(self) -> bool:
+        return self.identities.rated
+
+    def creds(self, peer: bytes) -> PeerCreds:
+        """Who is at the other end of ``peer``, with its identity (requests handled
+        without a socket: this process's user's, or the default identity)."""
+        creds = self.peer_creds(peer)
+        if creds.identity is None:
+            uid = os.getuid() if creds.uid is None else creds.uid
+            gid = os.getgid() if creds.gid is None else creds.gid
+            identity = self.identities.local(uid, gid)
+            if identity is None:
+                raise PermissionDenied("no identity for this peer")
+            creds = dataclasses.replace(creds, identity=identity)
+        return creds
+
+    def _require_admin(self, op: str) -> Identity:
+        identity = self.creds(self._peer).identity
+        if not identity.admin:
+            raise PermissionDenied(f"{op} is for administrators; identity {identity.name!r} is not one")
+        return identity
+
+    def _admit(self, op: str) -> None:
+        """The request rate of the peer's identity (a token bucket holding one second's
+        worth), and the administrative ops' check."""
+        identity = self._require_admin(op) if op in _ADMIN_OPS else self.creds(self._peer).identity
+        rate = identity.requests_per_s
+        if not rate:
+            return
+        now = self.clock()
+        bucket = self._buckets.get(identity.name)
+        if bucket is None:
+            bucket = self._buckets[identity.name] = [max(1.0, rate), now]
+        tokens = min(max(1.0, rate), bucket[0] + (now - bucket[1]) * rate)
+        bucket[1] = now
+        if tokens < 1.0:
+            bucket[0] = tokens
+            self.metrics.quota_refused(identity.name, "requests")
+            raise ResourceExhausted(f"identity {identity.name!r} is over its {rate:g} requests/s (requests_per_s)")
+        bucket[0] = tokens - 1.0
+
+    def reload_auth(self, auth: AuthConfig) -> tuple[int, int]:
+        """Take a new ``[auth]``: the table the ZAP handler and every request use from
+        now on; sessions whose identity, key or user it no longer allows end
+        (``revoked``), the others see their identity's new tenants and quotas. Returns
+        ``(identities, sessions ended)``."""
+        table = self._table(auth)
+        ended = 0
+        for session in list(self.sessions.values()):
+            creds = session.creds
+            old = creds.identity
+            if old is None:
+                continue
+            now = table.resolve(creds.mechanism, creds.address, creds.public_key)
+            if now is None or now.name != old.name:
+                self.sessions.end(session, "revoked")
+                ended += 1
+                continue
+            session.creds = dataclasses.replace(creds, identity=now)
+            session.namespaces.clear()  # its tenants may have changed
+        self.identities = table
+        self._buckets = {name: b for name, b in self._buckets.items() if name in table.by_name}
+        self.metrics.identities(table.by_name)
+        self.on_reload(table)
+        logger.info("reloaded [auth]: %d identities, %d sessions ended", len(table.by_name), ended)
+        return len(table.by_name), ended
+
+    def _reload(self, m: p.Reload) -> p.ReloadReply:
+        if self.reload_source is None:
+            raise InvalidArgument("this daemon was started without a configuration file: nothing to reload")
+        identities, ended = self.reload_auth(self.reload_source())
+        return p.ReloadReply(id=m.id, identities=identities, sessions_ended=ended)
+
     def _session(self, session_id: int, *, registered: bool = True) -> Session:
         return self.sessions.for_request(session_id, self._peer, registered=registered)
 
@@ -232,7 +331,7 @@ class Daemon:
                 f"client speaks protocol {m.version}, this daemon {p.PROTOCOL_VERSION} (hicache {__version__})")
         if self.draining:
             raise Draining("the daemon is shutting down")
-        session = self.sessions.open(self._peer, self.peer_creds(self._peer), m.client, m.pid)
+        session = self.sessions.open(self._peer, self.creds(self._peer), m.client, m.pid)
         return p.HelloReply(id=m.id, session=session.session_id, version=p.PROTOCOL_VERSION,
                             daemon=f"hicache {__version__}", lease_s=self.sessions.lease_s,
                             fd_socket=str(self.fds.path) if self.fds is not None else "")

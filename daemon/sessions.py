@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hicache.config import ServerConfig
+from hicache.daemon.auth import Identity
 from hicache.errors import (
     InvalidArgument,
     InvariantBroken,
@@ -56,17 +57,27 @@ class PeerCreds:
     gid: int | None
     pid: int | None
     key: str  # what the per-peer limits count by: the user on ipc://, the address on tcp://
+    identity: Identity | None = None  # who the ZAP handler admitted (None: handled without a socket)
+    mechanism: str = "NULL"  # CURVE or NULL
+    public_key: bytes = b""  # CURVE: the client's key (Z85)
 
     @classmethod
-    def parse(cls, address: str) -> "PeerCreds":
+    def parse(cls, address: str, identity: Identity | None = None, mechanism: str = "NULL",
+              public_key: bytes = b"") -> "PeerCreds":
         """libzmq's ``Peer-Address``: ``localhost:<uid>:<gid>:<pid>`` on ipc://, the
         numeric host on tcp://."""
         if address.startswith("localhost:"):
             parts = address.split(":")[1:]
             if len(parts) == 3 and all(part.isdigit() for part in parts):
                 uid, gid, pid = map(int, parts)
-                return cls(uid, gid, pid, f"uid:{uid}")
-        return cls(None, None, None, address)
+                return cls(uid, gid, pid, f"uid:{uid}", identity, mechanism, public_key)
+        return cls(None, None, None, address, identity, mechanism, public_key)
+
+    @property
+    def address(self) -> str:
+        if self.uid is not None:
+            return f"localhost:{self.uid}:{self.gid}:{self.pid}"
+        return self.key
 
 
 LOCAL = PeerCreds(os.getuid(), os.getgid(), os.getpid(), "local")  # requests handled without a socket
@@ -85,7 +96,7 @@ class Session:
     pool_id: PoolId = PoolId(-1)
     locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
     locked_since: dict[int, float] = field(default_factory=dict)  # node id -> when its first lock was taken
-    namespaces: dict[str, NamespaceId] = field(default_factory=dict)
+    namespaces: dict[tuple, NamespaceId] = field(default_factory=dict)  # (tenant, extra key) -> namespace
     registering: bool = False  # a register waits for its spec's disk tier to be rebuilt
     handles: dict[int, int] = field(default_factory=dict)  # handle -> node id, oldest first
     handle_of: dict[int, int] = field(default_factory=dict)  # node id -> handle
@@ -106,6 +117,7 @@ class Sessions(Mapping[int, Session]):
         self._by_id: dict[int, Session] = {}
         self._serials = itertools.count(1)
         self.unregistered: Counter = Counter()  # peer key -> its sessions not registered yet
+        self.identity_locks: Counter = Counter()  # identity name -> locks its sessions hold
         self._random: Iterator[int] = iter(())
         self.next_lease_check = 0.0
 
@@ -193,6 +205,7 @@ class Sessions(Mapping[int, Session]):
                 node = manager.find(node_id)
                 for _ in range(count):
                     manager.unlock(node, session.pool_id)
+                self._count_unlocks(session, count)
             if session.owner is not None:
                 session.owner.attached.remove(session)
             else:
@@ -200,6 +213,13 @@ class Sessions(Mapping[int, Session]):
                 manager.retire_pool(session.pool_id)
         logger.info("session #%d ended (%s): %d locks, %d private pages released", session.serial, reason,
                     sum(session.locks.values()), num_private)
+
+    def _count_unlocks(self, session: Session, count: int) -> None:
+        identity = session.creds.identity
+        if identity is not None:
+            self.identity_locks[identity.name] -= count
+            if self.identity_locks[identity.name] <= 0:
+                del self.identity_locks[identity.name]
 
     def expire(self) -> int:
         """End the sessions whose lease has run out (checked every few milliseconds)."""
@@ -270,7 +290,15 @@ class Sessions(Mapping[int, Session]):
         return node
 
     def lock(self, session: Session, node: Node) -> None:
+        identity = session.creds.identity
+        if identity is not None and identity.max_locks:
+            if self.identity_locks[identity.name] >= identity.max_locks:
+                self.metrics.quota_refused(identity.name, "locks")
+                raise ResourceExhausted(f"identity {identity.name!r} holds its {identity.max_locks} locks "
+                                        f"(max_locks): unlock some first")
         session.manager.lock(node, session.pool_id)
+        if identity is not None:
+            self.identity_locks[identity.name] += 1
         session.locks[node.node_id] += 1
         session.locked_since.setdefault(node.node_id, self.clock())
 
@@ -279,6 +307,7 @@ class Sessions(Mapping[int, Session]):
         if session.locks.get(node_id, 0) <= 0:
             raise LockUnderflow(f"this session holds no lock on node {handle}")
         session.manager.unlock(node, session.pool_id)
+        self._count_unlocks(session, 1)
         session.locks[node_id] -= 1
         if not session.locks[node_id]:
             del session.locks[node_id]
@@ -292,6 +321,12 @@ class Sessions(Mapping[int, Session]):
     def check_invariants(self) -> None:
         """The sessions' own bookkeeping; raises :class:`InvariantBroken` naming the
         first broken invariant."""
+        held = Counter()
+        for s in self._by_id.values():
+            if s.creds.identity is not None and s.locks:
+                held[s.creds.identity.name] += sum(s.locks.values())
+        if held != self.identity_locks:
+            raise InvariantBroken(f"locks per identity: counted {dict(self.identity_locks)}, held {dict(held)}")
         waiting = Counter(s.creds.key for s in self._by_id.values() if s.manager is None)
         if waiting != self.unregistered:
             raise InvariantBroken(f"unregistered sessions per peer: counted {dict(self.unregistered)}, "

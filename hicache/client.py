@@ -55,6 +55,7 @@ import numpy as np
 import zmq
 
 from hicache import fdpass
+from hicache.auth import ClientKeys, tenant_from_env
 from hicache.counters import CountersHandle, LayerWaiter, Ticket
 from hicache import protocol as p, transport
 from hicache.errors import (
@@ -202,8 +203,18 @@ class CacheClient:
         reconnect_interval_s: float = 1.0,
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
+        server_key: str | bytes | os.PathLike | None = None,
+        key_file: str | os.PathLike | None = None,
+        tenant: str | None = None,
     ) -> None:
+        """``server_key`` (the daemon's public key, or a file holding it) and
+        ``key_file`` (this client's ``.key_secret``): CURVE on every connection (default:
+        ``HICACHE_SERVER_KEY`` / ``HICACHE_CLIENT_KEY_FILE``, else plain). ``tenant``:
+        the tenant the cache requests name (default ``HICACHE_TENANT``, else the
+        identity's first)."""
         self.endpoint = endpoint
+        self._keys = ClientKeys.load(server_key, key_file)
+        self.tenant = tenant_from_env() if tenant is None else tenant
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
         self.name = name or f"pid{os.getpid()}"
@@ -241,12 +252,18 @@ class CacheClient:
         self._heartbeat: threading.Thread | None = None
         self._want_heartbeat = heartbeat
 
+    def _dealer(self) -> zmq.Socket:
+        """A new connection to the daemon (CURVE when the client has keys)."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            self._keys.apply(sock)
+        sock.connect(self.endpoint)
+        return sock
+
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            self._socket = sock
+            self._socket = self._dealer()
         return self._socket
 
     def _reset_socket(self) -> None:
@@ -297,9 +314,7 @@ class CacheClient:
         with self._admin_lock:
             sock = self._admin_socket
             if sock is None:
-                sock = self._admin_socket = self._context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(self.endpoint)
+                sock = self._admin_socket = self._dealer()
             message.id = request_id = next(self._ids)
             sock.send(p.encode(message))
             deadline = time.monotonic() + timeout_s
@@ -507,14 +522,22 @@ class CacheClient:
         self._stale.intersection_update(self._paths)
         return True
 
-    def match(self, tokens: Tokens, extra_key: str = "") -> Match:
-        reply = self._request(p.Match(id=0, session=0, tokens=pack_tokens(tokens), extra_key=extra_key))
+    def _tenant(self, tenant: str | None):
+        """The ``tenant`` field of a request: this call's, else the client's; left out
+        when neither names one (the identity's first)."""
+        tenant = self.tenant if tenant is None else tenant
+        return tenant if tenant else p.UNSET
+
+    def match(self, tokens: Tokens, extra_key: str = "", *, tenant: str | None = None) -> Match:
+        reply = self._request(p.Match(id=0, session=0, tokens=pack_tokens(tokens), extra_key=extra_key,
+                                      tenant=self._tenant(tenant)))
         return self._match_from(reply)
 
-    def match_many(self, sequences: Sequence[Tokens], extra_key: str = "") -> list[Match]:
+    def match_many(self, sequences: Sequence[Tokens], extra_key: str = "", *,
+                   tenant: str | None = None) -> list[Match]:
         """Several lookups in one round trip (answered with what is cached now)."""
         reply = self._request(p.MatchMany(id=0, session=0, tokens=[pack_tokens(t) for t in sequences],
-                                          extra_key=extra_key))
+                                          extra_key=extra_key, tenant=self._tenant(tenant)))
         if reply is None:
             return [self._match_from(None) for _ in sequences]
         return [self._match_from(r) for r in reply.results]
@@ -641,10 +664,11 @@ class CacheClient:
         self._private.update(pages.tolist())
         return pages
 
-    def insert(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "") -> Inserted:
+    def insert(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "", *,
+               tenant: str | None = None) -> Inserted:
         ids = as_page_ids(pages)
         reply = self._request(p.Insert(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
-                                       extra_key=extra_key))
+                                       extra_key=extra_key, tenant=self._tenant(tenant)))
         if reply is None:
             return Inserted(None, ids, _NO_PAGES, 0)  # degraded: the pages stay ours
         taken = ids.tolist()
@@ -659,7 +683,8 @@ class CacheClient:
             self._remember(handle, device)
         return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages)
 
-    def store(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "") -> Stored:
+    def store(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "", *,
+              tenant: str | None = None) -> Stored:
         """Engine-owned pools: cache the whole pages of ``tokens`` from the engine's blocks
         ``pages`` (one per whole page, from the first). The answer comes once the copy is
         done: then the blocks may be reused. In degraded mode nothing is stored."""
@@ -667,7 +692,7 @@ class CacheClient:
         # (a plain call's timeout: the copy is from memory; a daemon that is gone must
         # not hold the engine's step for a load's timeout)
         reply = self._request(p.Store(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
-                                      extra_key=extra_key))
+                                      extra_key=extra_key, tenant=self._tenant(tenant)))
         if reply is None:
             return Stored(None, 0, 0)
         handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
@@ -734,6 +759,12 @@ class CacheClient:
         """Run the daemon's invariant checks; raises :class:`RemoteError` if one fails."""
         self._admin(p.Check(id=0), timeout_s=60.0)
 
+    def reload(self) -> dict[str, int]:
+        """Make the daemon re-read its ``[auth]`` (administrators only): ``identities``
+        configured now, ``sessions_ended`` for identities, keys or users it dropped."""
+        reply = self._admin(p.Reload(id=0))
+        return {"identities": reply.identities, "sessions_ended": reply.sessions_ended}
+
     def _start_heartbeat(self) -> None:
         if not self._want_heartbeat or self._heartbeat is not None:
             return
@@ -770,10 +801,11 @@ class CacheClient:
 
     def _probe(self) -> bool:
         """Does the daemon answer ``health``? (its own socket: the caller's is idle)"""
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(self.endpoint)
+            sock = self._dealer()
+        except zmq.ZMQError:
+            return False
+        try:
             sock.send(p.encode(p.Health(id=1)))
             return bool(sock.poll(int(max(self.timeout_s, 0.05) * 1000)))
         except zmq.ZMQError:

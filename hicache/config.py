@@ -24,6 +24,9 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
                capacity
     [sharing]  enabled, disabled_extra_keys
     [metrics]  enabled, address, port
+    [auth]     secret_key_file, curve_ipc, insecure_tcp, default_identity,
+               [[auth.identities]] (name, public_keys, uids, gids, tenants, admin,
+               max_locks, requests_per_s, host_pages, disk_pages)
 """
 
 from __future__ import annotations
@@ -137,6 +140,74 @@ class MetricsConfig:
     port: int = 9477
 
 
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+DEFAULT_TENANT = "default"  # its namespaces are those of a daemon without [auth] (a cache survives turning it on)
+
+
+def check_name(what: str, name: str) -> str:
+    """Identity and tenant names: 1-64 of ``[A-Za-z0-9._-]`` (they are metric labels)."""
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= _NAME_CHARS:
+        raise InvalidArgument(f"{what} {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    return name
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentityConfig:
+    """A client the daemon knows: by CURVE public key (Z85, 40 characters) and / or,
+    on ``ipc://`` without CURVE, by Unix user or group; the tenants it may use (the
+    first is its default) and its quotas (0: none)."""
+
+    name: str
+    public_keys: tuple[str, ...] = ()
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    tenants: tuple[str, ...] = (DEFAULT_TENANT,)
+    admin: bool = False  # may call stats, flush, check and reload
+    max_locks: int = 0  # node locks its sessions hold together
+    requests_per_s: float = 0.0  # sustained; bursts of up to one second's worth
+    host_pages: int = 0  # host pages its tenants' namespaces may occupy (per spec)
+    disk_pages: int = 0  # disk pages likewise
+
+    def __post_init__(self) -> None:
+        check_name("identity", self.name)
+        if not self.tenants:
+            raise InvalidArgument(f"identity {self.name!r} needs at least one tenant")
+        for tenant in self.tenants:
+            check_name("tenant", tenant)
+        for key in self.public_keys:
+            if not isinstance(key, str) or len(key) != 40:
+                raise InvalidArgument(f"identity {self.name!r}: a public key is 40 Z85 characters, got {key!r}")
+        for value in (*self.uids, *self.gids):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"identity {self.name!r}: uids and gids are non-negative integers")
+        for limit in ("max_locks", "requests_per_s", "host_pages", "disk_pages"):
+            if getattr(self, limit) < 0:
+                raise InvalidArgument(f"identity {self.name!r}: {limit} must be >= 0 (0: no limit)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuthConfig:
+    secret_key_file: str = ""  # the daemon's CURVE key pair (``hicache keygen``): CURVE on tcp://
+    curve_ipc: bool = False  # CURVE on ipc:// too (else its peers are known by Unix user)
+    insecure_tcp: bool = False  # allow tcp:// without CURVE: any peer that reaches it is default_identity
+    default_identity: str = DEFAULT_TENANT  # peers no identity names; "" = refuse them
+    identities: tuple[IdentityConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [identity.name for identity in self.identities]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("[[auth.identities]] names must be unique")
+        keys = [key for identity in self.identities for key in identity.public_keys]
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("a public key belongs to one identity only")
+        if self.default_identity:
+            check_name("identity", self.default_identity)
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.secret_key_file)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -145,6 +216,14 @@ class DaemonConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self) -> None:
+        if self.server.tcp and not (self.auth.curve or self.auth.insecure_tcp):
+            raise InvalidArgument("a tcp:// endpoint needs CURVE ([auth].secret_key_file, from `hicache keygen`) "
+                                  "or, on a network you trust, [auth].insecure_tcp = true")
+        if self.auth.curve_ipc and not self.auth.curve:
+            raise InvalidArgument("[auth].curve_ipc needs [auth].secret_key_file")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "DaemonConfig":
@@ -189,9 +268,17 @@ def _build(section_cls: type, name: str, values: Mapping[str, Any]):
     unknown = set(values) - set(fields)
     if unknown:
         raise InvalidArgument(f"unknown keys in [{name}]: {', '.join(sorted(unknown))}")
-    defaults = section_cls()
-    kwargs = {}
+    defaults = section_cls(name="x") if section_cls is IdentityConfig else section_cls()
+    kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        if section_cls is AuthConfig and key == "identities":
+            if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+                raise InvalidArgument("[[auth.identities]] must be an array of tables")
+            kwargs[key] = tuple(_build(IdentityConfig, f"auth.identities.{i}", v) for i, v in enumerate(value))
+            continue
+        if section_cls is IdentityConfig and key == "name":
+            kwargs[key] = value
+            continue
         expected = type(getattr(defaults, key))
         if key == "socket_mode" and isinstance(value, str):
             try:

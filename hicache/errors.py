@@ -33,6 +33,7 @@ class ErrorCode(IntEnum):
     DRAINING = 16
     RESOURCE_EXHAUSTED = 17
     UNAVAILABLE = 18
+    PERMISSION_DENIED = 19
 
 
 class HicacheError(Exception):
@@ -127,6 +128,13 @@ class Draining(HicacheError, RuntimeError):
 
 class ResourceExhausted(HicacheError, RuntimeError):
     code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class PermissionDenied(HicacheError, PermissionError):
+    """The caller's identity may not do this (a tenant it is not allowed, an
+    administrative request)."""
+
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class Unavailable(HicacheError, ConnectionError):

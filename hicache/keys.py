@@ -47,13 +47,16 @@ PageKey = NewType("PageKey", bytes)
 ROOT_PARENT_KEY = PageKey(bytes(PAGE_KEY_BYTES))
 
 _NS_PERSON = b"hicache.ns.v1"
+_TENANT_NS_PERSON = b"hicache.ns.t1"  # a named tenant's: never equal to a namespace of the default tenant
 _PAGE_PERSON = b"hicache.page.v1"
 
 Tokens = Union[bytes, bytearray, memoryview, NDArray[np.integer], "list[int]", "tuple[int, ...]", array]
 
 
-def namespace_id(model_fingerprint: bytes, extra_key: bytes | str | None = None) -> NamespaceId:
-    """The namespace of a model and a request's extra key (tenant salt, LoRA id, ...)."""
+def namespace_id(model_fingerprint: bytes, extra_key: bytes | str | None = None, tenant: str = "") -> NamespaceId:
+    """The namespace of a model, a tenant and a request's extra key (LoRA id, salt, ...).
+    The default tenant (``""`` or ``"default"``) keeps the namespaces of hicache before
+    tenants: a cache written then is still hit."""
     if not isinstance(model_fingerprint, (bytes, bytearray)) or not model_fingerprint:
         raise InvalidArgument("model_fingerprint must be non-empty bytes")
     if extra_key is None:
@@ -64,7 +67,12 @@ def namespace_id(model_fingerprint: bytes, extra_key: bytes | str | None = None)
         extra = bytes(extra_key)
     else:
         raise InvalidArgument(f"extra_key must be str, bytes or None, got {type(extra_key).__name__}")
-    h = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_NS_PERSON)
+    named = bool(tenant) and tenant != "default"
+    h = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_TENANT_NS_PERSON if named else _NS_PERSON)
+    if named:
+        name = tenant.encode("utf-8")
+        h.update(len(name).to_bytes(4, "little"))
+        h.update(name)
     h.update(len(model_fingerprint).to_bytes(4, "little"))
     h.update(model_fingerprint)
     h.update(len(extra).to_bytes(4, "little"))

@@ -40,7 +40,14 @@ hicache_backups_deferred_total                  — (device -> host backups the 
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
                                                 queue bound: retried, not dropped)
-hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone)
+hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone,
+                                                revoked: its identity, key or user is no
+                                                longer allowed after a reload)
+hicache_auth_refused_total                      reason (unknown_key: a CURVE key no identity
+                                                lists; unknown_user: an ipc:// user none
+                                                names; revoked: a message of a connection
+                                                a reload no longer allows)
+hicache_quota_refused_total                     identity, quota (locks, requests)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)
@@ -80,9 +87,11 @@ QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred"
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed", "no_room")
-SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone")
+SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone", "revoked")
+AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked")
+QUOTAS = ("locks", "requests")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
-       "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "decode")
+       "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
 _TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -123,6 +132,12 @@ class Metrics:
             "hicache_disk_writes_deferred", "Disk writes over the writer's queue bound (retried, not dropped)",
             registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
+        self.auth_refusals = Counter("hicache_auth_refused", "Connections (or their messages) refused, by reason",
+                                     ["reason"], registry=r)
+        for reason in AUTH_REFUSALS:
+            self.auth_refusals.labels(reason)
+        self.quota_refusals = Counter("hicache_quota_refused", "Requests refused over an identity's quota",
+                                      ["identity", "quota"], registry=r)
         for tier in TIERS:
             self.evicted_pages.labels(tier)
             self.dropped_pages.labels(tier)
@@ -187,6 +202,20 @@ class Metrics:
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
 
+    def auth_refused(self, reason: str) -> None:
+        """Any thread (the ZAP handler's too)."""
+        self.auth_refusals.labels(reason).inc()
+
+    def quota_refused(self, identity: str, quota: str) -> None:
+        self.quota_refusals.labels(identity, quota).inc()
+
+    def identities(self, names: Iterable[str]) -> None:
+        """The configured identities' quota counters exist at zero (bounded: the config
+        names them)."""
+        for name in names:
+            for quota in QUOTAS:
+                self.quota_refusals.labels(name, quota)
+
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(StateCollector(snapshot))
 
@@ -213,6 +242,9 @@ class NullMetrics:
     def backup_deferred(self) -> None: ...
     def disk_write_deferred(self) -> None: ...
     def session_ended(self, reason: str) -> None: ...
+    def auth_refused(self, reason: str) -> None: ...
+    def quota_refused(self, identity: str, quota: str) -> None: ...
+    def identities(self, names: Iterable[str]) -> None: ...
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
 
 

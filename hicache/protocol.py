@@ -189,12 +189,14 @@ class Match(_Request, tag="match"):
     session: int
     tokens: bytes
     extra_key: str = ""
+    tenant: str | UnsetType = UNSET  # one the session's identity may use; left out: its first
 
 
 class MatchMany(_Request, tag="match_many"):
     session: int
     tokens: list[bytes]
     extra_key: str = ""
+    tenant: str | UnsetType = UNSET
 
 
 class Lock(_Request, tag="lock"):
@@ -222,6 +224,7 @@ class Insert(_Request, tag="insert"):
     tokens: bytes
     pages: bytes
     extra_key: str = ""
+    tenant: str | UnsetType = UNSET
 
 
 class Release(_Request, tag="release"):
@@ -238,6 +241,7 @@ class Store(_Request, tag="store"):
     tokens: bytes
     pages: bytes
     extra_key: str = ""
+    tenant: str | UnsetType = UNSET
 
 
 class LoadInto(_Request, tag="load_into"):
@@ -274,9 +278,14 @@ class Check(_Request, tag="check"):
     pass
 
 
+class Reload(_Request, tag="reload"):
+    """Re-read the ``[auth]`` section of the daemon's configuration file (what SIGHUP
+    does): identities, keys, tenants and quotas. Administrators only."""
+
+
 Request = Union[
     Hello, Register, Attach, Match, MatchMany, Lock, Unlock, Load, Alloc, Insert, Release, Store, LoadInto,
-    Heartbeat, Bye, Stats, Health, Flush, Check,
+    Heartbeat, Bye, Stats, Health, Flush, Check, Reload,
 ]
 
 
@@ -420,6 +429,11 @@ class StatsReply(_Reply, tag="stats"):
     stats: DaemonStats
 
 
+class ReloadReply(_Reply, tag="reload"):
+    identities: int  # identities configured now
+    sessions_ended: int  # sessions of identities (or keys, users) no longer allowed
+
+
 class HealthReply(_Reply, tag="health"):
     state: str  # "serving" or "draining"
     sessions: int
@@ -429,7 +443,7 @@ class HealthReply(_Reply, tag="health"):
 
 Reply = Union[
     Error, Ok, FlushReply, HelloReply, RegisterReply, MatchReply, MatchManyReply, LoadReply, AllocReply,
-    InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply,
+    InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply, ReloadReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

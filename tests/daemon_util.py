@@ -34,21 +34,30 @@ def write_config(directory: Path, **sections: dict) -> Path:
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     lines = []
+    tables = []  # [[section.key]]: a list of tables, written after the plain keys
     for name, values in base.items():
         lines.append(f"[{name}]")
         for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = f'"{value}"'
-            elif isinstance(value, (list, tuple)):
-                text = "[" + ", ".join(f'"{v}"' for v in value) + "]"
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+                tables.extend((f"{name}.{key}", v) for v in value)
+                continue
+            lines.append(f"{key} = {_toml(value)}")
+    for name, values in tables:
+        lines.append(f"[[{name}]]")
+        lines.extend(f"{key} = {_toml(value)}" for key, value in values.items())
     path = directory / "hicache.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
 
 
 def io_threads(pid: int | str = "self") -> dict[int, int]:
@@ -66,10 +75,13 @@ def io_threads(pid: int | str = "self") -> dict[int, int]:
 class DaemonProcess:
     """``hicache serve`` in a subprocess."""
 
-    def __init__(self, directory: Path, **sections: dict) -> None:
+    def __init__(self, directory: Path, *, probe: dict | None = None, **sections: dict) -> None:
+        """``probe``: how to reach it to see it is up (``endpoint`` and client
+        arguments such as CURVE keys; default: its socket, plainly)."""
         self.directory = directory
         self.config = write_config(directory, **sections)
         self.endpoint = f"ipc://{directory / 'hicache.sock'}"
+        self.probe = dict(probe or {})
         self.proc: subprocess.Popen | None = None
         self.log = directory / "daemon.log"
 
@@ -79,7 +91,8 @@ class DaemonProcess:
         self.proc = subprocess.Popen([HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)],
                                      stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s
-        probe = CacheClient(self.endpoint, timeout_s=0.5, heartbeat=False)
+        args = {"endpoint": self.endpoint, **self.probe}
+        probe = CacheClient(args.pop("endpoint"), timeout_s=0.5, heartbeat=False, **args)
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -103,6 +116,10 @@ class DaemonProcess:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def rewrite(self, **sections: dict) -> None:
+        """A new config file in place (for a reload)."""
+        write_config(self.directory, **sections)
 
 
 class ClientEngine:

@@ -1,0 +1,258 @@
+"""Authenticated clients and daemon-bound tenants, on a real daemon over
+``tcp://127.0.0.1`` with real CURVE keys (``hicache keygen``'s files)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from daemon_util import HICACHE, ClientEngine, DaemonProcess
+from hicache import protocol as p
+from hicache.auth import read_public, read_secret, write_keypair
+from hicache.client import CacheClient, RemoteError
+from hicache.errors import ErrorCode, Unavailable
+from tiers_util import SPEC
+
+PS = SPEC.page_size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """Key pairs by name: the server's and five clients' (the files hicache keygen writes)."""
+    out = {}
+    (tmp_path / "keys").mkdir()
+    for name in ("server", "x", "y", "limited", "stranger", "x2"):
+        public, secret = write_keypair(tmp_path / "keys" / name)
+        out[name] = {"public": public, "secret": secret, "z85": read_public(public).decode()}
+    return out
+
+
+def _auth(keys, *, x_key: str = "x", **overrides) -> dict:
+    identities = [
+        {"name": "team-x", "public_keys": [keys[x_key]["z85"]], "tenants": ["a"]},
+        {"name": "team-y", "public_keys": [keys["y"]["z85"]], "tenants": ["b", "b2"], "admin": True},
+        {"name": "limited", "public_keys": [keys["limited"]["z85"]], "tenants": ["c"], "max_locks": 2,
+         "requests_per_s": 0.01},
+    ]
+    return {"secret_key_file": str(keys["server"]["secret"]), "default_identity": "", "identities": identities,
+            **overrides}
+
+
+@pytest.fixture
+def daemon(tmp_path, keys):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=_auth(keys),
+                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    d.start()
+    yield d
+    d.stop()
+
+
+def _creds(keys, who: str) -> dict:
+    return {"server_key": keys["server"]["public"], "key_file": keys[who]["secret"]}
+
+
+def _client(daemon, keys, who: str, **args) -> CacheClient:
+    return CacheClient(daemon.tcp, heartbeat=False, **_creds(keys, who), **args)
+
+
+def _code(excinfo) -> ErrorCode:
+    return ErrorCode(excinfo.value.code)
+
+
+def _tokens(seed: int, pages: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 30_000, pages * PS).tolist()
+
+
+def test_a_client_without_a_listed_key_gets_nothing(daemon, keys, tmp_path):
+    """An unlisted key, no CURVE at all, the wrong server key: not even health."""
+    for args in (_creds(keys, "stranger"), {}, {"server_key": keys["x"]["public"], "key_file": keys["x"]["secret"]}):
+        client = CacheClient(daemon.tcp, heartbeat=False, timeout_s=0.5, **args)
+        try:
+            with pytest.raises(Unavailable):
+                client.health()
+        finally:
+            client.close()
+    # the ipc:// socket: its user is in no identity and there is no default identity
+    client = CacheClient(daemon.endpoint, heartbeat=False, timeout_s=0.5)
+    try:
+        with pytest.raises(Unavailable):
+            client.health()
+    finally:
+        client.close()
+    listed = _client(daemon, keys, "x")
+    try:
+        assert listed.health().state == "serving"
+    finally:
+        listed.close()
+    log = daemon.log.read_text()
+    assert f"key {keys['stranger']['z85']} is not listed" in log
+    assert "refused a NULL connection" in log
+
+
+def test_tenants_are_bound_by_the_daemon(daemon, keys):
+    """Identity X (tenant a) caches a prompt; identity Y (tenants b, b2) never hits it —
+    not by naming tenant a (PERMISSION_DENIED), not by any extra key, not from host or
+    disk, not after a restart — and X is refused Y's tenants likewise."""
+    tokens = _tokens(1, 4)
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    y = ClientEngine(daemon.tcp, **_creds(keys, "y"), heartbeat=False)
+    try:
+        x.prefill(tokens)
+        assert x.client.match(tokens).num_device_pages == 4
+        assert x.client.match(tokens, tenant="a").num_device_pages == 4  # its one tenant, named
+        for kwargs in ({}, {"tenant": "b"}, {"tenant": "b2"}, {"extra_key": "a"}, {"extra_key": "tenant:a"}):
+            m = y.client.match(tokens, **kwargs)
+            assert m.handle is None and m.num_tokens == 0, kwargs
+        for call in (lambda: y.client.match(tokens, tenant="a"),
+                     lambda: y.client.match_many([tokens], tenant="a"),
+                     lambda: y.client.insert(tokens, y.client.alloc(4), tenant="a"),
+                     lambda: x.client.match(tokens, tenant="b"),
+                     lambda: x.client.match(tokens, tenant="default")):
+            with pytest.raises(RemoteError) as excinfo:
+                call()
+            assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+        # Y's own copy of the same tokens lives apart from X's
+        y.prefill(tokens, wait_for_pages=True)
+        assert y.client.match(tokens).num_device_pages == 4
+        assert y.client.match(tokens, tenant="b2").handle is None
+        with pytest.raises(RemoteError) as excinfo:
+            x.client.stats()  # X is no administrator
+        assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+        assert y.client.flush()["not_on_disk_pages"] == 0
+    finally:
+        x.close()
+        y.close()
+    # Restart: the cache comes back from disk, bound the same way.
+    daemon.stop()
+    daemon.start()
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    y = ClientEngine(daemon.tcp, **_creds(keys, "y"), heartbeat=False)
+    try:
+        m = x.client.match(tokens)
+        assert m.num_tokens == len(tokens) and m.num_device_pages == 0  # from host / disk
+        x.prefill(tokens)  # loads it back, bytes checked
+        for kwargs in ({"tenant": "b2"}, {"extra_key": "a"}):
+            assert y.client.match(tokens, **kwargs).handle is None, kwargs
+        with pytest.raises(RemoteError) as excinfo:
+            y.client.match(tokens, tenant="a")
+        assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+        y.client.check()
+    finally:
+        x.close()
+        y.close()
+
+
+def test_quotas_refuse_one_identity_and_not_another(daemon, keys):
+    raw = _client(daemon, keys, "limited")
+    other = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    try:
+        assert raw.health().state == "serving"  # health is never rated
+        raw._admin(p.Hello(id=0, version=p.PROTOCOL_VERSION, client="limited"))  # its one request
+        with pytest.raises(RemoteError) as excinfo:
+            raw._admin(p.Hello(id=0, version=p.PROTOCOL_VERSION, client="limited"))
+        assert _code(excinfo) == ErrorCode.RESOURCE_EXHAUSTED
+        other.prefill(_tokens(2, 2))  # another identity goes on
+        assert other.client.match(_tokens(2, 2)).num_device_pages == 2
+    finally:
+        raw.close()
+        other.close()
+
+
+def test_lock_quota(tmp_path, keys):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    auth = _auth(keys)
+    auth["identities"][2]["requests_per_s"] = 0.0  # locks only
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=auth, probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    d.start()
+    limited = ClientEngine(endpoint, **_creds(keys, "limited"), heartbeat=False)
+    other = ClientEngine(endpoint, **_creds(keys, "x"), heartbeat=False)
+    try:
+        handles = []
+        for seed in range(3):
+            tokens = _tokens(10 + seed, 1)
+            limited.prefill(tokens)
+            other.prefill(tokens)
+            handles.append(limited.client.match(tokens).handle)
+        limited.client.lock(handles[0])
+        limited.client.lock(handles[1])
+        with pytest.raises(RemoteError) as excinfo:
+            limited.client.lock(handles[2])
+        assert _code(excinfo) == ErrorCode.RESOURCE_EXHAUSTED
+        for seed in range(3):  # the other identity locks as it likes
+            other.client.lock(other.client.match(_tokens(10 + seed, 1)).handle)
+        limited.client.unlock(handles[0])
+        limited.client.lock(handles[2])  # room again
+        assert "identity 'limited'" in excinfo.value.message
+    finally:
+        limited.close()
+        other.close()
+        d.stop()
+
+
+def test_reload_rotates_keys(daemon, keys):
+    """X's key is replaced by a new one: after SIGHUP the old key's connection gets
+    nothing more and its session ends; the new key works; a non-administrator cannot
+    ask for a reload, and a bad file keeps the identities in force."""
+    old = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False, timeout_s=1.0)
+    admin = _client(daemon, keys, "y")
+    try:
+        old.prefill(_tokens(3, 2))
+        with pytest.raises(RemoteError) as excinfo:
+            old.client.reload()
+        assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+        sessions = admin.stats()["sessions"]
+        daemon.rewrite(server={"tcp": daemon.tcp}, auth=_auth(keys, x_key="x2"))
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while admin.stats()["sessions"] != sessions - 1:  # the old key's session ends
+            assert time.monotonic() < deadline, "the reload did not end the revoked session"
+            time.sleep(0.05)
+        old.client.timeout_s = 0.5
+        m = old.client.match(_tokens(3, 2))  # no answer: the client degrades to a miss
+        assert m.handle is None and old.client.degraded
+        new = ClientEngine(daemon.tcp, **_creds(keys, "x2"), heartbeat=False)
+        try:
+            assert new.client.match(_tokens(3, 2)).num_tokens == 2 * PS  # same identity, same tenant
+        finally:
+            new.close()
+        # the reload op, and a file that does not parse
+        assert admin.reload() == {"identities": 3, "sessions_ended": 0}
+        daemon.config.write_text(daemon.config.read_text() + "\n[auth\n")
+        with pytest.raises(RemoteError) as excinfo:
+            admin.reload()
+        assert _code(excinfo) == ErrorCode.INVALID_ARGUMENT
+        assert admin.health().state == "serving"
+        out = subprocess.run([HICACHE, "reload", "--endpoint", daemon.tcp, "--server-key",
+                              str(keys["server"]["public"]), "--key-file", str(keys["y"]["secret"])],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr
+    finally:
+        old.close()
+        admin.close()
+
+
+def test_keygen_writes_a_private_secret(tmp_path):
+    out = subprocess.run([HICACHE, "keygen", str(tmp_path / "engine")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    secret = tmp_path / "engine.key_secret"
+    assert os.stat(secret).st_mode & 0o777 == 0o600
+    public, _ = read_secret(secret)
+    assert read_public(tmp_path / "engine.key") == public
+    again = subprocess.run([HICACHE, "keygen", str(tmp_path / "engine")], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "exists" in again.stderr
+    assert read_secret(secret)[0] == public  # untouched

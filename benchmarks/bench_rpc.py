@@ -15,15 +15,21 @@ In one run, over ``ipc://`` on this machine:
   round trips from the same process so that both see the same machine (this VM's
   round-trip times drift by 2x within minutes): p50 / p99 latency; then throughput from
   one client and from four client processes at once (each its own engine and pool),
-  plus a batched ``match_many`` of 16 lookups per message.
+  plus a batched ``match_many`` of 16 lookups per message;
+* the same match over CURVE: the daemon also listens on ``tcp://127.0.0.1`` with CURVE
+  (keys from ``hicache keygen``'s writer, the client's listed in ``[[auth.identities]]``);
+  a second engine in the latency process, with its own pool and sequence, times its
+  matches there in the same rounds — ``curve_p50_ratio`` is its p50 over the plain
+  ``ipc://`` match's.
 
     python benchmarks/bench_rpc.py [--seconds 3] [--json]
 
 With ``--json`` the last line is one JSON object with ``echo_p50_us``,
 ``router_echo_p50_us``, ``tuned_echo_p50_us``, ``match_p50_us``, ``match_p99_us``,
 ``p50_ratio`` (against the REQ/REP echo on pyzmq's defaults, the issue's floor),
-``p50_ratio_vs_tuned_echo``, ``single_client_ops``, ``four_client_ops``, ``scaling`` and
-the batched figures.
+``p50_ratio_vs_tuned_echo``, ``single_client_ops``, ``four_client_ops``, ``scaling``,
+the batched figures, ``curve_match_p50_us``, ``curve_match_p99_us`` and
+``curve_p50_ratio``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -90,26 +97,35 @@ def percentile_us(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q) * 1e6)
 
 
-def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, results,
-           echo_endpoints: tuple[str, str, str] | None = None, payload_size: int = 0) -> None:
-    """An engine process: register, insert the sequence, then match as fast as it can
-    (or, with ``echo_endpoints``, take turns: a match, a REQ/REP echo, a DEALER/ROUTER
-    echo and a REQ/REP echo on hicache's transport settings, each timed)."""
+def _engine_client(endpoint: str, offset: int, **client_args):
+    """A client with a registered pool holding one 2,000-token sequence on device."""
     from hicache.client import CacheClient
-    from hicache.transport import new_context
     from hicache.engine.kv_pool import export_kv_pool
 
     kv = spec()
     exported = export_kv_pool(kv, 256)
-    client = CacheClient(endpoint, heartbeat=True)
+    client = CacheClient(endpoint, heartbeat=True, **client_args)
     client.register(kv, [exported.handle])
-    tokens = np.arange(TOKENS, dtype=np.int32) + os.getpid() % 1000 * 10_000
+    tokens = np.arange(TOKENS, dtype=np.int32) + offset
     pages = client.alloc(TOKENS // PAGE_SIZE)
     client.insert(tokens, pages)
     packed = tokens.tobytes()
     assert client.match(packed).num_device_pages == TOKENS // PAGE_SIZE
     for _ in range(200):
         client.match(packed)
+    return client, exported, packed
+
+
+def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, results,
+           echo_endpoints: tuple[str, str, str] | None = None, payload_size: int = 0,
+           curve: dict | None = None) -> None:
+    """An engine process: register, insert the sequence, then match as fast as it can
+    (or, with ``echo_endpoints``, take turns: a match, a REQ/REP echo, a DEALER/ROUTER
+    echo and a REQ/REP echo on hicache's transport settings, and with ``curve`` a match
+    of a second engine over CURVE ``tcp://``, each timed)."""
+    from hicache.transport import new_context
+
+    client, exported, packed = _engine_client(endpoint, os.getpid() % 1000 * 10_000)
     if echo_endpoints is not None:
         ctx = zmq.Context()
         echo = ctx.socket(zmq.REQ)
@@ -125,7 +141,11 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
             for sock in socks:
                 sock.send(payload)
                 sock.recv()
+        curve_client, curve_exported, curve_packed = _engine_client(
+            curve["endpoint"], os.getpid() % 1000 * 10_000 + 5000, server_key=curve["server_key"],
+            key_file=curve["key_file"])
         matches: list[float] = []
+        curve_matches: list[float] = []
         echoes: tuple[list[float], ...] = ([], [], [])
         clock = time.perf_counter
         deadline = clock() + seconds
@@ -138,13 +158,18 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
                 sock.send(payload)
                 sock.recv()
                 samples.append(clock() - start)
+            start = clock()
+            curve_client.match(curve_packed)
+            curve_matches.append(clock() - start)
+        curve_client.close()
+        curve_exported.close()
         for sock in socks:
             sock.send(b"stop")
             sock.recv()
             sock.close(linger=0)
         ctx.term()
         tuned_ctx.term()
-        results.put((matches, *echoes))
+        results.put((matches, *echoes, curve_matches))
         client.close()
         exported.close()
         return
@@ -169,10 +194,12 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
     exported.close()
 
 
-def run_latency(endpoint: str, echo_endpoints: tuple[str, str, str], payload_size: int, seconds: float):
+def run_latency(endpoint: str, echo_endpoints: tuple[str, str, str], payload_size: int, seconds: float,
+                curve: dict):
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoints, payload_size))
+    proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoints, payload_size,
+                                            curve))
     proc.start()
     samples = results.get(timeout=120)
     proc.join(30)
@@ -202,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hicache import protocol as p
+    from hicache.auth import read_public, write_keypair
     from hicache.daemon.spawn import start_daemon
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-rpc-"))
@@ -216,12 +244,23 @@ def main(argv: list[str] | None = None) -> int:
     for echo in echoes:
         echo.start()
 
-    daemon = start_daemon(directory, f'[server]\nsocket = "{directory / "hicache.sock"}"\n[disk]\nenabled = false\n'
-                                     f'[metrics]\nport = 0\n[host]\nratio = 1.0\n', name="bench_rpc")
+    _, server_secret = write_keypair(directory / "server")
+    client_public, client_secret = write_keypair(directory / "engine")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    curve = {"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(directory / "server.key"),
+             "key_file": str(client_secret)}
+    daemon = start_daemon(directory, f'[server]\nsocket = "{directory / "hicache.sock"}"\n'
+                                     f'tcp = "{curve["endpoint"]}"\n[disk]\nenabled = false\n'
+                                     f'[metrics]\nport = 0\n[host]\nratio = 1.0\n'
+                                     f'[auth]\nsecret_key_file = "{server_secret}"\n[[auth.identities]]\n'
+                                     f'name = "bench"\npublic_keys = ["{read_public(client_public).decode()}"]\n',
+                          name="bench_rpc")
     endpoint = f"ipc://{directory / 'hicache.sock'}"
     try:
-        samples, echo_samples, router_echo_samples, tuned_echo_samples = run_latency(
-            endpoint, echo_endpoints, payload_size, args.seconds)
+        samples, echo_samples, router_echo_samples, tuned_echo_samples, curve_samples = run_latency(
+            endpoint, echo_endpoints, payload_size, args.seconds, curve)
         for echo in echoes:
             echo.join(10)
         single_ops, _ = run_engines(endpoint, 1, args.seconds)
@@ -246,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         "single_client_ops": single_ops,
         "four_client_ops": four_ops,
         "batched_match_ops": batched_ops,
+        "curve_match_p50_us": percentile_us(curve_samples, 50),
+        "curve_match_p99_us": percentile_us(curve_samples, 99),
     }
+    figures["curve_p50_ratio"] = figures["curve_match_p50_us"] / figures["match_p50_us"]
     figures["p50_ratio"] = figures["match_p50_us"] / figures["echo_p50_us"]
     figures["router_echo_ratio"] = figures["router_echo_p50_us"] / figures["echo_p50_us"]
     figures["p50_ratio_vs_router_echo"] = figures["match_p50_us"] / figures["router_echo_p50_us"]
@@ -261,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'hicache match':26} {figures['match_p50_us']:8.1f} {figures['match_p99_us']:8.1f}"
           f"   ({figures['p50_ratio']:.2f}x the echo, {figures['p50_ratio_vs_router_echo']:.2f}x the ROUTER echo,"
           f" {figures['p50_ratio_vs_tuned_echo']:.2f}x the batch-I/O echo)")
+    print(f"{'match, CURVE tcp://':26} {figures['curve_match_p50_us']:8.1f} {figures['curve_match_p99_us']:8.1f}"
+          f"   ({figures['curve_p50_ratio']:.2f}x the ipc:// match)")
     print(f"throughput: 1 client {single_ops:,.0f}/s, 4 clients {four_ops:,.0f}/s "
           f"({figures['scaling']:.2f}x), batched x16 {batched_ops:,.0f} lookups/s")
     if args.json:

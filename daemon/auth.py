@@ -52,13 +52,11 @@ class Identity:
     admin: bool = False
     max_locks: int = 0
     requests_per_s: float = 0.0
-    host_pages: int = 0
-    disk_pages: int = 0
     keys: frozenset[bytes] = field(default=frozenset())
 
     @classmethod
     def from_config(cls, c: IdentityConfig) -> "Identity":
-        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s, c.host_pages, c.disk_pages,
+        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s,
                    frozenset(key.encode() for key in c.public_keys))
 
     @property

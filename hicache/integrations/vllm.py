@@ -12,7 +12,10 @@ config keys (all optional): ``hicache.endpoint`` (default: the daemon's default 
 ``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, and a layer's wait), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
 what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
-failed request).
+failed request), ``hicache.server_key`` / ``hicache.key_file`` (CURVE: the daemon's
+public key or its ``.key`` file, and this engine's ``.key_secret``; default
+``HICACHE_SERVER_KEY`` / ``HICACHE_CLIENT_KEY_FILE``), ``hicache.tenant`` (one of the
+identity's tenants; default its first).
 
 How the two sides work (they are separate processes):
 
@@ -151,6 +154,10 @@ class HicacheConnector(KVConnectorBase_V1):
         self._timeout_s = float(extra.get("hicache.timeout_s", 1.0))
         self._load_timeout_s = float(extra.get("hicache.load_timeout_s", 5.0))
         self._pool_name = str(extra.get("hicache.pool_name") or f"vllm-{transfer.engine_id}")
+        # CURVE keys and tenant, passed to every client of this connector (None: the environment's).
+        self._client_args = {"server_key": extra.get("hicache.server_key") or None,
+                             "key_file": extra.get("hicache.key_file") or None,
+                             "tenant": extra.get("hicache.tenant") or None}
         self._block_size = vllm_config.cache_config.block_size
         self._vllm_config = vllm_config
         self._kv_cache_config_ = kv_cache_config
@@ -195,7 +202,7 @@ class HicacheConnector(KVConnectorBase_V1):
             return None
         self._next_attach = now + _RETRY_ATTACH_S
         client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
-                             name="vllm-scheduler", reconnect_interval_s=_RETRY_ATTACH_S)
+                             name="vllm-scheduler", reconnect_interval_s=_RETRY_ATTACH_S, **self._client_args)
         try:
             client.attach(self._pool_name)
         except HicacheError as exc:
@@ -320,7 +327,8 @@ class HicacheConnector(KVConnectorBase_V1):
         handle = OwnedPoolHandle(layout, tuple(SharedMemory("memfd", b.nbytes, fd=b.fd) for b in memory),
                                  self._pool_name)
         self._client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
-                                   name="vllm-worker", reconnect_interval_s=_RETRY_ATTACH_S)
+                                   name="vllm-worker", reconnect_interval_s=_RETRY_ATTACH_S,
+                                   **self._client_args)
         try:
             self._client.register_owned(spec, handle)
             logger.info("hicache: registered pool %r (%d blocks, spec %s) at %s", self._pool_name,

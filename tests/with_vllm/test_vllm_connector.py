@@ -260,3 +260,62 @@ def test_requests_complete_while_the_daemon_is_down_and_hit_again_when_it_return
     assert down == {1: 0, 4: 0}
     back = result["batches"][2]["requests"][0]
     assert back["num_cached_tokens"] >= 192  # the shared 200-token prefix: six whole blocks
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_engines_over_curve_hit_their_own_tenant_only(tmp_path, model, baseline):
+    """Two identities over CURVE ``tcp://`` (keys and tenant through the connector's
+    extra config): X's engine stores every prompt; Y's engine gets no hicache hit on them
+    (other tenant) and still the same outputs; a second engine of X hits them all."""
+    from hicache.auth import read_public, write_keypair
+
+    keys = {}
+    (tmp_path / "keys").mkdir()
+    for name in ("server", "x", "y"):
+        public, secret = write_keypair(tmp_path / "keys" / name)
+        keys[name] = {"public": str(public), "secret": str(secret), "z85": read_public(public).decode()}
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    identities = [{"name": "x", "public_keys": [keys["x"]["z85"]], "tenants": ["tx"], "admin": True},
+                  {"name": "y", "public_keys": [keys["y"]["z85"]], "tenants": ["ty"]}]
+    (tmp_path / "d").mkdir()
+    daemon = DaemonProcess(
+        tmp_path / "d", server={"lease_s": 2.0, "tcp": endpoint}, host={"bytes": 64 << 20}, disk={"enabled": False},
+        metrics={"enabled": False},
+        auth={"secret_key_file": keys["server"]["secret"], "default_identity": "", "identities": identities},
+        probe={"endpoint": endpoint, "server_key": keys["server"]["public"], "key_file": keys["x"]["secret"]})
+    daemon.start()
+
+    def curve(who: str) -> dict:
+        return {"extra_config": {"hicache.server_key": keys["server"]["public"], "hicache.key_file": keys[who]["secret"]}}
+
+    try:
+        x = run(tmp_path, "x", job(tmp_path, "x", model, endpoint, [[0, 1, 2, 3, 4]], **curve("x")))
+        assert_same_outputs(x, baseline)
+        y = run(tmp_path, "y", job(tmp_path, "y", model, endpoint, [[i] for i in range(5)], multiprocessing=False,
+                                   reset_prefix_cache=True, **curve("y")))
+        assert_same_outputs(y, baseline)
+        # Y hits only what Y itself stored, prompt by prompt: none of X's pages (prompt 0,
+        # which X stored whole, is a full miss for Y).
+        ps = prompts()
+        for i, r in by_prompt(y).items():
+            own = max((_shared(ps[i], ps[j]) for j in range(i)), default=0)
+            assert r["num_cached_tokens"] == min(own // BLOCK * BLOCK, whole_blocks_but_last(ps[i])), (i, r)
+        x2 = run(tmp_path, "x2", job(tmp_path, "x2", model, endpoint, [[i] for i in range(5)], multiprocessing=False,
+                                     reset_prefix_cache=True, **curve("x")))
+        assert_same_outputs(x2, baseline)
+        for i, r in by_prompt(x2).items():
+            assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[i]), (i, r["num_cached_tokens"])
+        admin = CacheClient(endpoint, heartbeat=False, server_key=keys["server"]["public"],
+                            key_file=keys["x"]["secret"])
+        try:
+            admin.check()
+        finally:
+            admin.close()
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()

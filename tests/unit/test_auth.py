@@ -1,0 +1,208 @@
+"""Identities, tenants and quotas without sockets: the [auth] configuration, the
+identity table, the ZAP handler's answers, namespaces per tenant, client keys, and the
+daemon's checks (tenant, administrator, request rate with an injected clock, lock
+quota, reload)."""
+
+import os
+
+import numpy as np
+import pytest
+import zmq
+
+from hicache import protocol as p
+from hicache.auth import ClientKeys, read_secret, write_keypair
+from hicache.config import DaemonConfig
+from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler
+from hicache.errors import ErrorCode, InvalidArgument
+from hicache.keys import namespace_id
+from test_daemon_service import Clock, engines, error, ok, session  # noqa: F401 (engines: a fixture)
+from tiers_util import SPEC
+
+KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a valid Z85 public key (40 characters)
+KEY2 = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
+
+
+def auth(*identities, **keys) -> dict:
+    return {"auth": {**keys, "identities": list(identities)}}
+
+
+def config(data: dict) -> DaemonConfig:
+    return DaemonConfig.from_dict(data)
+
+
+def test_the_auth_section_is_validated():
+    c = config(auth({"name": "a", "public_keys": [KEY], "tenants": ["t1", "t2"], "max_locks": 3}))
+    (identity,) = c.auth.identities
+    assert identity.tenants == ("t1", "t2") and identity.public_keys == (KEY,) and identity.max_locks == 3
+    bad = [
+        auth({"name": "a"}, {"name": "a"}),  # names repeat
+        auth({"name": "a", "public_keys": [KEY]}, {"name": "b", "public_keys": [KEY]}),  # a key twice
+        auth({"name": "a", "public_keys": ["short"]}),
+        auth({"name": "a b"}),  # not a label
+        auth({"name": "a", "tenants": []}),
+        auth({"name": "a", "tenants": ["x|y"]}),
+        auth({"name": "a", "uids": [-1]}),
+        auth({"name": "a", "max_locks": -1}),
+        auth({"name": "a", "public_keys": KEY}),  # a string, not a list
+        auth({"name": "a", "frobnicate": 1}),
+        {"auth": {"identities": {"name": "a"}}},  # a table, not an array of tables
+        {"server": {"tcp": "tcp://127.0.0.1:7400"}},  # tcp:// without CURVE
+        {"auth": {"curve_ipc": True}},  # CURVE on ipc:// without a key pair
+    ]
+    for data in bad:
+        with pytest.raises(InvalidArgument):
+            config(data)
+    assert config({"server": {"tcp": "tcp://127.0.0.1:7400"}, "auth": {"insecure_tcp": True}}).server.tcp
+    with pytest.raises(InvalidArgument):
+        make_daemon_with(auth({"name": "a"}, default_identity="nobody"))
+
+
+def make_daemon_with(data, tmp_path=None, clock=None):
+    import tempfile
+    from pathlib import Path
+
+    from hicache.daemon.service import Daemon
+    from hicache.fdpass import FdExchange
+
+    directory = Path(tmp_path or tempfile.mkdtemp())
+    values = {"disk": {"enabled": False}, "server": {"socket": str(directory / "s.sock"), "lease_s": 5.0},
+              "host": {"ratio": 1.0}, "metrics": {"enabled": False}, **data}
+    return Daemon(DaemonConfig.from_dict(values), clock=clock or Clock(), fds=FdExchange(directory / "fds"))
+
+
+def test_the_table_resolves_keys_users_and_the_default():
+    table = IdentityTable(config(auth({"name": "k", "public_keys": [KEY]}, {"name": "u", "uids": [1001]},
+                                      {"name": "g", "gids": [2002]})).auth)
+    assert table.resolve("CURVE", "127.0.0.1", KEY.encode()).name == "k"
+    assert table.resolve("CURVE", "127.0.0.1", KEY2.encode()) is None  # unknown key: never the default
+    assert table.resolve("NULL", "localhost:1001:5:9").name == "u"
+    assert table.resolve("NULL", "localhost:7:2002:9").name == "g"
+    assert table.resolve("NULL", "localhost:7:7:9").name == "default"  # the built-in default
+    assert table.resolve("NULL", "localhost:bad") is None
+    assert table.resolve("NULL", "127.0.0.1") is None  # plain tcp:// only with insecure_tcp
+    assert table.resolve("PLAIN", "localhost:1001:5:9") is None
+    strict = IdentityTable(config(auth({"name": "u", "uids": [1001]}, default_identity="")).auth)
+    assert strict.resolve("NULL", "localhost:7:7:9") is None and strict.default is None
+    insecure = IdentityTable(config({"auth": {"insecure_tcp": True}}).auth)
+    assert insecure.resolve("NULL", "10.0.0.1").name == "default"
+    assert insecure.by_name["default"].admin  # a daemon without [auth] is as it was
+
+
+def test_the_zap_handler_answers_every_request():
+    table = IdentityTable(config(auth({"name": "k", "public_keys": [KEY]})).auth)
+    refused = []
+    context = zmq.Context()
+    zap = ZapHandler(context, lambda: table, refused.append)
+    try:
+        raw_key = zmq.utils.z85.decode(KEY.encode())
+        ok_reply = zap.answer([b"1.0", b"7", ZAP_DOMAIN, b"127.0.0.1", b"", b"CURVE", raw_key])
+        assert ok_reply[:4] == [b"1.0", b"7", b"200", b"OK"]
+        assert ok_reply[4] == f"k|CURVE|127.0.0.1|{KEY}".encode()
+        for request in ([], [b"1.0"], [b"2.0", b"1", ZAP_DOMAIN, b"", b"", b"NULL"],
+                        [b"1.0", b"1", b"other", b"localhost:0:0:1", b"", b"NULL"],  # not our domain
+                        [b"1.0", b"1", ZAP_DOMAIN, b"127.0.0.1", b"", b"CURVE", b"\0" * 32],
+                        [b"1.0", b"1", ZAP_DOMAIN, b"127.0.0.1", b"", b"CURVE", b"short"],
+                        [b"1.0", b"1", ZAP_DOMAIN, b"\xff\xfe", b"", b"\xff"]):
+            reply = zap.answer(request)
+            assert reply[2] in (b"400",) and len(reply) == 6, request
+        assert refused.count("unknown_key") == 2
+    finally:
+        zap.close()
+        context.term()
+
+
+def test_namespaces_per_tenant():
+    fp = SPEC.fingerprint
+    assert namespace_id(fp, "k", "default") == namespace_id(fp, "k") == namespace_id(fp, "k", "")
+    named = {namespace_id(fp, extra, tenant) for tenant in ("a", "b", "ab") for extra in (None, "a", "b", "x")}
+    assert len(named) == 12
+    legacy = {namespace_id(fp, extra) for extra in (None, "a", "b", "ab", "x", "a|x", "ab|x")}
+    assert not named & legacy  # no extra key of the default tenant reaches a named tenant's namespace
+
+
+def test_client_keys(tmp_path, monkeypatch):
+    server_public, _ = write_keypair(tmp_path / "server")
+    public, secret = write_keypair(tmp_path / "client")
+    monkeypatch.delenv("HICACHE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("HICACHE_CLIENT_KEY_FILE", raising=False)
+    assert ClientKeys.load() is None
+    keys = ClientKeys.load(server_public, secret)  # the server's .key file
+    assert keys.public_key == read_secret(secret)[0] and len(keys.server_key) == 40
+    assert ClientKeys.load(keys.server_key.decode(), secret) == keys  # or the key itself
+    monkeypatch.setenv("HICACHE_SERVER_KEY", str(server_public))
+    monkeypatch.setenv("HICACHE_CLIENT_KEY_FILE", str(secret))
+    assert ClientKeys.load() == keys
+    with pytest.raises(InvalidArgument):
+        ClientKeys.load("x" * 39, secret)  # neither a key nor a readable file
+    monkeypatch.delenv("HICACHE_CLIENT_KEY_FILE")
+    with pytest.raises(InvalidArgument, match="key pair"):
+        ClientKeys.load(server_public)
+    os.chmod(secret, 0o644)
+    with pytest.raises(InvalidArgument, match="readable by others"):
+        ClientKeys.load(server_public, secret)
+    os.chmod(secret, 0o600)
+    mixed = tmp_path / "mixed.key_secret"
+    other_secret = read_secret(write_keypair(tmp_path / "other")[1])[1]
+    mixed.write_text(f'curve\n    public-key = "{read_secret(secret)[0].decode()}"\n'
+                     f'    secret-key = "{other_secret.decode()}"\n')
+    os.chmod(mixed, 0o600)
+    with pytest.raises(InvalidArgument, match="not a pair"):
+        ClientKeys.load(server_public, mixed)
+    with pytest.raises(InvalidArgument, match="exists"):
+        write_keypair(tmp_path / "client")
+
+
+def _me(**fields) -> dict:
+    return {"name": "me", "uids": [os.getuid()], **fields}
+
+
+def test_tenants_admin_and_reload_through_the_daemon(tmp_path, engines):
+    daemon = make_daemon_with(auth(_me(tenants=["a", "b"])), tmp_path)
+    try:
+        sid = session(daemon, engines())
+        tokens = np.arange(2 * SPEC.page_size, dtype=np.int32).tobytes()
+        ok(daemon.handle(p.Match(id=3, session=sid, tokens=tokens)))
+        ok(daemon.handle(p.Match(id=3, session=sid, tokens=tokens, tenant="b")))
+        pages = ok(daemon.handle(p.Alloc(id=3, session=sid, num_pages=2))).pages
+        for request in (p.Match(id=3, session=sid, tokens=tokens, tenant="c"),
+                        p.Match(id=3, session=sid, tokens=tokens, tenant="default"),
+                        p.MatchMany(id=3, session=sid, tokens=[tokens], tenant="c"),
+                        p.Insert(id=3, session=sid, tokens=tokens, pages=pages, tenant="c"),
+                        p.Stats(id=3), p.Flush(id=3), p.Check(id=3), p.Reload(id=3)):
+            error(daemon.handle(request), ErrorCode.PERMISSION_DENIED)
+        ok(daemon.handle(p.Health(id=3)))
+        # A reload that drops tenant b: the session stays (same identity), b is refused now.
+        daemon.reload_source = lambda: config(auth(_me(tenants=["a"], admin=True))).auth
+        assert daemon.reload_auth(daemon.reload_source()) == (2, 0)  # "me" and the built-in default
+        error(daemon.handle(p.Match(id=3, session=sid, tokens=tokens, tenant="b")), ErrorCode.PERMISSION_DENIED)
+        ok(daemon.handle(p.Stats(id=3)))  # an administrator now
+        reply = ok(daemon.handle(p.Reload(id=3)))
+        assert (reply.identities, reply.sessions_ended) == (2, 0)
+        # A reload without this user: its session ends (revoked), and nothing is left of it.
+        daemon.reload_auth(config(auth({"name": "other", "uids": [os.getuid() + 1]}, default_identity="")).auth)
+        error(daemon.handle(p.Match(id=3, session=sid, tokens=tokens)), ErrorCode.UNKNOWN_SESSION)
+        assert not daemon.sessions
+        error(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)), ErrorCode.PERMISSION_DENIED)
+    finally:
+        daemon.close()
+
+
+def test_request_rate_with_an_injected_clock(tmp_path, engines):
+    clock = Clock()
+    daemon = make_daemon_with(auth(_me(requests_per_s=2.0, admin=True)), tmp_path, clock)
+    try:
+        hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
+        ok(daemon.handle(p.Stats(id=2)))  # the bucket holds two
+        error(daemon.handle(p.Stats(id=3)), ErrorCode.RESOURCE_EXHAUSTED)
+        for _ in range(5):
+            ok(daemon.handle(p.Heartbeat(id=4, session=hello.session)))  # never refused
+            ok(daemon.handle(p.Health(id=4)))
+        clock.now += 0.5  # one more request's worth
+        ok(daemon.handle(p.Stats(id=5)))
+        error(daemon.handle(p.Stats(id=6)), ErrorCode.RESOURCE_EXHAUSTED)
+        clock.now += 100.0  # refills to its burst of one second's worth, no more
+        ok(daemon.handle(p.Stats(id=7)))
+        ok(daemon.handle(p.Stats(id=8)))
+        error(daemon.handle(p.Stats(id=9)), ErrorCode.RESOURCE_EXHAUSTED)
+    finally:
+        daemon.close()

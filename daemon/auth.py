@@ -35,6 +35,7 @@ import zmq
 import zmq.utils.z85 as z85
 
 from hicache.config import DEFAULT_TENANT, AuthConfig, IdentityConfig
+from hicache.tiers.quotas import SpaceLimit
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,13 @@ class Identity:
     admin: bool = False
     max_locks: int = 0
     requests_per_s: float = 0.0
+    host_pages: int = 0
+    disk_pages: int = 0
     keys: frozenset[bytes] = field(default=frozenset())
 
     @classmethod
     def from_config(cls, c: IdentityConfig) -> "Identity":
-        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s,
+        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s, c.host_pages, c.disk_pages,
                    frozenset(key.encode() for key in c.public_keys))
 
     @property
@@ -88,6 +91,12 @@ class IdentityTable:
                 self.by_uid.setdefault(uid, self.by_name[c.name])
             for gid in c.gids:
                 self.by_gid.setdefault(gid, self.by_name[c.name])
+
+    @property
+    def space_limits(self) -> tuple[SpaceLimit, ...]:
+        """The identities' host / disk page quotas, for the tier managers."""
+        return tuple(SpaceLimit(i.name, frozenset(i.tenants), i.host_pages, i.disk_pages)
+                     for i in self.by_name.values() if i.host_pages or i.disk_pages)
 
     def resolve(self, mechanism: str, address: str, key: bytes = b"") -> Identity | None:
         """The identity of a connection with this mechanism (``CURVE`` / ``NULL``), peer

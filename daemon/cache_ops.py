@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from hicache import protocol as p
-from hicache.config import DaemonConfig
+from hicache.config import DEFAULT_TENANT, DaemonConfig
 from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.sharing import NoSharing, RadixSharing, SharingPolicy
 from hicache.errors import InvalidArgument, PermissionDenied
@@ -30,8 +30,12 @@ class CacheOps:
     (its lease renewed), ``defer(fn, args)`` runs bookkeeping later. Owner thread only."""
 
     def __init__(self, config: DaemonConfig, sessions: Sessions, metrics, *,
-                 session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None]) -> None:
+                 session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None],
+                 identities: Callable[[], object] = lambda: None) -> None:
+        """``identities()``: the identity table in force (its space limits go to each
+        tier manager a session names a namespace on)."""
         self.sessions = sessions
+        self._identities = identities
         self.metrics = metrics
         self._session = session_of
         self._defer = defer
@@ -57,7 +61,12 @@ class CacheOps:
                 name = name or identity.default_tenant
                 if name not in identity.tenants:
                     raise PermissionDenied(f"identity {identity.name!r} may not use tenant {name[:64]!r}")
-            ns = namespace_id(session.manager.spec.fingerprint, extra_key or None, name)
+            manager = session.manager
+            ns = namespace_id(manager.spec.fingerprint, extra_key or None, name)
+            table = self._identities()
+            if table is not None and manager.quotas.source is not table:
+                manager.set_space_limits(table.space_limits, table)
+            manager.assign(ns, name or DEFAULT_TENANT)  # its pages count as the tenant's
             if len(session.namespaces) >= _MAX_NAMESPACES:
                 session.namespaces.clear()  # a cache: a client naming ever new extra keys does not grow it
             session.namespaces[(tenant, extra_key)] = ns

@@ -139,7 +139,7 @@ class Daemon:
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
-                       defer=lambda fn, args: self._unsettled.append((fn, args)))
+                       defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities)
         handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Attach: self._attach, p.Match: ops.match,
             p.MatchMany: ops.match_many, p.Lock: ops.lock, p.Unlock: ops.unlock,
@@ -310,6 +310,8 @@ class Daemon:
             session.creds = dataclasses.replace(creds, identity=now)
             session.namespaces.clear()  # its tenants may have changed
         self.identities = table
+        for manager in self.managers.values():
+            manager.set_space_limits(table.space_limits, table)
         self._buckets = {name: b for name, b in self._buckets.items() if name in table.by_name}
         self.metrics.identities(table.by_name)
         self.on_reload(table)

@@ -30,11 +30,24 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
         figures["nodes"] = manager.num_nodes
         figures["pages"] = manager.num_cached_pages()
         specs[fingerprint.hex()] = figures
+    tenants = {tenant or "unattributed": {"host_pages": host, "disk_pages": disk}
+               for tenant, (host, disk) in tenant_pages(managers.values()).items()}
     return p.DaemonStats(
-        version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining,
+        version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining, tenants=tenants,
         requests={f"{op}/{status}": n for (op, status), n in sorted(counts.items())}, specs=specs,
         storage=None if storage is None else p.StorageStatsMsg(**storage.stats()._asdict()),
     )
+
+
+def tenant_pages(managers: Iterable[TierManager]) -> dict[str, list[int]]:
+    """Host and disk pages per tenant, every spec together ("": unattributed)."""
+    out: dict[str, list[int]] = {}
+    for manager in managers:
+        for tenant, (host, disk) in manager.tree.groups().items():
+            total = out.setdefault(tenant, [0, 0])
+            total[0] += host
+            total[1] += disk
+    return out
 
 
 def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage) -> dict[str, Any]:
@@ -57,10 +70,12 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
             if limit is not None:
                 total[1] = (total[1] or 0) + limit
     gpu = any(pool.device.type == "cuda" for manager in managers for pool in manager.device_pools())
+    tenants = tenant_pages(managers)
     return {
         "pages": pages, "sessions": sessions,
         "storage": storage.stats()._asdict() if storage is not None else None,
         "oldest_lock_s": oldest_lock_s,
         "queues": queues,
+        "tenants": tenants,
         "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
     }

@@ -26,7 +26,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
     [metrics]  enabled, address, port
     [auth]     secret_key_file, curve_ipc, insecure_tcp, default_identity,
                [[auth.identities]] (name, public_keys, uids, gids, tenants, admin,
-               max_locks, requests_per_s)
+               max_locks, requests_per_s, host_pages, disk_pages)
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ class IdentityConfig:
     admin: bool = False  # may call stats, flush, check and reload
     max_locks: int = 0  # node locks its sessions hold together
     requests_per_s: float = 0.0  # sustained; bursts of up to one second's worth
+    host_pages: int = 0  # host pages its tenants may hold together (per KV spec)
+    disk_pages: int = 0  # disk pages likewise
 
     def __post_init__(self) -> None:
         check_name("identity", self.name)
@@ -178,7 +180,7 @@ class IdentityConfig:
         for value in (*self.uids, *self.gids):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"identity {self.name!r}: uids and gids are non-negative integers")
-        for limit in ("max_locks", "requests_per_s"):
+        for limit in ("max_locks", "requests_per_s", "host_pages", "disk_pages"):
             if getattr(self, limit) < 0:
                 raise InvalidArgument(f"identity {self.name!r}: {limit} must be >= 0 (0: no limit)")
 

@@ -47,7 +47,14 @@ hicache_auth_refused_total                      reason (unknown_key: a CURVE key
                                                 lists; unknown_user: an ipc:// user none
                                                 names; revoked: a message of a connection
                                                 a reload no longer allows)
-hicache_quota_refused_total                     identity, quota (locks, requests)
+hicache_quota_refused_total                     identity, quota (locks, requests: requests
+                                                refused; host_pages, disk_pages: copies to
+                                                that tier not made, the identity's own
+                                                pages being all protected)
+hicache_tenant_pages                   (gauge)  tenant, tier (host, disk): pages cached for
+                                                each tenant (every spec together;
+                                                "unattributed": namespaces no session has
+                                                named the tenant of since the start)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)
@@ -89,7 +96,7 @@ MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk"
                 "corrupt_record", "load_failed", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone", "revoked")
 AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked")
-QUOTAS = ("locks", "requests")
+QUOTAS = ("locks", "requests", "host_pages", "disk_pages")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")
 
@@ -295,6 +302,7 @@ class StateCollector:
          "storage": StorageStats._asdict() or None (no disk tier),
          "oldest_lock_s": seconds,           # age of the oldest lock held, 0.0 if none
          "queues": {queue: [pages, limit or None]},  # every spec together
+         "tenants": {tenant: [host pages, disk pages]},  # every spec together
          "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
 
     It is called from the HTTP thread, so it must only hand over that copy.
@@ -330,6 +338,12 @@ class StateCollector:
                 limits.add_metric([queue], limit or 0)
         yield queues
         yield limits
+        tenants = GaugeMetricFamily("hicache_tenant_pages", "Host and disk pages cached per tenant",
+                                    labels=["tenant", "tier"])
+        for tenant, (host, disk) in sorted(snap.get("tenants", {}).items()):
+            tenants.add_metric([tenant or "unattributed", "host"], host)
+            tenants.add_metric([tenant or "unattributed", "disk"], disk)
+        yield tenants
         storage = snap.get("storage")
         if storage is not None:
             yield GaugeMetricFamily("hicache_disk_bytes", "Payload bytes in the disk tier", value=storage["bytes"])

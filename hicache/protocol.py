@@ -423,6 +423,9 @@ class DaemonStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     requests: dict[str, int]  # "<op>/<status>" -> requests answered
     specs: dict[str, SpecStats]  # spec fingerprint (hex) -> its figures
     storage: StorageStatsMsg | None = None  # absent without a disk tier
+    # tenant -> {"host_pages", "disk_pages"} cached for it, every spec together
+    # ("unattributed": namespaces no session has named the tenant of since the start)
+    tenants: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
 
 
 class StatsReply(_Reply, tag="stats"):

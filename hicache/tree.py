@@ -313,6 +313,11 @@ class HiRadixTree:
         self._tick = 0
         self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set()), DISK_SLOT: _SlotIndex(set())}
         self._clean_host = 0  # see clean_host_pages
+        # Host and disk pages per namespace, and per group of namespaces (a tenant: see
+        # set_group; "" = none assigned), for space quotas and occupancy figures.
+        self._ns_pages: dict[NamespaceId, list[int]] = {}
+        self._group_of: dict[NamespaceId, str] = {}
+        self._group_pages: dict[str, list[int]] = {}
         self._direct_locks: dict[tuple[int, LockKey], int] = {}
 
 
@@ -689,17 +694,19 @@ class HiRadixTree:
                     freed.append(self.discard(child, Tier.DEVICE, pool))
         return np.concatenate(freed) if freed else _NO_PAGES
 
-    def iter_evictable(self, tier: Tier, pool: PoolId | None = None) -> Iterator[Node]:
+    def iter_evictable(self, tier: Tier, pool: PoolId | None = None, *,
+                       namespaces: "set[NamespaceId] | frozenset[NamespaceId] | None" = None) -> Iterator[Node]:
         """Unprotected leaves of one tier in eviction order (the policy's smallest key
         first). A parent that becomes a leaf because the consumer dropped its last
         resident child is yielded in its turn. Building the order is O(L log L) for L
-        current leaves."""
+        current leaves. ``namespaces``: only theirs."""
         slot = self._slot(tier, pool)
         index = self._slots.get(slot)
         if index is None:
             return
         key = self._policy.key
-        heap = [(key(n), n.node_id, n) for n in index.leaves]
+        leaves = index.leaves if namespaces is None else [n for n in index.leaves if n.namespace in namespaces]
+        heap = [(key(n), n.node_id, n) for n in leaves]
         heapq.heapify(heap)
         while heap:
             node = heapq.heappop(heap)[2]
@@ -709,6 +716,51 @@ class HiRadixTree:
             yield node
             if parent is not None and parent in index.leaves:
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
+
+    def set_group(self, namespace: NamespaceId, group: str) -> None:
+        """Count ``namespace``'s host and disk pages under ``group`` (a tenant) from now
+        on, those it holds already included."""
+        old = self._group_of.get(namespace, "")
+        if old == group:
+            return
+        if group:
+            self._group_of[namespace] = group
+        else:
+            self._group_of.pop(namespace, None)
+        counts = self._ns_pages.get(namespace)
+        if counts is not None:
+            before = self._group_pages.setdefault(old, [0, 0])
+            after = self._group_pages.setdefault(group, [0, 0])
+            for i in (0, 1):
+                before[i] -= counts[i]
+                after[i] += counts[i]
+
+    def group_of(self, namespace: NamespaceId) -> str:
+        return self._group_of.get(namespace, "")
+
+    def group_pages(self, group: str) -> tuple[int, int]:
+        """``(host pages, disk pages)`` cached for ``group``'s namespaces. O(1)."""
+        counts = self._group_pages.get(group)
+        return (0, 0) if counts is None else (counts[0], counts[1])
+
+    def groups(self) -> dict[str, tuple[int, int]]:
+        """Every group's ``(host pages, disk pages)`` (``""``: namespaces of no group)."""
+        return {group: (c[0], c[1]) for group, c in self._group_pages.items() if c[0] or c[1] or group}
+
+    def namespaces_of(self, groups: "set[str] | frozenset[str]") -> set[NamespaceId]:
+        return {ns for ns, group in self._group_of.items() if group in groups}
+
+    def _count(self, namespace: NamespaceId, slot: Slot, delta: int) -> None:
+        i = 0 if slot == HOST_SLOT else 1
+        counts = self._ns_pages.get(namespace)
+        if counts is None:
+            counts = self._ns_pages[namespace] = [0, 0]
+        counts[i] += delta
+        name = self._group_of.get(namespace, "")
+        group = self._group_pages.get(name)
+        if group is None:
+            group = self._group_pages[name] = [0, 0]
+        group[i] += delta
 
     def clean_host_pages(self) -> int:
         """Unprotected host pages that are on disk too: host copies that can go without
@@ -960,8 +1012,10 @@ class HiRadixTree:
             if count == 0:
                 index.leaves.discard(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
-        if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
-            self._clean_host += node.num_pages
+        if slot < 0:
+            self._count(node.namespace, slot, node.num_pages)
+            if HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
+                self._clean_host += node.num_pages
         if slot == DISK_SLOT:
             self._settle_tokens(node)
         if self._is_protected(node, slot):
@@ -979,6 +1033,8 @@ class HiRadixTree:
         if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
             self._clean_host -= node.num_pages
         value = node.residency.pop(slot)
+        if slot < 0:
+            self._count(node.namespace, slot, -node.num_pages)
         if self._is_protected(node, slot):
             index.protected -= node.num_pages
         else:
@@ -1059,6 +1115,15 @@ class HiRadixTree:
         clean = sum(n.num_pages for n in self._nodes.values()
                     if HOST_SLOT in n.residency and DISK_SLOT in n.residency and not n.lock_total)
         assert self._clean_host == clean, ("clean host pages", self._clean_host, clean)
+        per_ns: dict[NamespaceId, list[int]] = {}
+        per_group: dict[str, list[int]] = {}
+        for n in self._nodes.values():
+            for slot, i in ((HOST_SLOT, 0), (DISK_SLOT, 1)):
+                if slot in n.residency:
+                    per_ns.setdefault(n.namespace, [0, 0])[i] += n.num_pages
+                    per_group.setdefault(self._group_of.get(n.namespace, ""), [0, 0])[i] += n.num_pages
+        assert {ns: c for ns, c in self._ns_pages.items() if any(c)} == per_ns, "host / disk pages per namespace"
+        assert {g: c for g, c in self._group_pages.items() if any(c)} == per_group, "host / disk pages per group"
 
     def _check_subtree(
         self,

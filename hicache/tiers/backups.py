@@ -32,12 +32,14 @@ class Backups:
         self.disk = disk
         self.disk_policy = disk_policy
         self.deferred: dict[int, DevicePoolState] = {}  # node id -> its pool: backups waiting for host room
+        self.over_quota = False  # the last backup was not made: its tenant's host quota
 
     def backup(self, pool: DevicePoolState, node: Node, *, then_drop: bool = False) -> bool:
         """Copy ``node`` and its ancestors that lack one to host; False if not now.
         ``then_drop``: drop ``node``'s device copy once it is on host (a write-back)."""
         core = self.core
         tree = core.tree
+        self.over_quota = False
         path = [n for n in tree.path(node) if n.host_pages is None and not core.inflight.busy(n, Kind.BACKUP)]
         if not path or (then_drop and path[-1] is not node):
             return False
@@ -47,6 +49,10 @@ class Backups:
         anchor = path[0].parent
         tree.pin(anchor)
         try:
+            if not core.room_for(node.namespace, Tier.HOST, total):
+                self.deferred.pop(node.node_id, None)
+                self.over_quota = True  # not deferred: its tenant's own pages are what must go
+                return False
             host_pages = core.alloc_host(total)
         finally:
             tree.unpin(anchor)
@@ -70,6 +76,7 @@ class Backups:
         if then_drop:
             transfer.then_drop.add(node.node_id)
         core.inflight.add(transfer)
+        core.stage(transfer, node.namespace, Tier.HOST, total)
         core.host_staging += total
         src_all = concat(e.src for e in entries)
         dst_all = concat(e.dst for e in entries)
@@ -111,6 +118,7 @@ class Backups:
         tree = core.tree
         core.inflight.remove(transfer)
         core.host_staging -= transfer.num_pages
+        core.unstage(transfer, Tier.HOST)
         if error is None:
             core.report(transfer)
         pool = self.pools[transfer.pool]

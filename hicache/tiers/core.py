@@ -18,6 +18,7 @@ from hicache.pages import PageAllocator, PageIds
 from hicache.pools import HostPool
 from hicache.spec import KVSpec
 from hicache.tiers.misses import MissReasons
+from hicache.tiers.quotas import SpaceQuotas
 from hicache.tiers.transfers import InFlight, Transfer
 from hicache.tree import HiRadixTree, Node, Tier
 
@@ -42,9 +43,29 @@ class Core:
     misses: MissReasons
     host_staging: int = 0  # host pages reserved by transfers still landing
     alloc_host: Callable[[int], PageIds | None] = _no_eviction
+    quotas: SpaceQuotas | None = None  # set by the tier manager
+    # (namespaces, tier, pages) -> pages freed from those namespaces only: the manager's
+    evict_own: Callable[[set, Tier, int], int] | None = None
     # Nodes a disk read brought to host that no load has taken yet: a load counts their
     # pages as disk hits (a match's prefetch reads them before the load asks).
     read_from_disk: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def room_for(self, namespace, tier: Tier, num_pages: int) -> bool:
+        """May ``num_pages`` more pages of ``namespace`` go to ``tier`` (its space quota,
+        if any — see :mod:`hicache.tiers.quotas`; the manager evicts for it)?"""
+        quotas = self.quotas
+        if quotas is None or not quotas.active:
+            return True
+        return quotas.room(namespace, tier, num_pages, lambda namespaces, pages: self.evict_own(namespaces, tier, pages))
+
+    def stage(self, transfer: Transfer, namespace, tier: Tier, num_pages: int) -> None:
+        if self.quotas is not None and self.quotas.active:
+            transfer.quota = (self.quotas.stage(namespace, tier, num_pages), num_pages)
+
+    def unstage(self, transfer: Transfer, tier: Tier) -> None:
+        if transfer.quota is not None and self.quotas is not None:
+            self.quotas.unstage(transfer.quota[0], tier, transfer.quota[1])
+            transfer.quota = None
 
     def report(self, transfer: Transfer, num_pages: int | None = None) -> None:
         """A transfer's bytes and time, in the transfer metrics."""

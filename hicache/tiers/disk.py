@@ -41,6 +41,11 @@ class DiskTier(Protocol):
     def write(self, node: Node, *, then_drop_host: bool = False) -> bool: ...
 
     @property
+    def over_quota(self) -> bool:
+        """Did the last :meth:`write` not start because its tenant has no disk room
+        (a space quota)?"""
+
+    @property
     def write_limit(self) -> int:
         """Pages the writer's queue holds at most (0: no writer)."""
 
@@ -61,7 +66,7 @@ class DiskTier(Protocol):
 
     def prefetch(self, node: Node) -> None: ...
 
-    def evict(self, num_pages: int) -> int: ...
+    def evict(self, num_pages: int, namespaces: set | None = None) -> int: ...
 
     def forget_keys(self, keys: Iterable[bytes]) -> None: ...
 
@@ -77,6 +82,7 @@ class NoDisk:
     storage = None
     capacity_pages = 0
     pending = 0
+    over_quota = False
 
     def __init__(self) -> None:
         self.on_store_evicted: Callable[[Sequence[bytes]], None] = self.forget_keys
@@ -102,7 +108,7 @@ class NoDisk:
     def prefetch(self, node: Node) -> None:
         pass
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, namespaces: set | None = None) -> int:
         return 0
 
     def forget_keys(self, keys: Iterable[bytes]) -> None:
@@ -143,6 +149,10 @@ class LocalDisk:
         return self._writer.write(node, then_drop_host=then_drop_host)
 
     @property
+    def over_quota(self) -> bool:
+        return self._writer.over_quota
+
+    @property
     def write_limit(self) -> int:
         return self._writer.limit
 
@@ -180,12 +190,13 @@ class LocalDisk:
             used -= self.evict(excess)
         return used + num_pages <= self.capacity_pages
 
-    def evict(self, num_pages: int) -> int:
-        """Evict the tree's disk LRU and delete those records (one deletion for them
-        all: each wakes the store's writer thread, which then takes the interpreter
-        from the owner thread for a while); returns the pages freed."""
+    def evict(self, num_pages: int, namespaces: set | None = None) -> int:
+        """Evict the tree's disk LRU (of ``namespaces`` only, when given) and delete
+        those records (one deletion for them all: each wakes the store's writer thread,
+        which then takes the interpreter from the owner thread for a while); returns
+        the pages freed."""
         doomed: list[bytes] = []
-        for node in self.core.tree.iter_evictable(Tier.DISK):
+        for node in self.core.tree.iter_evictable(Tier.DISK, namespaces=namespaces):
             if len(doomed) >= num_pages:
                 break
             self._drop(node, doomed)

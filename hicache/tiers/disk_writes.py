@@ -20,7 +20,7 @@ from hicache.keys import PAGE_KEY_BYTES
 from hicache.storage.base import PageBatch, StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import Node
+from hicache.tree import Node, Tier
 
 if TYPE_CHECKING:
     from hicache.tiers.disk import LocalDisk
@@ -35,6 +35,7 @@ class DiskWriter:
         self.disk = disk
         self.limit = max(1, limit)  # pages queued (written, not committed) at most
         self.pending = 0  # pages written and not committed yet
+        self.over_quota = False  # the last write did not start: its tenant's disk quota
         self.committed = 0  # pages that reached the disk tier, ever
         self.deferred: OrderedDict[int, bool] = OrderedDict()  # node id -> then_drop_host: over the bound
 
@@ -43,6 +44,7 @@ class DiskWriter:
         False if not now (deferred when only the queue's bound is in the way)."""
         core = self.core
         tree = core.tree
+        self.over_quota = False
         path = [n for n in tree.path(node) if not n.on_disk and not core.inflight.busy(n, Kind.DISK_WRITE)]
         if not path or any(n.host_pages is None or not n.tokens for n in path):
             # Nothing to write, or nothing that can be: a page not on host, or one whose
@@ -60,6 +62,10 @@ class DiskWriter:
         self.deferred.pop(node.node_id, None)
         hold = path[-1]
         tree.pin(hold)  # before room() evicts: the path's ancestors on disk must stay
+        if not core.room_for(node.namespace, Tier.DISK, total):
+            tree.unpin(hold)
+            self.over_quota = True
+            return False
         if not self.disk.room(total):
             tree.unpin(hold)
             return False
@@ -75,6 +81,7 @@ class DiskWriter:
         if then_drop_host:
             transfer.then_drop.add(node.node_id)
         core.inflight.add(transfer)
+        core.stage(transfer, node.namespace, Tier.DISK, total)
         self.pending += total
         storage, fingerprint, host_pool = self.storage, core.spec.fingerprint, core.host_pool
 
@@ -91,6 +98,7 @@ class DiskWriter:
         if error is None:
             core.report(transfer)
         self.pending -= transfer.num_pages
+        core.unstage(transfer, Tier.DISK)
         tree.unpin(transfer.hold)
         if error is not None:
             logger.error("disk write failed: %s", error)

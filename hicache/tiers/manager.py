@@ -54,6 +54,7 @@ from hicache.tiers.misses import MissReasons
 from hicache.tiers.owned import OwnedTransfers
 from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY
 from hicache.tiers.prefetch import answer_after
+from hicache.tiers.quotas import SpaceQuotas
 from hicache.tiers.results import Hit, LoadTiming, TierAccount
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import InFlight, Kind
@@ -98,6 +99,8 @@ class TierManager:
         self._core = Core(spec, self.tree, self.host_pool, self.host_alloc, self.metrics, self.completions,
                           self.workers, inflight, MissReasons(self.metrics, self.config.eviction_log_slots), alloc_host=self._host_alloc)
         self._inflight = inflight
+        self.quotas = self._core.quotas = SpaceQuotas(self.tree, self.metrics.quota_refused)
+        self._core.evict_own = self._evict_own
         backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
         self.disk: DiskTier = (LocalDisk(self._core, storage, backlog)
                                if storage is not None and self.disk_policy.enabled else NoDisk())
@@ -411,26 +414,43 @@ class TierManager:
                 if freed >= num_pages:
                     break
                 if (back_up or self._backups.is_deferred(node)) and node.host_pages is None and not node.on_disk:
-                    self._backups.backup(pool, node, then_drop=True)
-                    continue
+                    if self._backups.backup(pool, node, then_drop=True) or not self._backups.over_quota:
+                        continue
+                    # its tenant has no host room: the device copy just goes
                 self._core.misses.evicted(node, Tier.DEVICE)
                 pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
                 pool.allocator.free(pages)
                 freed += len(pages)
         return freed
 
-    def _evict_host(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` host pages if possible; returns the pages freed now.
-        Pages that have a disk copy go first; a page without one is written before it
-        is dropped (:meth:`_write_before_drop`), so that it is freed later (and counts
-        towards ``num_pages``: no more writes start than needed)."""
+    def _evict_host(self, num_pages: int, namespaces: set | None = None) -> int:
+        """Free at least ``num_pages`` host pages if possible (of ``namespaces`` only,
+        when given); returns the pages freed now. Pages that have a disk copy go first;
+        a page without one is written before it is dropped (:meth:`_write_before_drop`),
+        so that it is freed later (and counts towards ``num_pages``: no more writes start
+        than needed)."""
         with self.host_alloc.free_group():  # (one release of every node's pages)
-            return self._evict_host_nodes(num_pages)
+            return self._evict_host_nodes(num_pages, namespaces)
 
-    def _evict_host_nodes(self, num_pages: int) -> int:
+    def _evict_own(self, namespaces: set, tier: Tier, num_pages: int) -> int:
+        """A space quota's room: ``num_pages`` of these namespaces' own pages."""
+        if tier == Tier.HOST:
+            return self._evict_host(num_pages, namespaces)
+        return self.disk.evict(num_pages, namespaces)
+
+    def set_space_limits(self, limits, source: object = None) -> None:
+        """The space quotas in force (:class:`hicache.tiers.quotas.SpaceLimit`), made
+        from ``source`` (kept to tell when they are out of date)."""
+        self.quotas.set_limits(limits, source)
+
+    def assign(self, namespace: NamespaceId, group: str) -> None:
+        """``namespace`` is a tenant's: its pages count under that tenant's quotas."""
+        self.tree.set_group(namespace, group)
+
+    def _evict_host_nodes(self, num_pages: int, namespaces: set | None = None) -> int:
         freed = 0
         later = []
-        for node in self.tree.iter_evictable(Tier.HOST):
+        for node in self.tree.iter_evictable(Tier.HOST, namespaces=namespaces):
             if freed >= num_pages:
                 return freed
             if not node.on_disk and self.disk.enabled:
@@ -446,6 +466,8 @@ class TierManager:
             if self._write_before_drop(node):
                 if self.disk.write(node, then_drop_host=True) or self.disk.is_deferred(node):
                     coming += node.num_pages
+                elif self.disk.over_quota:  # its tenant has no disk room: the host copy just goes
+                    freed += self._drop_host(node)
             else:
                 freed += self._drop_host(node)
         return freed

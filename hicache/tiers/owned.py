@@ -36,7 +36,7 @@ from hicache.tiers.disk import DiskTier
 from hicache.tiers.loads import copy_layers, end_load
 from hicache.tiers.policies import DiskPolicy
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import Node
+from hicache.tree import Node, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class OwnedTransfers:
         match = tree.match(namespace, tokens, pool.pool_id)  # (a store is a use: touch)
         skip = match.num_host_pages  # the pool has no device part: this is the host prefix
         count = len(blocks) - skip
+        if count > 0 and not core.room_for(namespace, Tier.HOST, count):
+            count = 0  # its tenant's host quota: not cached
         host_pages = core.alloc_host(count) if count > 0 else None
         while count > 0 and host_pages is None:  # what does not fit stays uncached
             count //= 2
@@ -92,6 +94,7 @@ class OwnedTransfers:
         core.host_staging += count
         transfer = Transfer(Kind.BACKUP, pool.pool_id, [], prefix or tree.root(namespace))
         core.inflight.add_detached(transfer)
+        core.stage(transfer, namespace, Tier.HOST, count)
         src = blocks[skip : skip + count].astype(np.int64)
         dst = host_pages.astype(np.int64)
         mover = pool.movers[0]
@@ -100,6 +103,7 @@ class OwnedTransfers:
         def done(error: BaseException | None) -> None:
             core.inflight.remove_detached(transfer)
             core.host_staging -= count
+            core.unstage(transfer, Tier.HOST)
             if prefix is not None:
                 tree.unpin(prefix)
             if error is not None:

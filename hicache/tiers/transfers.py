@@ -47,6 +47,7 @@ class Transfer:
     then_drop: set[int] = field(default_factory=set)  # node ids to drop from the source tier after
     timing: dict[str, float] = field(default_factory=dict)
     from_disk: int = 0  # a load: how many of its pages were read from disk for it
+    quota: "tuple[str, int] | None" = None  # (group, pages) staged against a space quota (hicache.tiers.quotas)
 
     @property
     def num_pages(self) -> int:

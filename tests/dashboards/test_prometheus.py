@@ -39,7 +39,7 @@ needs_prometheus = pytest.mark.skipif(
 # The alerts alerts.yml must define; it may define more.
 REQUIRED_ALERTS = {"HicacheDown", "HicacheHitRatioCollapse", "HicacheEvictionStorm",
                    "HicacheProtectedPagesNearCapacity", "HicacheSessionsExpiring", "HicacheDiskCorruptRecords",
-                   "HicacheDiskTierFull", "HicacheLockHeldForAnHour"}
+                   "HicacheDiskTierFull", "HicacheLockHeldForAnHour", "HicacheTenantOverShare"}
 SEVERITIES = {"critical", "warning", "info"}
 
 # Grafana's variables, as the integration test fills them in ("instance" comes from the
@@ -103,8 +103,9 @@ def exported_metric_names() -> set[str]:
     """The series names the daemon exposes, read from hicache.metrics itself (with a
     disk tier, so that the storage gauges are there too)."""
     metrics = Metrics()
+    metrics.identities(["default"])  # (the daemon names its identities at once)
     storage = {"bytes": 0, "records": 0, "capacity_bytes": 1, "map_size_bytes": 1, "corrupt_records": 0}
-    metrics.add_state_collector(lambda: {"pages": {}, "sessions": 0, "storage": storage,
+    metrics.add_state_collector(lambda: {"pages": {}, "sessions": 0, "storage": storage, "tenants": {"t": [0, 0]},
                                          "build": {"version": "0", "protocol_version": 1, "mode": "cpu"}})
     # *_created series are an exposition detail that Prometheus does not keep as such.
     return {sample.name for family in metrics.registry.collect() for sample in family.samples

@@ -33,7 +33,7 @@ def keys(tmp_path):
     """Key pairs by name: the server's and five clients' (the files hicache keygen writes)."""
     out = {}
     (tmp_path / "keys").mkdir()
-    for name in ("server", "x", "y", "limited", "stranger", "x2"):
+    for name in ("server", "x", "y", "limited", "stranger", "x2", "s"):
         public, secret = write_keypair(tmp_path / "keys" / name)
         out[name] = {"public": public, "secret": secret, "z85": read_public(public).decode()}
     return out
@@ -45,6 +45,7 @@ def _auth(keys, *, x_key: str = "x", **overrides) -> dict:
         {"name": "team-y", "public_keys": [keys["y"]["z85"]], "tenants": ["b", "b2"], "admin": True},
         {"name": "limited", "public_keys": [keys["limited"]["z85"]], "tenants": ["c"], "max_locks": 2,
          "requests_per_s": 0.01},
+        {"name": "spacey", "public_keys": [keys["s"]["z85"]], "tenants": ["s"], "host_pages": 4, "disk_pages": 6},
     ]
     return {"secret_key_file": str(keys["server"]["secret"]), "default_identity": "", "identities": identities,
             **overrides}
@@ -172,6 +173,38 @@ def test_quotas_refuse_one_identity_and_not_another(daemon, keys):
         other.close()
 
 
+def test_space_quotas_keep_a_tenant_to_its_pages_and_not_another_tenants(daemon, keys):
+    """Identity "spacey" may hold 4 host and 6 disk pages: its tenant makes room among
+    its own pages as it goes (its newest prompt still hits), another tenant keeps all of
+    its pages, and stats show each tenant's occupancy."""
+    s = ClientEngine(daemon.tcp, **_creds(keys, "s"), heartbeat=False)
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    admin = _client(daemon, keys, "y")
+    try:
+        x.prefill(_tokens(50, 5))
+        admin.flush()
+        for seed in range(6):
+            s.prefill(_tokens(60 + seed, 2), wait_for_pages=True)
+            admin.flush()
+            tenants = admin.stats()["tenants"]
+            assert tenants["s"]["host_pages"] <= 4 and tenants["s"]["disk_pages"] <= 6, tenants
+            assert tenants["a"] == {"host_pages": 5, "disk_pages": 5}, tenants
+        assert tenants["s"]["disk_pages"] == 6
+        s.client.close()
+        s.engine.close()
+        s = ClientEngine(daemon.tcp, **_creds(keys, "s"), heartbeat=False)  # a new pool: no device pages
+        m = s.client.match(_tokens(65, 2))
+        assert m.num_tokens == 2 * PS and m.num_device_pages == 0
+        s.prefill(_tokens(65, 2))  # loaded back from host / disk, bytes checked
+        assert s.client.match(_tokens(60, 2)).num_tokens == 0  # its oldest made room
+        assert x.client.match(_tokens(50, 5)).num_device_pages == 5
+        admin.check()
+    finally:
+        s.close()
+        x.close()
+        admin.close()
+
+
 def test_lock_quota(tmp_path, keys):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     auth = _auth(keys)
@@ -231,7 +264,7 @@ def test_reload_rotates_keys(daemon, keys):
         finally:
             new.close()
         # the reload op, and a file that does not parse
-        assert admin.reload() == {"identities": 3, "sessions_ended": 0}
+        assert admin.reload() == {"identities": 4, "sessions_ended": 0}
         daemon.config.write_text(daemon.config.read_text() + "\n[auth\n")
         with pytest.raises(RemoteError) as excinfo:
             admin.reload()

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from daemon_util import HICACHE, ClientEngine, DaemonProcess
 from hicache import protocol as p
@@ -289,3 +290,46 @@ def test_keygen_writes_a_private_secret(tmp_path):
     again = subprocess.run([HICACHE, "keygen", str(tmp_path / "engine")], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "exists" in again.stderr
     assert read_secret(secret)[0] == public  # untouched
+
+
+def _raw(daemon, keys, who: str, routing_id: bytes) -> zmq.Socket:
+    from hicache.auth import ClientKeys
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    ClientKeys.load(keys["server"]["public"], keys[who]["secret"]).apply(sock)
+    sock.connect(daemon.tcp)
+    return sock
+
+
+def _ask(sock: zmq.Socket, message, timeout_s: float = 10.0) -> p.Reply | None:
+    sock.send(p.encode(message))
+    if not sock.poll(int(timeout_s * 1000)):
+        return None
+    return p.decode_reply(sock.recv())
+
+
+def test_a_routing_id_proves_nothing(daemon, keys):
+    """ZeroMQ lets a client pick its routing id, a departed connection's included: the
+    daemon goes by the identity each message was admitted as, not by the routing id."""
+    admin = _raw(daemon, keys, "y", b"\0chosen")
+    assert isinstance(_ask(admin, p.Stats(id=1)), p.StatsReply)  # Y is an administrator
+    admin.close()
+    deadline = time.monotonic() + 30
+    while True:  # the same routing id, X's key, once the daemon has let Y's connection go
+        other = _raw(daemon, keys, "x", b"\0chosen")
+        reply = _ask(other, p.Stats(id=2), timeout_s=1.0)  # (refused while Y's is still known)
+        if reply is not None:
+            break
+        other.close()
+        assert time.monotonic() < deadline, "the routing id was never free again"
+    assert reply.code == ErrorCode.PERMISSION_DENIED
+    # A peer posing as the daemon's own wake-up socket is nobody either: answered as X.
+    waker = _raw(daemon, keys, "x", b"\0hicache-wake-1")
+    reply = _ask(waker, p.Stats(id=3))
+    assert isinstance(reply, p.Error) and reply.code == ErrorCode.PERMISSION_DENIED
+    waker.send(b"")  # an empty message: a wake-up at most
+    assert _ask(waker, p.Health(id=4)).state == "serving"
+    other.close()
+    waker.close()

@@ -333,3 +333,46 @@ def test_a_routing_id_proves_nothing(daemon, keys):
     assert _ask(waker, p.Health(id=4)).state == "serving"
     other.close()
     waker.close()
+
+
+def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
+    """On plain ipc:// this process's user is the identity listing its uid (tenant "u");
+    with curve_ipc the socket wants keys too: a plain client gets nothing there."""
+    me = {"name": "me", "uids": [os.getuid()], "tenants": ["u"], "admin": True}
+    (tmp_path / "plain").mkdir()
+    d = DaemonProcess(tmp_path / "plain", auth={"default_identity": "", "identities": [me]})
+    d.start()
+    try:
+        engine = ClientEngine(d.endpoint, heartbeat=False)
+        try:
+            engine.prefill(_tokens(7, 2))
+            assert engine.client.match(_tokens(7, 2), tenant="u").num_device_pages == 2
+            with pytest.raises(RemoteError) as excinfo:
+                engine.client.match(_tokens(7, 2), tenant="default")
+            assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+            assert set(engine.client.stats()["tenants"]) == {"u"}
+        finally:
+            engine.close()
+    finally:
+        d.stop()
+    listed = {"name": "k", "public_keys": [keys["x"]["z85"]], "tenants": ["k"], "admin": True}
+    (tmp_path / "curve").mkdir()
+    endpoint = f"ipc://{tmp_path / 'curve' / 'hicache.sock'}"
+    d = DaemonProcess(tmp_path / "curve", auth={"secret_key_file": str(keys["server"]["secret"]), "curve_ipc": True,
+                                                "identities": [listed]},
+                      probe={"endpoint": endpoint, **_creds(keys, "x")})
+    d.start()
+    try:
+        plain = CacheClient(endpoint, heartbeat=False, timeout_s=0.5)
+        try:
+            with pytest.raises(Unavailable):
+                plain.health()  # this user would be the default identity, but not without a key
+        finally:
+            plain.close()
+        keyed = CacheClient(endpoint, heartbeat=False, **_creds(keys, "x"))
+        try:
+            assert keyed.health().state == "serving"
+        finally:
+            keyed.close()
+    finally:
+        d.stop()

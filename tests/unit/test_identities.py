@@ -168,6 +168,7 @@ def test_tenants_admin_and_reload_through_the_daemon(tmp_path, engines):
                         p.Match(id=3, session=sid, tokens=tokens, tenant="default"),
                         p.MatchMany(id=3, session=sid, tokens=[tokens], tenant="c"),
                         p.Insert(id=3, session=sid, tokens=tokens, pages=pages, tenant="c"),
+                        p.Store(id=3, session=sid, tokens=tokens, pages=pages, tenant="c"),
                         p.Stats(id=3), p.Flush(id=3), p.Check(id=3), p.Reload(id=3)):
             error(daemon.handle(request), ErrorCode.PERMISSION_DENIED)
         ok(daemon.handle(p.Health(id=3)))

@@ -52,12 +52,17 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["server.tcp"] = args.tcp
     if args.no_disk:
         overrides["disk.enabled"] = False
-    config = DaemonConfig.load(args.config, overrides)
+    from hicache.errors import InvalidArgument
+
     try:
+        config = DaemonConfig.load(args.config, overrides)
         server = Server(config, config_path=args.config)
     except AlreadyRunning as exc:
         print(f"hicache: {exc}; not starting", file=sys.stderr)
         return 1
+    except InvalidArgument as exc:  # the configuration, or a key file it names
+        print(f"hicache: {exc.message}; not starting", file=sys.stderr)
+        return 2
     endpoints = server.bind()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
@@ -133,9 +138,13 @@ def _check(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace):
     from hicache.client import CacheClient
+    from hicache.errors import InvalidArgument
 
-    return CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False,
-                       server_key=args.server_key, key_file=args.key_file)
+    try:
+        return CacheClient(_endpoint(args), timeout_s=args.timeout, heartbeat=False,
+                           server_key=args.server_key, key_file=args.key_file)
+    except InvalidArgument as exc:
+        raise SystemExit(f"hicache {args.command}: {exc.message}") from None
 
 
 def _reload(args: argparse.Namespace) -> int:

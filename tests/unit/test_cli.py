@@ -51,3 +51,18 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
     done = subprocess.run([HICACHE, "status", "--endpoint", daemon.endpoint, "--timeout", "0.3"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "no answer" in done.stderr
+
+
+def test_serve_refuses_a_tcp_endpoint_without_curve_and_a_secret_readable_by_others(tmp_path):
+    from daemon_util import write_config
+    from hicache.auth import write_keypair
+
+    config = write_config(tmp_path, server={"tcp": "tcp://127.0.0.1:0"})
+    done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "needs CURVE" in done.stderr, done.stderr
+    _, secret = write_keypair(tmp_path / "server")
+    secret.chmod(0o644)
+    config = write_config(tmp_path, server={"tcp": "tcp://127.0.0.1:0"}, auth={"secret_key_file": str(secret)})
+    done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "readable by others" in done.stderr, done.stderr
+    assert not (tmp_path / "hicache.sock").exists()  # nothing was opened

@@ -9,6 +9,7 @@ from hicache.keys import namespace_id
 from hicache.tiers import TierConfig, TierManager
 from hicache.tiers.quotas import SpaceLimit
 from hicache.tree import Tier
+from test_tiers import store, tokens  # noqa: F401 (store: a fixture, a 64-page LMDB store)
 from tiers_util import SPEC, Engine
 
 PS = SPEC.page_size
@@ -17,24 +18,11 @@ NA2 = namespace_id(SPEC.fingerprint, "lora", "a")  # a second namespace of tenan
 NB = namespace_id(SPEC.fingerprint, None, "b")
 
 
-def tokens(start, pages):
-    return list(range(start, start + pages * PS))
-
-
 @pytest.fixture
 def engine():
     e = Engine(num_pages=32)
     yield e
     e.close()
-
-
-@pytest.fixture
-def store(tmp_path):
-    from hicache.storage.lmdb_backend import LmdbBackend
-
-    backend = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
-    yield backend
-    backend.close()
 
 
 def make_tm(engine, limits, *, host_pages=16, storage=None, **config):

@@ -113,6 +113,8 @@ def _print_status(stats: dict, as_json: bool) -> None:
         for tier, account in spec.items():
             if isinstance(account, dict):
                 print(f"  {tier:10} " + "  ".join(f"{k} {v}" for k, v in account.items()))
+    for tenant, figures in sorted(stats.get("tenants", {}).items()):
+        print(f"tenant {tenant}: {figures['host_pages']} host pages, {figures['disk_pages']} disk pages")
     storage = stats.get("storage")
     if storage:
         print(f"disk: {storage['records']} records, {storage['bytes'] / 2**20:.1f} MiB of "

@@ -28,6 +28,7 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
     engine = ClientEngine(daemon.endpoint)
     try:
         engine.prefill(list(range(100, 100 + 3 * 4)))
+        engine.client.flush()  # (its pages on host and disk)
         run = [HICACHE, "--log-level", "WARNING"]
         done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--json"],
                               capture_output=True, text=True, timeout=30)
@@ -39,6 +40,7 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
         done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint], capture_output=True, text=True,
                               timeout=30)
         assert done.returncode == 0 and "1 sessions" in done.stdout
+        assert "tenant default: 3 host pages, 3 disk pages" in done.stdout, done.stdout
         done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--watch", "0.05", "--count", "3"],
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 0 and done.stdout.count("1 sessions") == 3

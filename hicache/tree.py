@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple, NewType, Union
 
@@ -253,11 +253,28 @@ class TierSizes(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class _SlotIndex:
-    """Per-slot bookkeeping: unprotected leaves of this slot, and page counts."""
+    """Per-slot bookkeeping: unprotected leaves of this slot (also by namespace, so that
+    a space quota's eviction looks at its own only), and page counts."""
 
     leaves: set[Node]
     evictable: int = 0
     protected: int = 0
+    by_ns: dict[NamespaceId, set[Node]] = field(default_factory=dict)
+
+    def add_leaf(self, node: Node) -> None:
+        self.leaves.add(node)
+        own = self.by_ns.get(node.namespace)
+        if own is None:
+            own = self.by_ns[node.namespace] = set()
+        own.add(node)
+
+    def discard_leaf(self, node: Node) -> None:
+        if node in self.leaves:
+            self.leaves.remove(node)
+            own = self.by_ns[node.namespace]
+            own.remove(node)
+            if not own:
+                del self.by_ns[node.namespace]
 
 
 @dataclass(slots=True, frozen=True)
@@ -705,7 +722,10 @@ class HiRadixTree:
         if index is None:
             return
         key = self._policy.key
-        leaves = index.leaves if namespaces is None else [n for n in index.leaves if n.namespace in namespaces]
+        if namespaces is None:
+            leaves: Iterable[Node] = index.leaves
+        else:
+            leaves = [n for ns in namespaces for n in index.by_ns.get(ns, ())]
         heap = [(key(n), n.node_id, n) for n in leaves]
         heapq.heapify(heap)
         while heap:
@@ -1010,7 +1030,7 @@ class HiRadixTree:
             count = parent.resident_children.get(slot, 0)  # type: ignore[union-attr]
             parent.resident_children[slot] = count + 1  # type: ignore[union-attr]
             if count == 0:
-                index.leaves.discard(parent)  # type: ignore[arg-type]
+                index.discard_leaf(parent)  # type: ignore[arg-type]
         node.residency[slot] = value
         if slot < 0:
             self._count(node.namespace, slot, node.num_pages)
@@ -1022,7 +1042,7 @@ class HiRadixTree:
             index.protected += node.num_pages
         else:
             index.evictable += node.num_pages
-            index.leaves.add(node)
+            index.add_leaf(node)
 
     def _drop_residency(self, node: Node, slot: Slot) -> Residency:
         if node.resident_children.get(slot):
@@ -1039,7 +1059,7 @@ class HiRadixTree:
             index.protected -= node.num_pages
         else:
             index.evictable -= node.num_pages
-            index.leaves.discard(node)
+            index.discard_leaf(node)
         parent = node.parent
         if parent.parent is not None:  # type: ignore[union-attr]
             count = parent.resident_children[slot] - 1  # type: ignore[union-attr]
@@ -1048,7 +1068,7 @@ class HiRadixTree:
             else:
                 del parent.resident_children[slot]  # type: ignore[union-attr]
                 if not self._is_protected(parent, slot):  # type: ignore[arg-type]
-                    index.leaves.add(parent)  # type: ignore[arg-type]
+                    index.add_leaf(parent)  # type: ignore[arg-type]
         if not node.residency and not node.lock_total:
             self._remove(node)
         elif slot >= 0:
@@ -1066,14 +1086,14 @@ class HiRadixTree:
         index = self._slots[slot]
         index.evictable -= node.num_pages
         index.protected += node.num_pages
-        index.leaves.discard(node)
+        index.discard_leaf(node)
 
     def _unprotect(self, node: Node, slot: Slot) -> None:
         index = self._slots[slot]
         index.protected -= node.num_pages
         index.evictable += node.num_pages
         if not node.resident_children.get(slot):
-            index.leaves.add(node)
+            index.add_leaf(node)
 
     def _remove(self, node: Node) -> None:
         # Only reached for a node in no tier and without references; its children, which
@@ -1110,6 +1130,10 @@ class HiRadixTree:
             assert (index.evictable, index.protected) == (evictable, protected), (
                 _slot_name(slot), (index.evictable, index.protected), (evictable, protected))
             assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
+            by_ns: dict[NamespaceId, set[Node]] = {}
+            for leaf in index.leaves:
+                by_ns.setdefault(leaf.namespace, set()).add(leaf)
+            assert index.by_ns == by_ns, f"evictable leaves of {_slot_name(slot)} by namespace"
         for slot in sizes:
             assert slot in self._slots, _slot_name(slot)
         clean = sum(n.num_pages for n in self._nodes.values()

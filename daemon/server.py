@@ -65,7 +65,7 @@ from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler, parse_use
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
 from hicache.daemon.sd_notify import Notifier
-from hicache.daemon.service import Daemon, PeerCreds
+from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.daemon.statelock import StateLock
 from hicache.errors import InvalidArgument
 from hicache.fdpass import FdExchange, socket_path_for
@@ -77,12 +77,19 @@ _CATCH_UP_S = 0.002  # with requests back to back, the loop catches up at least 
 _MAX_WAIT_S = 0.25
 _WAKE_ID = b"\0hicache-wake-"
 _MAX_PEERS = 4096  # connections whose peer is remembered; past that, relearned as they speak
-_NO_PEER = PeerCreds.parse("")
+# Who a connection the server does not know (any more) is: nobody — never the local
+# identity that requests handled without a socket get.
+_NO_PEER = PeerCreds(None, None, None, "", mechanism="NONE")
 # Plain ints: pyzmq converts its enum members on every call.
 _RCVMORE = int(zmq.RCVMORE)
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SEND_MORE = _SNDMORE | _NOBLOCK
+
+
+def _is_wake(frames: list[bytes]) -> bool:
+    """A worker's wake-up: an empty message from an inproc DEALER of ours."""
+    return len(frames) == 2 and not frames[1] and frames[0].startswith(_WAKE_ID)
 
 
 class Server:
@@ -110,7 +117,9 @@ class Server:
         self.daemon.keepalive = self._keepalive
         self._peers: dict[bytes, PeerCreds] = {}  # routing id -> who is at the other end
         self._users: dict[bytes, str] = {}  # routing id -> the ZAP user id its creds were learned from
-        self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER)
+        # (b"": a request handled in this process, not from a socket — a ROUTER never
+        # gives a connection an empty routing id)
+        self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER) if peer else LOCAL
         self.daemon.on_reload = self._relearn_peers
         self._config_path = config_path
         if config_path is not None:
@@ -209,6 +218,8 @@ class Server:
             if self._reload_requested:
                 self._reload_requested = False
                 self._fenced(self._reload, router)
+                if frames is not None and not _is_wake(frames) and frames[0] not in self._peers:
+                    frames = None  # in hand from a connection the reload just refused
             if frames is not None and self._fenced(self._handle, router, frames):
                 # Answered. Its bookkeeping waits for an idle moment: run right after the
                 # send, it holds a core the reply's way out needs (see the module doc).
@@ -289,8 +300,7 @@ class Server:
         while router.getsockopt(_RCVMORE):
             frames.append(router.recv(flags))
         if user is None:
-            wake = identity.startswith(_WAKE_ID) and len(frames) == 2 and not frames[1]
-            return frames if wake else None
+            return frames if _is_wake(frames) else None
         if self._users.get(identity) != user and not self._learn_peer(identity, user):
             return None
         return frames
@@ -347,7 +357,7 @@ class Server:
         if len(frames) < 2:
             return False  # no identity: cannot answer
         envelope, payload = frames[:-1], frames[-1]
-        if not payload and len(frames) == 2 and frames[0].startswith(_WAKE_ID):
+        if _is_wake(frames):
             return False  # a worker's wake-up: the loop polls the daemon next
         limit = self.config.server.max_message_bytes
         if len(payload) > limit:

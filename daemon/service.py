@@ -257,6 +257,8 @@ class Daemon:
         without a socket: this process's user's, or the default identity)."""
         creds = self.peer_creds(peer)
         if creds.identity is None:
+            if creds.mechanism == "NONE":  # a connection the server does not know: nobody
+                raise PermissionDenied("this connection is not admitted")
             uid = os.getuid() if creds.uid is None else creds.uid
             gid = os.getgid() if creds.gid is None else creds.gid
             identity = self.identities.local(uid, gid)

@@ -207,3 +207,19 @@ def test_request_rate_with_an_injected_clock(tmp_path, engines):
         error(daemon.handle(p.Stats(id=9)), ErrorCode.RESOURCE_EXHAUSTED)
     finally:
         daemon.close()
+
+
+def test_a_connection_the_server_does_not_know_is_nobody(tmp_path):
+    """Requests handled without a socket are this process's user's; a connection the
+    server has no identity for (say, one a reload just refused) is not, whatever the
+    table's default."""
+    from hicache.daemon.sessions import PeerCreds
+
+    daemon = make_daemon_with(auth(_me(admin=True)), tmp_path)
+    try:
+        ok(daemon.handle(p.Stats(id=1)))
+        daemon.peer_creds = lambda peer: PeerCreds(None, None, None, "", mechanism="NONE")
+        for request in (p.Hello(id=2, version=p.PROTOCOL_VERSION), p.Stats(id=3), p.Check(id=4)):
+            error(daemon.handle(request), ErrorCode.PERMISSION_DENIED)
+    finally:
+        daemon.close()

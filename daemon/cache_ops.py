@@ -31,10 +31,12 @@ class CacheOps:
 
     def __init__(self, config: DaemonConfig, sessions: Sessions, metrics, *,
                  session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None],
-                 identities: Callable[[], object] = lambda: None) -> None:
+                 identities: Callable[[], object] = lambda: None, tenant_log=None) -> None:
         """``identities()``: the identity table in force (its space limits go to each
-        tier manager a session names a namespace on)."""
+        tier manager a session names a namespace on); ``tenant_log``: where the
+        namespaces' tenants are kept across restarts."""
         self.sessions = sessions
+        self._tenant_log = tenant_log
         self._identities = identities
         self.metrics = metrics
         self._session = session_of
@@ -67,6 +69,8 @@ class CacheOps:
             if table is not None and manager.quotas.source is not table:
                 manager.set_space_limits(table.space_limits, table)
             manager.assign(ns, name or DEFAULT_TENANT)  # its pages count as the tenant's
+            if self._tenant_log is not None:
+                self._tenant_log.note(manager.spec.fingerprint, ns, name or DEFAULT_TENANT)
             if len(session.namespaces) >= _MAX_NAMESPACES:
                 session.namespaces.clear()  # a cache: a client naming ever new extra keys does not grow it
             session.namespaces[(tenant, extra_key)] = ns

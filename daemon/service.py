@@ -38,6 +38,7 @@ from hicache.daemon.cache_ops import CacheOps
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
 from hicache.daemon.specs import Specs
+from hicache.daemon.tenant_log import TenantLog
 from hicache.errors import (
     Draining,
     ErrorCode,
@@ -115,12 +116,14 @@ class Daemon:
                                   sync=config.disk.sync)
         self.storage = storage
         self.sessions = Sessions(config.server, clock=clock, metrics=metrics)
+        self.tenant_log = TenantLog(config.disk.store_path / "tenants"
+                                    if config.disk.enabled and storage is not None else None)
         # Called now and then during long work on the owner thread at a spec's first
         # registration (pinning its host pool, rebuilding its disk tier) with a count
         # of what is done; the server feeds the systemd watchdog from it.
         self.keepalive: Callable[[int], None] = lambda done: None
         self.specs = Specs(config, storage=storage, completions=self.completions, clock=clock, metrics=metrics,
-                           progress=lambda done: self.keepalive(done))
+                           progress=lambda done: self.keepalive(done), tenant_of=self.tenant_log.tenants_of)
         self.managers = self.specs.managers  # spec fingerprint -> its tier manager, serving
         # The connection the request being handled came from (its routing id), and how to
         # learn who is at its other end: the server's (tests without sockets: LOCAL).
@@ -139,7 +142,8 @@ class Daemon:
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
-                       defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities)
+                       defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities,
+                       tenant_log=self.tenant_log)
         handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Attach: self._attach, p.Match: ops.match,
             p.MatchMany: ops.match_many, p.Lock: ops.lock, p.Unlock: ops.unlock,
@@ -499,5 +503,6 @@ class Daemon:
             manager.close()
         if self.storage is not None:
             self.storage.close()
+        self.tenant_log.close()
         if self.fds is not None:
             self.fds.close()

@@ -40,7 +40,7 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
 
 
 def tenant_pages(managers: Iterable[TierManager]) -> dict[str, list[int]]:
-    """Host and disk pages per tenant, every spec together ("": unattributed)."""
+    """Host and disk pages per tenant, every spec together ("": tenant unknown)."""
     out: dict[str, list[int]] = {}
     for manager in managers:
         for tenant, (host, disk) in manager.tree.groups().items():

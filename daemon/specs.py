@@ -58,10 +58,13 @@ class Specs:
     """Spec fingerprint -> its tier manager, and the rebuilds under way. Owner thread only."""
 
     def __init__(self, config: DaemonConfig, *, storage, completions: Completions, clock: Callable[[], float],
-                 metrics, progress: Callable[[int], None]) -> None:
+                 metrics, progress: Callable[[int], None], tenant_of: Callable[[bytes], dict] = lambda fp: {}) -> None:
         """``progress`` is called now and then during long work on the owner thread
-        (pinning a host pool, rebuilding a disk tier at once) with a count of what is done."""
+        (pinning a host pool, rebuilding a disk tier at once) with a count of what is done.
+        ``tenant_of(fingerprint)``: the spec's namespaces' tenants, as kept across
+        restarts (:mod:`hicache.daemon.tenant_log`), named to each new manager."""
         self.config = config
+        self._tenant_of = tenant_of
         self.storage = storage
         self.completions = completions
         self.clock = clock
@@ -108,6 +111,8 @@ class Specs:
                               completions=self.completions, clock=self.clock, metrics=self.metrics,
                               progress=self.progress)
         manager.on_store_evicted = self._store_evicted
+        for namespace, tenant in self._tenant_of(spec.fingerprint).items():
+            manager.assign(namespace, tenant)  # (before its disk tier comes back: its pages count as theirs)
         if self.storage is not None and in_background:
             if not self._rebuilds:
                 self._pause_gc()

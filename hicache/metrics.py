@@ -53,8 +53,9 @@ hicache_quota_refused_total                     identity, quota (locks, requests
                                                 pages being all protected)
 hicache_tenant_pages                   (gauge)  tenant, tier (host, disk): pages cached for
                                                 each tenant (every spec together;
-                                                "unattributed": namespaces no session has
-                                                named the tenant of since the start)
+                                                "unattributed": namespaces whose tenant
+                                                is not known — kept across restarts in
+                                                <store>/tenants, up to a bound)
 hicache_pages                          (gauge)  tier, state (free, private,
                                                 cached_evictable, cached_protected,
                                                 staging)

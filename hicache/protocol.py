@@ -424,7 +424,7 @@ class DaemonStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     specs: dict[str, SpecStats]  # spec fingerprint (hex) -> its figures
     storage: StorageStatsMsg | None = None  # absent without a disk tier
     # tenant -> {"host_pages", "disk_pages"} cached for it, every spec together
-    # ("unattributed": namespaces no session has named the tenant of since the start)
+    # ("unattributed": namespaces whose tenant the daemon does not know)
     tenants: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
 
 

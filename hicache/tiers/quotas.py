@@ -12,8 +12,8 @@ the copy is not made (counted per limit), and the page stays where it was. Reads
 disk into host are not refused (a load would fall short): their pages count, and the
 tenant's next backup makes room among its own.
 
-Pages of namespaces no session has named the tenant of yet (after a restart, the disk
-tier's) count under no group until one does.
+Pages of namespaces whose tenant is not known count under no group (the daemon keeps
+the tenants across restarts: :mod:`hicache.daemon.tenant_log`).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ def make_daemon_with(data, tmp_path=None, clock=None):
     from hicache.fdpass import FdExchange
 
     directory = Path(tmp_path or tempfile.mkdtemp())
+    directory.mkdir(parents=True, exist_ok=True)
     values = {"disk": {"enabled": False}, "server": {"socket": str(directory / "s.sock"), "lease_s": 5.0},
               "host": {"ratio": 1.0}, "metrics": {"enabled": False}, **data}
     return Daemon(DaemonConfig.from_dict(values), clock=clock or Clock(), fds=FdExchange(directory / "fds"))
@@ -221,5 +222,33 @@ def test_a_connection_the_server_does_not_know_is_nobody(tmp_path):
         daemon.peer_creds = lambda peer: PeerCreds(None, None, None, "", mechanism="NONE")
         for request in (p.Hello(id=2, version=p.PROTOCOL_VERSION), p.Stats(id=3), p.Check(id=4)):
             error(daemon.handle(request), ErrorCode.PERMISSION_DENIED)
+    finally:
+        daemon.close()
+
+
+def test_stored_pages_count_as_their_tenants_after_a_restart(tmp_path, engines):
+    """The namespaces' tenants are kept next to the disk tier: after a restart, the pages
+    read back from disk are tenant a's again before any request names them."""
+    store = {"disk": {"enabled": True, "path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * SPEC.host_page_bytes}}
+    tokens = np.arange(3 * SPEC.page_size, dtype=np.int32).tobytes()
+    daemon = make_daemon_with({**auth(_me(tenants=["a", "b"], admin=True)), **store}, tmp_path / "one")
+    try:
+        sid = session(daemon, engines())
+        pages = ok(daemon.handle(p.Alloc(id=2, session=sid, num_pages=3))).pages
+        ok(daemon.handle(p.Insert(id=3, session=sid, tokens=tokens, pages=pages, tenant="b")))
+        flushed = daemon.handle(p.Flush(id=4))
+        while not flushed.done():
+            daemon.poll(0.01)
+        assert ok(daemon.handle(p.Stats(id=5))).stats.tenants["b"] == {"host_pages": 3, "disk_pages": 3}
+    finally:
+        daemon.close()
+    lines = (tmp_path / "lmdb" / "tenants").read_text().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(" b")
+    with open(tmp_path / "lmdb" / "tenants", "a") as f:
+        f.write("not a line\nzz 00 a\n")  # skipped, not fatal
+    daemon = make_daemon_with({**auth(_me(tenants=["a", "b"], admin=True)), **store}, tmp_path / "two")
+    try:
+        session(daemon, engines())  # (registration rebuilds the disk tier)
+        assert ok(daemon.handle(p.Stats(id=5))).stats.tenants == {"b": {"host_pages": 0, "disk_pages": 3}}
     finally:
         daemon.close()

@@ -1,0 +1,104 @@
+"""Which tenant each namespace belongs to, kept across restarts.
+
+A namespace id is a hash of the model, the tenant and the extra key: the daemon cannot
+tell a stored page's tenant from it. So that the disk tier's pages count as their
+tenants' again after a restart (occupancy, space quotas) rather than as "unattributed"
+until each tenant's next request, the daemon appends each namespace it first sees, with
+its spec and tenant, to a small log next to the disk tier (``<store>/tenants``, one line
+``<spec fingerprint hex> <namespace hex> <tenant>``), reads it back at start, and names
+a new tier manager's namespaces from it. Bounded: past :data:`MAX_ENTRIES` namespaces
+(a client naming ever new extra keys) it stops appending, and says so once. A line that
+does not parse is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hicache.config import check_name
+from hicache.errors import InvalidArgument
+from hicache.keys import PAGE_KEY_BYTES
+
+logger = logging.getLogger(__name__)
+
+MAX_ENTRIES = 100_000
+
+
+class TenantLog:
+    def __init__(self, path: Path | None, max_entries: int = MAX_ENTRIES) -> None:
+        """``path``: the log (``None``: nothing kept, no disk tier)."""
+        self.path = path
+        self.max_entries = max_entries
+        self._by_spec: dict[bytes, dict[bytes, str]] = {}  # spec fingerprint -> namespace -> tenant
+        self._entries = 0
+        self._full_said = False
+        self._file = None
+        if path is not None:
+            self._read(path)
+
+    def _read(self, path: Path) -> None:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            logger.warning("cannot read the tenant log %s (%s): stored pages count as unattributed", path, exc)
+            return
+        skipped = 0
+        for line in text.splitlines():
+            parts = line.split(" ")
+            try:
+                fingerprint, namespace, tenant = bytes.fromhex(parts[0]), bytes.fromhex(parts[1]), parts[2]
+                if len(parts) != 3 or len(namespace) != PAGE_KEY_BYTES or not fingerprint:
+                    raise ValueError
+                check_name("tenant", tenant)
+            except (ValueError, IndexError, InvalidArgument):
+                skipped += 1
+                continue
+            self._set(fingerprint, namespace, tenant)
+        if skipped:
+            logger.warning("tenant log %s: %d lines that do not parse were skipped", path, skipped)
+
+    def _set(self, fingerprint: bytes, namespace: bytes, tenant: str) -> bool:
+        known = self._by_spec.setdefault(fingerprint, {})
+        if known.get(namespace) == tenant:
+            return False
+        if namespace not in known:
+            self._entries += 1
+        known[namespace] = tenant
+        return True
+
+    def tenants_of(self, fingerprint: bytes) -> dict[bytes, str]:
+        """Namespace -> tenant, of one spec."""
+        return dict(self._by_spec.get(fingerprint, {}))
+
+    def note(self, fingerprint: bytes, namespace: bytes, tenant: str) -> None:
+        """``namespace`` (of spec ``fingerprint``) is ``tenant``'s: appended if new."""
+        if self.path is None:
+            return
+        known = self._by_spec.get(fingerprint)
+        if known is not None and known.get(namespace) == tenant:
+            return
+        if self._entries >= self.max_entries and (known is None or namespace not in known):
+            if not self._full_said:
+                self._full_said = True
+                logger.warning("tenant log %s holds %d namespaces: no more are kept (after a restart, pages of "
+                               "the others count as unattributed until their tenant's next request)",
+                               self.path, self.max_entries)
+            return
+        self._set(fingerprint, namespace, tenant)
+        try:
+            if self._file is None:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._file = os.fdopen(fd, "a", encoding="utf-8")
+            self._file.write(f"{fingerprint.hex()} {namespace.hex()} {tenant}\n")
+            self._file.flush()
+        except OSError as exc:
+            logger.warning("cannot append to the tenant log %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

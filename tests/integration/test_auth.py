@@ -110,8 +110,8 @@ def test_tenants_are_bound_by_the_daemon(daemon, keys):
     not by naming tenant a (PERMISSION_DENIED), not by any extra key, not from host or
     disk, not after a restart — and X is refused Y's tenants likewise."""
     tokens = _tokens(1, 4)
-    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
-    y = ClientEngine(daemon.tcp, **_creds(keys, "y"), heartbeat=False)
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"))
+    y = ClientEngine(daemon.tcp, **_creds(keys, "y"))
     try:
         x.prefill(tokens)
         assert x.client.match(tokens).num_device_pages == 4
@@ -141,8 +141,8 @@ def test_tenants_are_bound_by_the_daemon(daemon, keys):
     # Restart: the cache comes back from disk, bound the same way.
     daemon.stop()
     daemon.start()
-    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
-    y = ClientEngine(daemon.tcp, **_creds(keys, "y"), heartbeat=False)
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"))
+    y = ClientEngine(daemon.tcp, **_creds(keys, "y"))
     try:
         m = x.client.match(tokens)
         assert m.num_tokens == len(tokens) and m.num_device_pages == 0  # from host / disk
@@ -160,7 +160,7 @@ def test_tenants_are_bound_by_the_daemon(daemon, keys):
 
 def test_quotas_refuse_one_identity_and_not_another(daemon, keys):
     raw = _client(daemon, keys, "limited")
-    other = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    other = ClientEngine(daemon.tcp, **_creds(keys, "x"))
     try:
         assert raw.health().state == "serving"  # health is never rated
         raw._admin(p.Hello(id=0, version=p.PROTOCOL_VERSION, client="limited"))  # its one request
@@ -178,8 +178,8 @@ def test_space_quotas_keep_a_tenant_to_its_pages_and_not_another_tenants(daemon,
     """Identity "spacey" may hold 4 host and 6 disk pages: its tenant makes room among
     its own pages as it goes (its newest prompt still hits), another tenant keeps all of
     its pages, and stats show each tenant's occupancy."""
-    s = ClientEngine(daemon.tcp, **_creds(keys, "s"), heartbeat=False)
-    x = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False)
+    s = ClientEngine(daemon.tcp, **_creds(keys, "s"))
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"))
     admin = _client(daemon, keys, "y")
     try:
         x.prefill(_tokens(50, 5))
@@ -193,7 +193,7 @@ def test_space_quotas_keep_a_tenant_to_its_pages_and_not_another_tenants(daemon,
         assert tenants["s"]["disk_pages"] == 6
         s.client.close()
         s.engine.close()
-        s = ClientEngine(daemon.tcp, **_creds(keys, "s"), heartbeat=False)  # a new pool: no device pages
+        s = ClientEngine(daemon.tcp, **_creds(keys, "s"))  # a new pool: no device pages
         m = s.client.match(_tokens(65, 2))
         assert m.num_tokens == 2 * PS and m.num_device_pages == 0
         s.prefill(_tokens(65, 2))  # loaded back from host / disk, bytes checked
@@ -213,8 +213,8 @@ def test_lock_quota(tmp_path, keys):
     d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=auth, probe={"endpoint": endpoint, **_creds(keys, "y")})
     d.tcp = endpoint
     d.start()
-    limited = ClientEngine(endpoint, **_creds(keys, "limited"), heartbeat=False)
-    other = ClientEngine(endpoint, **_creds(keys, "x"), heartbeat=False)
+    limited = ClientEngine(endpoint, **_creds(keys, "limited"))
+    other = ClientEngine(endpoint, **_creds(keys, "x"))
     try:
         handles = []
         for seed in range(3):
@@ -242,7 +242,7 @@ def test_reload_rotates_keys(daemon, keys):
     """X's key is replaced by a new one: after SIGHUP the old key's connection gets
     nothing more and its session ends; the new key works; a non-administrator cannot
     ask for a reload, and a bad file keeps the identities in force."""
-    old = ClientEngine(daemon.tcp, **_creds(keys, "x"), heartbeat=False, timeout_s=1.0)
+    old = ClientEngine(daemon.tcp, **_creds(keys, "x"), timeout_s=1.0)
     admin = _client(daemon, keys, "y")
     try:
         old.prefill(_tokens(3, 2))
@@ -259,7 +259,7 @@ def test_reload_rotates_keys(daemon, keys):
         old.client.timeout_s = 0.5
         m = old.client.match(_tokens(3, 2))  # no answer: the client degrades to a miss
         assert m.handle is None and old.client.degraded
-        new = ClientEngine(daemon.tcp, **_creds(keys, "x2"), heartbeat=False)
+        new = ClientEngine(daemon.tcp, **_creds(keys, "x2"))
         try:
             assert new.client.match(_tokens(3, 2)).num_tokens == 2 * PS  # same identity, same tenant
         finally:
@@ -343,7 +343,7 @@ def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
     d = DaemonProcess(tmp_path / "plain", auth={"default_identity": "", "identities": [me]})
     d.start()
     try:
-        engine = ClientEngine(d.endpoint, heartbeat=False)
+        engine = ClientEngine(d.endpoint)
         try:
             engine.prefill(_tokens(7, 2))
             assert engine.client.match(_tokens(7, 2), tenant="u").num_device_pages == 2

@@ -121,7 +121,6 @@ class Server:
         # gives a connection an empty routing id)
         self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER) if peer else LOCAL
         self.daemon.on_reload = self._relearn_peers
-        self._config_path = config_path
         if config_path is not None:
             self.daemon.reload_source = lambda: DaemonConfig.load(config_path).auth
         self._reload_requested = False

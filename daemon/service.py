@@ -176,7 +176,7 @@ class Daemon:
         start = time.perf_counter()
         self._peer = peer
         try:
-            if self._limited and op not in _UNRATED_OPS:
+            if self.identities.rated and op not in _UNRATED_OPS:
                 self._admit(op)
             elif op in _ADMIN_OPS:
                 self._require_admin(op)
@@ -251,10 +251,6 @@ class Daemon:
             return IdentityTable(auth)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-
-    @property
-    def _limited(self) -> bool:
-        return self.identities.rated
 
     def creds(self, peer: bytes) -> PeerCreds:
         """Who is at the other end of ``peer``, with its identity (requests handled

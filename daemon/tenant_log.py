@@ -61,14 +61,11 @@ class TenantLog:
         if skipped:
             logger.warning("tenant log %s: %d lines that do not parse were skipped", path, skipped)
 
-    def _set(self, fingerprint: bytes, namespace: bytes, tenant: str) -> bool:
+    def _set(self, fingerprint: bytes, namespace: bytes, tenant: str) -> None:
         known = self._by_spec.setdefault(fingerprint, {})
-        if known.get(namespace) == tenant:
-            return False
         if namespace not in known:
             self._entries += 1
         known[namespace] = tenant
-        return True
 
     def tenants_of(self, fingerprint: bytes) -> dict[bytes, str]:
         """Namespace -> tenant, of one spec."""

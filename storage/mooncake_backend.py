@@ -1,0 +1,360 @@
+"""The remote tier's store: Mooncake Store, shared by every node of a fleet.
+
+Mooncake Store (``mooncake-transfer-engine-non-cuda`` on CPU machines, the CUDA wheel
+on GPU machines: the optional ``remote`` extra) keeps objects in memory segments that
+its clients contribute, indexed by a master (``mooncake_master``) that also grants
+leases and evicts. hicache stores one object per page, named by its page key — equal on
+every machine for the same namespace and tokens — so node B finds what node A stored by
+asking for the keys that follow its own hit.
+
+An object is a record header, the page's token ids, then the host page as is::
+
+    record header, little-endian (96 B)
+    +-------+---------------------------------+
+    | 0  4s | magic b"HCRM"                   |
+    | 4  H  | record format version (1)       |
+    | 6  H  | header size with tokens         |
+    | 8  16s| spec fingerprint                |
+    | 24 Q  | payload length                  |
+    | 32 16s| page key                        |
+    | 48 16s| namespace id                    |
+    | 64 16s| parent page key                 |
+    | 80 I  | token bytes that follow (4 per token)
+    | 84 4x | reserved (zero)                 |
+    | 88 Q  | xxh3_64 of bytes [0, 88), the tokens and the payload
+    +-------+---------------------------------+
+
+The header carries what a node needs to put the page in its tree (namespace, parent,
+tokens), and the checksum covers all of it: a value that fails any check (size, magic,
+key, fingerprint, checksum) reads as missing and is counted (:attr:`StorageStats.corrupt_records`).
+Puts and gets are zero-copy between the host pool's pages (registered with the store
+once) and the store: each object is two buffers, its header (built in a small
+registered scratch area) and the host page.
+
+Every call into Mooncake may block for seconds while the master is unreachable (its RPC
+timeouts): the tier manager calls this backend only from its own threads
+(:mod:`hicache.tiers.remote`). A failed RPC raises :class:`RemoteUnavailable`; a key
+that is not stored is just missing. Leases and eviction are the master's: nothing here
+deletes on capacity, and :meth:`iter_metadata` lists nothing (a remote tier is not
+rebuilt into the tree; it is asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from hicache.errors import InvalidArgument, StorageUnavailable
+from hicache.keys import PAGE_KEY_BYTES
+from hicache.storage.base import Buffer, PageBatch, PageMeta, PageRecord, PutResult, StorageStats
+
+logger = logging.getLogger(__name__)
+
+RECORD_MAGIC = b"HCRM"
+RECORD_VERSION = 1
+_HEADER = struct.Struct("<4sHH16sQ16s16s16sI4xQ")
+HEADER_BYTES = _HEADER.size  # 96
+_CHECKSUM_OFFSET = HEADER_BYTES - 8
+KEY_PREFIX = "hicache/1/"  # object names: this prefix and the page key in hex
+
+# Mooncake's error codes: object not found (missing, not bad), RPC failure (the store is
+# unreachable), no segment with room (a put skipped). Any other failure of a get — a
+# value of another size among them — reads as a bad record.
+_NOT_FOUND = -704
+_RPC_FAIL = -900
+_NO_SPACE = -200  # no segment has room (or none is mounted): the put is skipped
+
+
+class RemoteUnavailable(StorageUnavailable):
+    """The remote store did not answer (its master or a segment is unreachable)."""
+
+
+def object_name(key: bytes) -> str:
+    return KEY_PREFIX + key.hex()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeConfig:
+    """How to join a Mooncake Store (``[remote]`` in the daemon's config)."""
+
+    master: str  # the master's host:port
+    metadata_server: str = "P2PHANDSHAKE"  # P2PHANDSHAKE needs no metadata server
+    protocol: str = "tcp"  # or "rdma"
+    device_names: str = ""  # RDMA devices ("" = auto / none for tcp)
+    local_hostname: str = "127.0.0.1"  # the address other nodes reach this one at
+    segment_bytes: int = 0  # memory this node contributes to the store (0: none)
+    buffer_bytes: int = 16 << 20  # the client's local transfer buffer
+
+    def __post_init__(self) -> None:
+        if not self.master or ":" not in self.master:
+            raise InvalidArgument(f"remote master must be host:port, got {self.master!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise InvalidArgument(f"remote protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.segment_bytes < 0 or self.buffer_bytes <= 0:
+            raise InvalidArgument("remote segment_bytes must be >= 0 and buffer_bytes > 0")
+
+
+def _checksum(header: memoryview | bytes, rest: Sequence) -> int:
+    digest = xxhash.xxh3_64(header[:_CHECKSUM_OFFSET])
+    for part in rest:
+        digest.update(part)
+    return digest.intdigest()
+
+
+def _address(buffer) -> tuple[int, int]:
+    """(pointer, bytes) of a contiguous buffer."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise InvalidArgument("a remote buffer must be contiguous")
+        return buffer.ctypes.data, buffer.nbytes
+    if hasattr(buffer, "data_ptr"):  # a torch tensor
+        if not buffer.is_contiguous():
+            raise InvalidArgument("a remote buffer must be contiguous")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    return array.ctypes.data, array.nbytes
+
+
+class MooncakeBackend:
+    """See the module docstring. Thread-safe: calls run on any thread (each thread has
+    its own header scratch area)."""
+
+    BATCH = 512  # objects per Mooncake call at most
+
+    def __init__(self, config: MooncakeConfig, *, store=None) -> None:
+        """``store``: an already set-up ``MooncakeDistributedStore`` (tests), else one is
+        made from ``config``."""
+        self.config = config
+        if store is None:
+            store = self._connect(config)
+        self._store = store
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []  # (pointer, bytes) registered with the store
+        self._local = threading.local()
+        self._keep: list[np.ndarray] = []  # scratch areas (registered: kept alive until close)
+        self._corrupt = 0
+        self._closed = False
+
+    @staticmethod
+    def _connect(config: MooncakeConfig):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise StorageUnavailable(
+                "the remote tier needs Mooncake: pip install 'hicache[remote]' "
+                "(mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1)"
+                f" ({exc})") from exc
+        store = MooncakeDistributedStore()
+        rc = store.setup(config.local_hostname, config.metadata_server, config.segment_bytes,
+                         config.buffer_bytes, config.protocol, config.device_names, config.master)
+        if rc != 0:
+            raise RemoteUnavailable(f"cannot join the Mooncake Store at {config.master} (setup returned {rc})")
+        return store
+
+    # -- memory registration ------------------------------------------------------------
+
+    def register(self, array: np.ndarray) -> None:
+        """Register ``array`` (the host pool's pages) for zero-copy transfers; idempotent."""
+        ptr, size = _address(array)
+        with self._lock:
+            if any(p <= ptr and ptr + size <= p + s for p, s in self._registered):
+                return
+            rc = self._store.register_buffer(ptr, size)
+            if rc != 0:
+                raise RemoteUnavailable(f"the store refused to register {size} bytes (rc {rc})")
+            self._registered.append((ptr, size))
+
+    def _scratch(self, header_bytes: int) -> np.ndarray:
+        """This thread's registered header area: :attr:`BATCH` headers of ``header_bytes``."""
+        area = getattr(self._local, "area", None)
+        if area is None or area.shape[1] != header_bytes:
+            area = np.zeros((self.BATCH, header_bytes), dtype=np.uint8)
+            self.register(area)
+            with self._lock:
+                self._keep.append(area)
+            self._local.area = area
+        return area
+
+    # -- the remote tier's calls ----------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the store holds now (one master RPC per :attr:`BATCH`)."""
+        self._check_open()
+        found: list[bool] = []
+        for start in range(0, len(keys), self.BATCH):
+            names = [object_name(k) for k in keys[start : start + self.BATCH]]
+            codes = self._store.batch_is_exist(names)
+            if any(c < 0 for c in codes):
+                raise RemoteUnavailable(f"the store did not answer is_exist (codes {sorted(set(codes))})")
+            found.extend(c == 1 for c in codes)
+        return found
+
+    def put_batch(self, batch: PageBatch, *, fingerprint: bytes) -> Future[PutResult]:
+        """Store ``batch``'s records (synchronously, on the caller's thread: the tier
+        manager calls from its remote thread); the future is done when they are."""
+        future: Future = Future()
+        try:
+            future.set_result(PutResult(self._put(batch, fingerprint), ()))
+        except BaseException as exc:  # (delivered through the future, as the port says)
+            future.set_exception(exc)
+        return future
+
+    def _put(self, batch: PageBatch, fingerprint: bytes) -> int:
+        self._check_open()
+        n = batch.num_records
+        if n == 0:
+            return 0
+        if len(batch.tokens) % n:
+            raise InvalidArgument("the batch's tokens are not equal slices")
+        token_bytes = len(batch.tokens) // n
+        source = batch.source
+        payload = source.shape[1]
+        base, _ = _address(source)
+        header_bytes = HEADER_BYTES + token_bytes
+        area = self._scratch(header_bytes)
+        area_ptr = area.ctypes.data
+        written = 0
+        for start in range(0, n, self.BATCH):
+            stop = min(n, start + self.BATCH)
+            names, ptrs, sizes = [], [], []
+            for j, i in enumerate(range(start, stop)):
+                key = batch.keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES]
+                tokens = batch.tokens[i * token_bytes : (i + 1) * token_bytes]
+                row = int(batch.rows[i])
+                header = area[j]
+                _HEADER.pack_into(header, 0, RECORD_MAGIC, RECORD_VERSION, header_bytes, fingerprint, payload, key,
+                                  batch.namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES],
+                                  batch.parents[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES], token_bytes, 0)
+                header[HEADER_BYTES:] = np.frombuffer(tokens, dtype=np.uint8)
+                checksum = _checksum(header.data, (tokens, source[row].data))
+                struct.pack_into("<Q", header, _CHECKSUM_OFFSET, checksum)
+                names.append(object_name(key))
+                ptrs.append([area_ptr + j * header_bytes, base + row * payload])
+                sizes.append([header_bytes, payload])
+            codes = self._store.batch_put_from_multi_buffers(names, ptrs, sizes)
+            if codes and all(c == _RPC_FAIL for c in codes):
+                raise RemoteUnavailable("the store did not answer a put")
+            written += sum(1 for c in codes if c == 0)
+            if any(c not in (0, _NO_SPACE) for c in codes):
+                logger.warning("remote put: %d of %d objects refused (codes %s)",
+                               sum(1 for c in codes if c != 0), len(codes), sorted(set(codes)))
+        return written
+
+    def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
+        """:meth:`put_batch` of records given one by one (tests, tools)."""
+        if not records:
+            return self.put_batch(PageBatch(b"", b"", b"", b"", np.zeros((0, 0), np.uint8), np.zeros(0, np.int64)),
+                                  fingerprint=fingerprint)
+        payloads = [np.frombuffer(memoryview(r.payload).cast("B") if not hasattr(r.payload, "numpy")
+                                  else r.payload.numpy().reshape(-1).view(np.uint8), dtype=np.uint8)
+                    for r in records]
+        source = np.stack(payloads)
+        batch = PageBatch(b"".join(r.key for r in records), b"".join(r.meta.namespace for r in records),
+                          b"".join(r.meta.parent for r in records), b"".join(r.meta.tokens for r in records),
+                          source, np.arange(len(records)))
+        return self.put_batch(batch, fingerprint=fingerprint)
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes,
+            token_bytes: int | None = None) -> list[bool]:
+        """Copy each stored, intact object into its buffer (the payload only); ``False``
+        where it is missing or fails a check. ``token_bytes``: the tokens a record of
+        this spec carries (by default, whatever the object says)."""
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise InvalidArgument("one buffer per key")
+        found: list[bool] = []
+        for start in range(0, len(keys), self.BATCH):
+            found.extend(self._get(keys[start : start + self.BATCH], buffers[start : start + self.BATCH],
+                                   fingerprint, token_bytes))
+        return found
+
+    def _get(self, keys, buffers, fingerprint: bytes, token_bytes: int | None) -> list[bool]:
+        addresses = [_address(b) for b in buffers]
+        if token_bytes is None:
+            sizes = [self._store.get_size(object_name(k)) for k in keys]
+            token_bytes = max([s - HEADER_BYTES - a[1] for s, a in zip(sizes, addresses)] + [0])
+        header_bytes = HEADER_BYTES + token_bytes
+        area = self._scratch(header_bytes)
+        area_ptr = area.ctypes.data
+        names = [object_name(k) for k in keys]
+        ptrs = [[area_ptr + j * header_bytes, addresses[j][0]] for j in range(len(keys))]
+        sizes = [[header_bytes, addresses[j][1]] for j in range(len(keys))]
+        codes = self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
+        if codes and all(c == _RPC_FAIL for c in codes):
+            raise RemoteUnavailable("the store did not answer a get")
+        found = []
+        for j, code in enumerate(codes):
+            ok = code == header_bytes + addresses[j][1] and self._intact(
+                area[j], keys[j], fingerprint, buffers[j], addresses[j][1])
+            if not ok and code not in (_NOT_FOUND, _RPC_FAIL):  # (a value of another size: bad too)
+                with self._lock:
+                    self._corrupt += 1
+                logger.warning("remote record %s fails its checks: read as missing", keys[j].hex())
+            found.append(ok)
+        return found
+
+    @staticmethod
+    def _intact(header: np.ndarray, key: bytes, fingerprint: bytes, buffer, payload: int) -> bool:
+        magic, version, size, fp, length, stored_key, _, _, tokens, checksum = _HEADER.unpack_from(header, 0)
+        if (magic != RECORD_MAGIC or version != RECORD_VERSION or size != len(header) or fp != fingerprint
+                or length != payload or stored_key != key or tokens != size - HEADER_BYTES):
+            return False
+        data = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(
+            buffer.numpy() if hasattr(buffer, "numpy") else buffer, dtype=np.uint8)
+        return _checksum(header.data, (header[HEADER_BYTES:].data, data.reshape(-1).view(np.uint8).data)) == checksum
+
+    # -- the rest of the storage port -----------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> Future[int]:
+        """Remove ``keys`` (objects under a lease stay until it ends: Mooncake's rule)."""
+        future: Future = Future()
+        try:
+            self._check_open()
+            codes = self._store.batch_remove([object_name(k) for k in keys]) if keys else []
+            future.set_result(sum(1 for c in codes if c == 0))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def iter_metadata(self, batch: int | None = None) -> Iterator[tuple[bytes, PageMeta]]:
+        """A remote store is asked, not listed: nothing."""
+        return iter(())
+
+    def read_tokens(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    def flush(self) -> None:
+        """Puts are synchronous: nothing is queued."""
+
+    def stats(self) -> StorageStats:
+        return StorageStats(records=0, bytes=0, capacity_bytes=0, map_size_bytes=0,
+                            corrupt_records=self._corrupt, evicted_records=0, pending_writes=0)
+
+    @property
+    def corrupt_records(self) -> int:
+        return self._corrupt
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageUnavailable("the remote store is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            for ptr, _ in self._registered:
+                self._store.unregister_buffer(ptr)
+            self._store.close()
+        except Exception as exc:  # (closing a store whose master is gone)
+            logger.warning("closing the remote store: %s", exc)
+
+

@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,remote]'
 	touch $@ $(VENV)/.installed
 
 run: $(VENV)/.installed

@@ -1,0 +1,324 @@
+"""Which cached blocks live in which tier, published in vLLM's KV-event wire format.
+
+Cache-aware routers (vLLM's own subscribers, NVIDIA Dynamo's KV router) keep a picture
+of each engine's cache from a stream of events; the daemon publishes the same stream for
+its tiers (medium ``CPU``, ``STORAGE``), so that they can route to the host whose host
+memory or disk already holds a prefix. A block hash on the wire is the low 64 bits of a
+page key (:func:`block_hash`). One message per batch, on a PUB socket::
+
+    frame 0   topic                       (the stream's; subscribers filter on it)
+    frame 1   seq, 8 bytes big-endian     (per stream, 0, 1, 2, ...)
+    frame 2   msgpack [ts, [event, ...], data_parallel_rank]
+              event: {"type": "BlockStored", "block_hashes": [u64, ...], ...}
+                     {"type": "BlockRemoved", "block_hashes": [...], "medium": ...}
+                     {"type": "AllBlocksCleared"}
+
+A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
+replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
+first stream) or ``[topic, start_seq8]``, and gets ``[b"", topic, seq8, payload]`` for
+each batch still in the stream's ring, then the end marker ``[b"", b"", -1 as 8 bytes,
+b""]``.
+
+A subscriber that misses events has a wrong picture, and nothing in the format says
+which blocks it got wrong. So whenever events are lost (the bounded queue overflows, the
+PUB socket refuses a batch) the stream discards what it has queued, queues
+``AllBlocksCleared`` first, and raises :attr:`EventStream.needs_resync`: its owner clears
+the flag and re-announces every block it holds. Events queued before a clear are
+discarded too — a subscriber would clear them anyway.
+
+Each event is encoded when it is queued (to ``msgspec.Raw``, as fast as building the
+struct and encoding it with its batch): a bad argument raises at the caller rather than
+at :meth:`EventPublisher.publish`, the caller's lists are not kept, and the batch is
+one encoder call that copies the encoded events in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any
+
+import msgspec
+import zmq
+
+from hicache.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+MAX_QUEUE_EVENTS = 100_000
+BUFFER_STEPS = 10_000
+HWM = 100_000
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+_PAGE_KEY_BYTES = 16
+_U64_MASK = (1 << 64) - 1
+_MAX_REQUEST_BYTES = 64 * 1024  # a replay request is a topic and 8 bytes
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None  # deprecated in vLLM (lora_name says it), always None; Dynamo still reads it
+    medium: str
+    lora_name: str | None
+    extra_keys: list[Any] | None = None  # one entry per block; omitted when None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: str
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_CLEARED = msgspec.Raw(_ENCODER.encode(AllBlocksCleared()))
+
+
+def block_hash(page_key: bytes) -> int:
+    """The block hash of a page on the wire: the low 64 bits of its 16-byte key."""
+    if len(page_key) != _PAGE_KEY_BYTES:
+        raise InvalidArgument(f"a page key is {_PAGE_KEY_BYTES} bytes, not {len(page_key)}")
+    return int.from_bytes(page_key, "big") & _U64_MASK
+
+
+class EventStream:
+    """One topic's events: a bounded queue of encoded events, its sequence numbers (from
+    0) and a ring of the last ``buffer_steps`` batches for replay. Not thread-safe."""
+
+    def __init__(self, topic: bytes, data_parallel_rank: int = 0, *,
+                 max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS) -> None:
+        if not 0 <= data_parallel_rank < 1 << 32:  # Dynamo reads it as a u32
+            raise InvalidArgument(f"data_parallel_rank {data_parallel_rank} is not a u32")
+        if max_queue_events < 1 or buffer_steps < 1:
+            raise InvalidArgument("max_queue_events and buffer_steps must be positive")
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        self.max_queue_events = max_queue_events
+        self.next_seq = 0
+        self.needs_resync = False  # set when events were lost; the owner clears it and re-announces
+        self.dropped = 0  # events that never reached the wire
+        self.batches_sent = 0
+        self.events_sent = 0
+        self._clear_first = False  # the next batch starts with AllBlocksCleared (not counted in the bound)
+        self._pending: list[msgspec.Raw] = []
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+
+    @property
+    def num_pending(self) -> int:
+        """Events the next batch holds."""
+        return len(self._pending) + self._clear_first
+
+    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int,
+               medium: str, lora_name: str | None = None, extra_keys: Sequence[Any] | None = None) -> None:
+        """Blocks ``hashes`` (a chain: each the next one's parent; ``parent`` the first's)
+        now live in ``medium``; ``token_ids`` are their tokens, ``block_size`` a block.
+        An empty ``hashes`` queues nothing."""
+        if not hashes:
+            return
+        if extra_keys is not None:
+            extra_keys = list(extra_keys)
+            if len(extra_keys) != len(hashes):
+                raise InvalidArgument(f"{len(extra_keys)} extra keys for {len(hashes)} blocks")
+        self._push(BlockStored(list(hashes), parent, list(token_ids), block_size, None, medium,
+                               lora_name, extra_keys))
+
+    def removed(self, hashes: Sequence[int], medium: str) -> None:
+        """Blocks ``hashes`` no longer live in ``medium``. An empty ``hashes`` queues nothing."""
+        if hashes:
+            self._push(BlockRemoved(list(hashes), medium))
+
+    def cleared(self) -> None:
+        """Every block is gone, from every medium. O(1): what was queued is discarded."""
+        self._pending = []
+        self._clear_first = True
+
+    def _push(self, event: BlockStored | BlockRemoved) -> None:
+        if len(self._pending) >= self.max_queue_events:
+            self.lost(1)
+            return
+        self._pending.append(msgspec.Raw(_ENCODER.encode(event)))
+
+    def lost(self, num_events: int) -> None:
+        """``num_events`` events did not reach the wire: discard the queue (counted too)
+        and restart it with ``AllBlocksCleared``; the owner re-announces what it holds."""
+        self.dropped += num_events + len(self._pending)
+        if not self.needs_resync:
+            logger.warning("events stream %r lost events (%d so far): subscribers are told to clear and "
+                           "the blocks are announced again", self.topic, self.dropped)
+        self.needs_resync = True
+        self._pending = []
+        self._clear_first = True
+
+    def take_batch(self, now: float) -> tuple[int, bytes] | None:
+        """Everything queued as one batch stamped ``now``: ``(seq, payload)``, kept in the
+        ring; ``None`` when nothing is queued. O(encoded bytes)."""
+        if not self._pending and not self._clear_first:
+            return None
+        events, self._pending = self._pending, []
+        if self._clear_first:
+            events.insert(0, _CLEARED)
+            self._clear_first = False
+        seq = self.next_seq
+        self.next_seq += 1
+        payload = _ENCODER.encode((float(now), events, self.data_parallel_rank))
+        self._ring.append((seq, payload))
+        return seq, payload
+
+    def replay(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """The batches in the ring from ``start_seq`` on (from the oldest kept, if older)."""
+        if not self._ring:
+            return []
+        return list(islice(self._ring, max(0, start_seq - self._ring[0][0]), None))
+
+
+class EventPublisher:
+    """A PUB socket bound to ``endpoint`` carrying several streams (one per topic), and
+    optionally the replay ROUTER bound to ``replay_endpoint``. Runs on its owner's
+    thread: the owner calls :meth:`publish` and, when its poller sees a socket of
+    :meth:`sockets` readable, :meth:`serve_replay`. Not thread-safe; no threads."""
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, hwm: int = HWM,
+                 max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS,
+                 context: zmq.Context | None = None, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the batches' timestamps (wall-clock seconds, as vLLM's)."""
+        self._clock = clock
+        self._max_queue_events = max_queue_events
+        self._buffer_steps = buffer_steps
+        self._streams: dict[bytes, EventStream] = {}
+        self._replay: zmq.Socket | None = None
+        self.replay_endpoint: str | None = None
+        context = context if context is not None else zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        try:
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.bind(endpoint)
+            self.endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # port 0 resolved
+            if replay_endpoint is not None:
+                self._replay = context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # A replay is up to one message per batch in the ring; past the queue's
+                # bound (or to a client gone) a send raises rather than being dropped
+                # unseen, and the reply to that client stops.
+                self._replay.setsockopt(zmq.SNDHWM, max(hwm, buffer_steps + 1))
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
+        """The stream of ``topic``, created on first use (the first one created answers
+        vLLM's one-frame replay requests)."""
+        key = topic.encode() if isinstance(topic, str) else bytes(topic)
+        found = self._streams.get(key)
+        if found is None:
+            found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
+                                                     buffer_steps=self._buffer_steps)
+        elif found.data_parallel_rank != data_parallel_rank:
+            raise InvalidArgument(f"events stream {key!r} has data-parallel rank {found.data_parallel_rank}, "
+                                  f"not {data_parallel_rank}")
+        return found
+
+    @property
+    def streams(self) -> list[EventStream]:
+        """In creation order."""
+        return list(self._streams.values())
+
+    def sockets(self) -> list[zmq.Socket]:
+        """What the owner polls for input: the replay ROUTER, if any."""
+        return [] if self._replay is None else [self._replay]
+
+    @property
+    def batches_sent(self) -> int:
+        return sum(s.batches_sent for s in self._streams.values())
+
+    @property
+    def events_sent(self) -> int:
+        return sum(s.events_sent for s in self._streams.values())
+
+    @property
+    def dropped(self) -> int:
+        return sum(s.dropped for s in self._streams.values())
+
+    def publish(self, now: float | None = None) -> int:
+        """Send every stream's queued events as one batch each; returns batches sent. A
+        batch the socket refuses stays in the ring, is counted as dropped, and makes
+        its stream resync."""
+        if now is None:
+            now = self._clock()
+        sent = 0
+        for stream in self._streams.values():
+            num_events = stream.num_pending
+            taken = stream.take_batch(now)
+            if taken is None:
+                continue
+            seq, payload = taken
+            try:
+                self._pub.send_multipart([stream.topic, seq.to_bytes(8, "big"), payload], _NOBLOCK, copy=False)
+            except zmq.Again:
+                stream.lost(num_events)
+                continue
+            stream.batches_sent += 1
+            stream.events_sent += num_events
+            sent += 1
+        return sent
+
+    def serve_replay(self) -> int:
+        """Answer every replay request waiting, without blocking; returns how many. A
+        request that does not parse gets the end marker alone."""
+        if self._replay is None:
+            return 0
+        served = 0
+        while True:
+            try:
+                frames = self._replay.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return served
+            self._answer(frames[0], frames[1:])
+            served += 1
+
+    def _answer(self, identity: bytes, body: list[bytes]) -> None:
+        if body and not body[0]:  # the empty delimiter of a REQ socket (or a DEALER that mimics one)
+            body = body[1:]
+        stream = None
+        if len(body) == 1:
+            stream = next(iter(self._streams.values()), None)
+        elif len(body) == 2:
+            stream = self._streams.get(body[0])
+        batches = []
+        if stream is not None and len(body[-1]) == 8:
+            batches = stream.replay(int.from_bytes(body[-1], "big"))
+        try:
+            for seq, payload in batches:
+                self._replay.send_multipart([identity, b"", stream.topic, seq.to_bytes(8, "big"), payload],
+                                            _NOBLOCK, copy=False)
+            self._replay.send_multipart([identity, b"", b"", END_SEQ, b""], _NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone, or its queue is full
+            logger.debug("replay to %r cut short: %s", identity, exc)
+
+    def close(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

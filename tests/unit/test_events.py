@@ -1,0 +1,355 @@
+"""KV-cache events: what vLLM's and Dynamo's subscribers decode, over real zmq sockets."""
+
+from __future__ import annotations
+
+import random
+import struct
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.daemon.events import (
+    END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream, block_hash,
+)
+from hicache.errors import InvalidArgument
+
+from kv_event_shapes import AllBlocksCleared, BlockRemoved, BlockStored, apply, decode
+
+WAIT_S = 10.0  # a guard against hanging, never an assertion
+PROBE = b"probe/"
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)  # closes what a failed test left open
+
+
+@pytest.fixture
+def publisher(context, tmp_path):
+    with EventPublisher(f"ipc://{tmp_path / 'events'}", replay_endpoint=f"ipc://{tmp_path / 'replay'}",
+                        context=context, clock=lambda: 1234.5) as pub:
+        yield pub
+
+
+def subscribe(context, publisher: EventPublisher, *topics: bytes) -> zmq.Socket:
+    """A SUB socket that has joined: probe batches go out until one arrives (then the
+    probes are drained). Call before queueing the events under test."""
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(publisher.endpoint)
+    for topic in (*topics, PROBE):
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+    probe = publisher.stream(PROBE + str(len(publisher.streams)).encode())
+    deadline = time.monotonic() + WAIT_S
+    while not sub.poll(20):
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        probe.removed([1], MEDIUM_CPU)
+        publisher.publish()
+    while sub.poll(20):
+        assert sub.recv_multipart()[0].startswith(PROBE)
+    sub.setsockopt(zmq.UNSUBSCRIBE, PROBE)
+    return sub
+
+
+def receive(sub: zmq.Socket, count: int) -> list[list[bytes]]:
+    messages = []
+    while len(messages) < count:
+        assert sub.poll(int(WAIT_S * 1000)), f"{len(messages)} of {count} messages arrived"
+        messages.append(sub.recv_multipart())
+    assert not sub.poll(50), "more messages than published"
+    return messages
+
+
+def ask(publisher: EventPublisher, dealer: zmq.Socket, *request: bytes) -> list[list[bytes]]:
+    """Send a replay request; the replies up to and with the end marker."""
+    dealer.send_multipart(list(request))
+    replies = []
+    deadline = time.monotonic() + WAIT_S
+    while not replies or replies[-1][2] != END_SEQ:
+        assert time.monotonic() < deadline, "no end marker"
+        publisher.serve_replay()
+        while dealer.poll(10):
+            replies.append(dealer.recv_multipart())
+    return replies
+
+
+@pytest.fixture
+def dealer(context, publisher):
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(publisher.replay_endpoint)
+    yield sock
+    sock.close()
+
+
+def seq8(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def test_block_hash_is_the_low_64_bits_of_the_key():
+    key = bytes(range(0xF0, 0x100))
+    assert block_hash(key) == struct.unpack(">Q", key[8:])[0] == 0xF8F9FAFBFCFDFEFF
+    assert block_hash(bytes(16)) == 0
+    with pytest.raises(InvalidArgument):
+        block_hash(bytes(8))
+
+
+def test_wire_shape_is_vllms():
+    stream = EventStream(b"t", data_parallel_rank=3)
+    assert stream.take_batch(1.0) is None
+    top = (1 << 64) - 1
+    stream.stored([top, 7], None, list(range(8)), 4, MEDIUM_CPU)
+    stream.stored([9], 7, [1, 2, 3, 4], 4, MEDIUM_STORAGE, lora_name="adapter", extra_keys=[("salt",)])
+    stream.removed([top], MEDIUM_CPU)
+    seq, payload = stream.take_batch(2.5)
+    assert seq == 0 and stream.take_batch(3.0) is None
+    ts, events, rank = msgspec.msgpack.decode(payload)
+    assert (ts, rank) == (2.5, 3)
+    assert events == [
+        {"type": "BlockStored", "block_hashes": [top, 7], "parent_block_hash": None, "token_ids": list(range(8)),
+         "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None},
+        {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": 7, "token_ids": [1, 2, 3, 4],
+         "block_size": 4, "lora_id": None, "medium": "STORAGE", "lora_name": "adapter", "extra_keys": [["salt"]]},
+        {"type": "BlockRemoved", "block_hashes": [top], "medium": "CPU"},
+    ]
+    batch = decode(payload)
+    assert batch.events[1].extra_keys == [("salt",)]
+    stream.cleared()
+    assert msgspec.msgpack.decode(stream.take_batch(4.0)[1])[1] == [{"type": "AllBlocksCleared"}]
+
+
+def test_bad_arguments_raise_at_the_caller():
+    stream = EventStream(b"")
+    with pytest.raises(InvalidArgument):
+        stream.stored([1, 2], None, [], 16, MEDIUM_CPU, extra_keys=[None])
+    with pytest.raises(OverflowError):
+        stream.removed([1 << 64], MEDIUM_CPU)
+    with pytest.raises(InvalidArgument):
+        EventStream(b"", data_parallel_rank=-1)
+    stream.stored([], None, [], 16, MEDIUM_CPU)
+    stream.removed([], MEDIUM_CPU)
+    assert stream.take_batch(0.0) is None
+
+
+def test_the_callers_lists_are_not_kept():
+    stream = EventStream(b"")
+    hashes, tokens = [1], [5, 6]
+    stream.stored(hashes, None, tokens, 2, MEDIUM_GPU)
+    hashes.append(2)
+    tokens.clear()
+    (event,) = decode(stream.take_batch(0.0)[1]).events
+    assert (event.block_hashes, event.token_ids) == ([1], [5, 6])
+
+
+def test_frames_sequence_numbers_and_topics(context, publisher):
+    a, b = publisher.stream("a", 0), publisher.stream(b"b", 1)
+    assert publisher.stream("a") is a
+    with pytest.raises(InvalidArgument):
+        publisher.stream("a", 1)
+    sub = subscribe(context, publisher, b"a", b"b")
+    for i in range(3):
+        a.stored([i], None, [i] * 4, 4, MEDIUM_CPU)
+        if i != 1:
+            b.removed([i], MEDIUM_STORAGE)
+        assert publisher.publish() == (2 if i != 1 else 1)
+    assert publisher.publish() == 0
+    messages = receive(sub, 5)
+    assert all(len(m) == 3 for m in messages)
+    seqs = {b"a": [], b"b": []}
+    for topic, seq, payload in messages:
+        seqs[topic].append(int.from_bytes(seq, "big"))
+        batch = decode(payload)
+        assert batch.ts == 1234.5 and batch.data_parallel_rank == (topic == b"b")
+        assert len(batch.events) == 1 and isinstance(batch.events[0], BlockStored if topic == b"a" else BlockRemoved)
+    assert seqs == {b"a": [0, 1, 2], b"b": [0, 1]}
+    assert (a.batches_sent, a.events_sent, b.batches_sent, b.events_sent) == (3, 3, 2, 2)
+    assert publisher.batches_sent >= 5 and publisher.dropped == 0
+    sub.close()
+
+
+def test_a_subscriber_rebuilds_the_fed_blocks(context, publisher):
+    stream = publisher.stream("model", 0)
+    sub = subscribe(context, publisher, b"model")
+    rng = random.Random(7)
+    media = [MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE]
+    fed: set[tuple[str, int]] = set()
+    num_batches = 0
+    for step in range(400):
+        if step == 150:
+            stream.cleared()
+            fed.clear()
+        elif rng.random() < 0.6 or not fed:
+            medium = rng.choice(media)
+            hashes = [rng.getrandbits(64) for _ in range(rng.randint(1, 4))]
+            stream.stored(hashes, rng.choice([None, rng.getrandbits(64)]), [1] * 16 * len(hashes), 16, medium)
+            fed.update((medium, h) for h in hashes)
+        else:
+            gone = rng.sample(sorted(fed), rng.randint(1, min(3, len(fed))))
+            medium = gone[0][0]
+            stream.removed([h for m, h in gone if m == medium], medium)
+            fed.difference_update((m, h) for m, h in gone if m == medium)
+        if step % 37 == 0:
+            num_batches += publisher.publish()
+    num_batches += publisher.publish()
+    seen: set[tuple[str, int]] = set()
+    for topic, seq, payload in receive(sub, num_batches):
+        apply(seen, decode(payload))
+    assert seen == fed and len(fed) > 50
+    sub.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["stored", "removed", "cleared", "batch"]),
+                          st.sampled_from([MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE]),
+                          st.lists(st.integers(0, 12), max_size=4)), max_size=60),
+       st.integers(3, 8))  # a re-announcement is an event per medium
+def test_batches_replay_the_fed_blocks(actions, max_queue_events):
+    """Whatever the batching and overflows: after the owner re-announces on resync, the
+    decoded batches give the fed picture."""
+    stream = EventStream(b"", max_queue_events=max_queue_events, buffer_steps=1000)
+    fed: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int]] = set()
+
+    def take():
+        while stream.needs_resync:  # the re-announcement may overflow what was queued since
+            stream.needs_resync = False
+            for medium in {m for m, _ in fed}:
+                stream.stored(sorted(h for m, h in fed if m == medium), None, [], 16, medium)
+        taken = stream.take_batch(0.0)
+        if taken is not None:
+            apply(seen, decode(taken[1]))
+
+    for kind, medium, hashes in actions:
+        if kind == "stored":
+            stream.stored(hashes, None, [], 16, medium)
+            fed.update((medium, h) for h in hashes)
+        elif kind == "removed":
+            stream.removed(hashes, medium)
+            fed.difference_update((medium, h) for h in hashes)
+        elif kind == "cleared":
+            stream.cleared()
+            fed.clear()
+        else:
+            take()
+    take()
+    assert seen == fed
+    assert stream.next_seq == len(stream.replay(0))
+
+
+def test_overflow_drops_counts_and_clears():
+    stream = EventStream(b"", max_queue_events=5)
+    for i in range(7):
+        stream.stored([i], None, [], 16, MEDIUM_CPU)
+    assert stream.dropped == 6 and stream.needs_resync  # the five queued and the sixth; the seventh is queued
+    stream.needs_resync = False
+    stream.stored([100], None, [], 16, MEDIUM_STORAGE)  # the owner's re-announcement
+    events = decode(stream.take_batch(0.0)[1]).events
+    assert isinstance(events[0], AllBlocksCleared)
+    assert [e.block_hashes for e in events[1:]] == [[6], [100]]
+    assert stream.take_batch(0.0) is None and not stream.needs_resync
+
+    tight = EventStream(b"", max_queue_events=1)
+    tight.removed([1], MEDIUM_CPU)
+    tight.removed([2], MEDIUM_CPU)
+    assert tight.needs_resync and tight.dropped == 2
+    tight.needs_resync = False
+    tight.stored([3], None, [], 16, MEDIUM_CPU)  # the clear at the head does not take the only place
+    assert not tight.needs_resync
+    assert [type(e) for e in decode(tight.take_batch(0.0)[1]).events] == [AllBlocksCleared, BlockStored]
+
+
+def test_a_refused_batch_is_dropped_and_resynced(publisher):
+    class FullPub:
+        def send_multipart(self, *args, **kwargs):
+            raise zmq.Again()
+
+        def close(self, linger=None):
+            pass
+
+    stream = publisher.stream("x")
+    stream.stored([1, 2], None, [], 16, MEDIUM_CPU)
+    stream.removed([1], MEDIUM_CPU)
+    real, publisher._pub = publisher._pub, FullPub()
+    try:
+        assert publisher.publish() == 0
+    finally:
+        publisher._pub = real
+    assert (stream.dropped, publisher.dropped, stream.needs_resync) == (2, 2, True)
+    assert stream.replay(0)[0][0] == 0  # the refused batch stays replayable
+    assert publisher.publish() == 1
+    (event,) = decode(stream.replay(1)[0][1]).events
+    assert isinstance(event, AllBlocksCleared)
+
+
+def test_a_late_subscriber_replays_missed_batches(publisher, dealer):
+    first, second = publisher.stream("first"), publisher.stream("second", 2)
+    for i in range(3):
+        first.stored([i], None, [i] * 2, 2, MEDIUM_CPU)
+        second.removed([10 + i], MEDIUM_STORAGE)
+        publisher.publish()
+    assert publisher.sockets() and publisher.sockets()[0].poll(0) == 0
+
+    for request in ([seq8(0)], [b"", seq8(0)]):  # a DEALER's bare request; a REQ socket's envelope
+        replies = ask(publisher, dealer, *request)
+        assert all(r[0] == b"" for r in replies)
+        assert [(r[1], r[2]) for r in replies[:-1]] == [(b"first", seq8(s)) for s in range(3)]
+        assert [decode(r[3]).events[0].block_hashes for r in replies[:-1]] == [[0], [1], [2]]
+        assert replies[-1] == [b"", b"", END_SEQ, b""]
+
+    replies = ask(publisher, dealer, b"", b"second", seq8(1))
+    assert [(r[1], r[2]) for r in replies[:-1]] == [(b"second", seq8(1)), (b"second", seq8(2))]
+    assert decode(replies[0][3]).data_parallel_rank == 2
+    assert ask(publisher, dealer, b"second", seq8(3)) == [[b"", b"", END_SEQ, b""]]
+
+
+def test_a_start_older_than_the_ring_gets_what_the_ring_has(context, tmp_path):
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", replay_endpoint=f"ipc://{tmp_path / 'r'}",
+                        buffer_steps=4, context=context) as publisher:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint)
+        stream = publisher.stream("")
+        for i in range(10):
+            stream.removed([i], MEDIUM_CPU)
+            publisher.publish()
+        replies = ask(publisher, dealer, b"", seq8(0))
+        assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [6, 7, 8, 9]
+        assert [decode(r[3]).events[0].block_hashes for r in replies[:-1]] == [[6], [7], [8], [9]]
+        dealer.close(linger=0)
+
+
+def test_hostile_replay_requests_get_the_end_marker_at_most(publisher, dealer):
+    assert ask(publisher, dealer, seq8(0)) == [[b"", b"", END_SEQ, b""]]  # no stream yet
+    stream = publisher.stream("t")
+    stream.removed([1], MEDIUM_CPU)
+    publisher.publish()
+    rng = random.Random(3)
+    hostile = [[b""], [b"", b""], [b"", b"", b""], [seq8(0), seq8(0), seq8(0)], [b"", b"t", seq8(0), b"x"],
+               [b"\x00" * 7], [b"", b"\x00" * 9], [b"unknown", seq8(0)], [b"", b"t", b"\x01" * 7],
+               [rng.randbytes(rng.randint(1, 40)) for _ in range(5)]]
+    hostile += [[rng.randbytes(rng.randint(0, 30)) for _ in range(rng.randint(1, 4))] for _ in range(30)]
+    for request in hostile:
+        for reply in ask(publisher, dealer, *request):
+            assert reply[0] == b""
+    replies = ask(publisher, dealer, b"", b"t", seq8(0))
+    assert [r[2] for r in replies] == [seq8(0), END_SEQ]
+
+
+def test_a_client_gone_before_its_reply_is_skipped(context, publisher, dealer):
+    stream = publisher.stream("t")
+    for i in range(5):
+        stream.removed([i], MEDIUM_CPU)
+        publisher.publish()
+    gone = context.socket(zmq.DEALER)
+    gone.setsockopt(zmq.LINGER, 0)
+    gone.connect(publisher.replay_endpoint)
+    gone.send(seq8(0))
+    assert publisher.sockets()[0].poll(int(WAIT_S * 1000)), "the request never arrived"
+    gone.close()
+    publisher.serve_replay()  # the reply may find no one: it must not raise
+    assert [r[2] for r in ask(publisher, dealer, seq8(3))] == [seq8(3), seq8(4), END_SEQ]

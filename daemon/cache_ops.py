@@ -31,12 +31,15 @@ class CacheOps:
 
     def __init__(self, config: DaemonConfig, sessions: Sessions, metrics, *,
                  session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None],
-                 identities: Callable[[], object] = lambda: None, tenant_log=None) -> None:
+                 identities: Callable[[], object] = lambda: None, tenant_log=None,
+                 on_namespace: Callable[[bytes, str], None] | None = None) -> None:
         """``identities()``: the identity table in force (its space limits go to each
         tier manager a session names a namespace on); ``tenant_log``: where the
-        namespaces' tenants are kept across restarts."""
+        namespaces' tenants are kept across restarts; ``on_namespace(namespace, extra
+        key)``: told of each namespace a session names (the KV events' extra keys)."""
         self.sessions = sessions
         self._tenant_log = tenant_log
+        self._on_namespace = on_namespace
         self._identities = identities
         self.metrics = metrics
         self._session = session_of
@@ -69,6 +72,8 @@ class CacheOps:
             if table is not None and manager.quotas.source is not table:
                 manager.set_space_limits(table.space_limits, table)
             manager.assign(ns, name or DEFAULT_TENANT)  # its pages count as the tenant's
+            if self._on_namespace is not None:
+                self._on_namespace(ns, extra_key)
             if self._tenant_log is not None:
                 self._tenant_log.note(manager.spec.fingerprint, ns, name or DEFAULT_TENANT)
             if len(session.namespaces) >= _MAX_NAMESPACES:
@@ -116,7 +121,8 @@ class CacheOps:
         m = hit.match
         return p.MatchReply(id=0, node=self.sessions.handle_for(session, node), device_pages=m.device_bytes,
                             host_pages=m.num_host_pages, disk_pages=m.num_disk_pages,
-                            wait=[tuple(t) for t in hit.wait] if hit.wait else [])
+                            wait=[tuple(t) for t in hit.wait] if hit.wait else [],
+                            remote_pages=min(hit.remote_pages, m.num_host_pages))
 
     def match(self, m: p.Match) -> p.MatchReply | Future:
         session = self._session(m.session)
@@ -153,7 +159,7 @@ class CacheOps:
             self._account_match(session, ns, tokens, hit, sharing_off)
             r = self._match_reply(session, hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
-                                         disk_pages=r.disk_pages, wait=r.wait))
+                                         disk_pages=r.disk_pages, wait=r.wait, remote_pages=r.remote_pages))
         return p.MatchManyReply(id=m.id, results=results)
 
     def lock(self, m: p.Lock) -> p.Ok:

@@ -63,7 +63,7 @@ def run(endpoint: str | None, conversations: int, turns: int, seed: int) -> int:
     chats = [list(prompts[i % 2]) for i in range(conversations)]
     total_requests = conversations * turns
     prompt_tokens = 0
-    saved = {"device": 0, "host": 0, "disk": 0}
+    saved = {"device": 0, "host": 0, "disk": 0, "remote": 0}
     start = time.monotonic()
     try:
         done = 0

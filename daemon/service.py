@@ -35,6 +35,7 @@ from hicache.config import AuthConfig, DaemonConfig
 from hicache.daemon import snapshot
 from hicache.daemon.auth import Identity, IdentityTable
 from hicache.daemon.cache_ops import CacheOps
+from hicache.daemon.kv_events import KvEvents
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
 from hicache.daemon.specs import Specs
@@ -91,6 +92,7 @@ class Daemon:
         config: DaemonConfig,
         *,
         storage=None,
+        remote=None,
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | NullMetrics | None = None,
@@ -115,6 +117,13 @@ class Daemon:
             storage = LmdbBackend(config.disk.store_path, capacity_bytes=config.disk.capacity_bytes,
                                   sync=config.disk.sync)
         self.storage = storage
+        if remote is None and config.remote.enabled:
+            from hicache.storage.mooncake_backend import MooncakeBackend
+
+            # Joined on first use, retried while the master is unreachable: a daemon
+            # starts, and serves from its own tiers, whether or not the fleet's store is up.
+            remote = MooncakeBackend(config.remote.store_config(), lazy=True)
+        self.remote = remote
         self.sessions = Sessions(config.server, clock=clock, metrics=metrics)
         self.tenant_log = TenantLog(config.disk.store_path / "tenants"
                                     if config.disk.enabled and storage is not None else None)
@@ -122,7 +131,7 @@ class Daemon:
         # registration (pinning its host pool, rebuilding its disk tier) with a count
         # of what is done; the server feeds the systemd watchdog from it.
         self.keepalive: Callable[[int], None] = lambda done: None
-        self.specs = Specs(config, storage=storage, completions=self.completions, clock=clock, metrics=metrics,
+        self.specs = Specs(config, storage=storage, remote=remote, completions=self.completions, clock=clock, metrics=metrics,
                            progress=lambda done: self.keepalive(done), tenant_of=self.tenant_log.tenants_of)
         self.managers = self.specs.managers  # spec fingerprint -> its tier manager, serving
         # The connection the request being handled came from (its routing id), and how to
@@ -141,9 +150,11 @@ class Daemon:
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
+        self.events = self._events(config)
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
                        defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities,
-                       tenant_log=self.tenant_log)
+                       tenant_log=self.tenant_log,
+                       on_namespace=self.events.namespace if self.events is not None else None)
         handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Attach: self._attach, p.Match: ops.match,
             p.MatchMany: ops.match_many, p.Lock: ops.lock, p.Unlock: ops.unlock,
@@ -420,12 +431,31 @@ class Daemon:
         self._idle_list.append((future, make_reply))
         return future
 
+    @staticmethod
+    def _events(config: DaemonConfig) -> KvEvents | None:
+        """The KV-event publisher ([events]), bound now; None when off."""
+        if not config.events.enabled:
+            return None
+        from hicache.daemon.events import EventPublisher
+
+        endpoint, replay = config.events.endpoints(config.server.socket_path)
+        publisher = EventPublisher(endpoint, replay_endpoint=replay, hwm=config.events.hwm,
+                                   max_queue_events=config.events.max_queue_events,
+                                   buffer_steps=config.events.buffer_steps)
+        for bound in (publisher.endpoint, publisher.replay_endpoint):
+            if bound and bound.startswith("ipc://"):  # (token ids: readable as the server's socket is)
+                os.chmod(bound[len("ipc://"):], config.server.socket_mode)
+        logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
+        return KvEvents(publisher, config.events.topic)
+
     def refresh_snapshot(self) -> None:
         """The figures the metrics collector serves, copied on the owner thread."""
         oldest = self.sessions.oldest_lock_since()
         self._snapshot = snapshot.occupancy(managers=self.managers.values(), sessions=len(self.sessions),
                                             oldest_lock_s=0.0 if oldest is None else self.clock() - oldest,
                                             storage=self.storage)
+        if self.events is not None:
+            self._snapshot["events"] = self.events.stats()
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Run transfer completions and timers, expire leases, answer idle waiters, and
@@ -435,6 +465,8 @@ class Daemon:
         ran = self.completions.drain(timeout_s, COMPLETIONS_PER_POLL)
         for manager in self.managers.values():
             ran += manager.poll(0, limit=0)
+        if self.events is not None:
+            self.events.tick(self.managers)  # (this turn's residency changes: one batch per stream)
         self.sessions.expire()
         now = self.clock()
         if now >= self._next_snapshot:
@@ -499,6 +531,10 @@ class Daemon:
             manager.close()
         if self.storage is not None:
             self.storage.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.events is not None:
+            self.events.close()
         self.tenant_log.close()
         if self.fds is not None:
             self.fds.close()

@@ -57,7 +57,7 @@ class _Rebuild:
 class Specs:
     """Spec fingerprint -> its tier manager, and the rebuilds under way. Owner thread only."""
 
-    def __init__(self, config: DaemonConfig, *, storage, completions: Completions, clock: Callable[[], float],
+    def __init__(self, config: DaemonConfig, *, storage, remote=None, completions: Completions, clock: Callable[[], float],
                  metrics, progress: Callable[[int], None], tenant_of: Callable[[bytes], dict] = lambda fp: {}) -> None:
         """``progress`` is called now and then during long work on the owner thread
         (pinning a host pool, rebuilding a disk tier at once) with a count of what is done.
@@ -66,6 +66,7 @@ class Specs:
         self.config = config
         self._tenant_of = tenant_of
         self.storage = storage
+        self.remote = remote  # the remote tier's store (every spec's manager shares it), or None
         self.completions = completions
         self.clock = clock
         self.metrics = metrics
@@ -109,7 +110,8 @@ class Specs:
                 f"tier past [host].max_bytes ({host.limit_bytes} bytes, {used} in use)")
         manager = TierManager(spec, host_pages=host_pages, storage=self.storage, config=self.config.tiers,
                               completions=self.completions, clock=self.clock, metrics=self.metrics,
-                              progress=self.progress)
+                              progress=self.progress, remote=self.remote,
+                              remote_settings=self.config.remote.settings() if self.remote is not None else None)
         manager.on_store_evicted = self._store_evicted
         for namespace, tenant in self._tenant_of(spec.fingerprint).items():
             manager.assign(namespace, tenant)  # (before its disk tier comes back: its pages count as theirs)

@@ -103,6 +103,7 @@ class Match(NamedTuple):
     num_disk_pages: int
     landing: tuple[Ticket, ...]  # loads still landing in device_pages then: Loaded.wait has them
     page_size: int
+    num_remote_pages: int = 0  # of num_host_pages: brought from the remote tier for this match
 
     @property
     def wait(self) -> tuple[Ticket, ...]:
@@ -549,7 +550,8 @@ class CacheClient:
         pages = _pages(reply.device_pages)
         landing = tuple(Ticket(*t) for t in reply.wait) if reply.wait else ()
         self._remember(handle, pages, landing)
-        return Match(handle, pages, reply.host_pages, reply.disk_pages, landing, self.page_size)
+        return Match(handle, pages, reply.host_pages, reply.disk_pages, landing, self.page_size,
+                     reply.remote_pages)
 
     def _remember(self, handle: NodeHandle, pages: PageIds, landing: tuple[Ticket, ...] = ()) -> None:
         """Keep the path's pages of a handle handed out (needed if it gets locked)."""

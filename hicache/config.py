@@ -22,6 +22,11 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
                prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
                copy_threads, io_threads, disk_write_backlog, eviction_log_slots,
                capacity
+    [remote]   enabled, master, metadata_server, protocol, device_names,
+               local_hostname, segment_bytes, buffer_bytes, policy, lookup_pages,
+               prefetch_policy, timeout_s, retry_s, write_backlog
+    [events]   enabled, endpoint, replay_endpoint, topic, buffer_steps, hwm,
+               max_queue_events, insecure_tcp
     [sharing]  enabled, disabled_extra_keys
     [metrics]  enabled, address, port
     [auth]     secret_key_file, curve_ipc, insecure_tcp, default_identity,
@@ -128,6 +133,80 @@ class DiskConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """The remote tier (Mooncake Store): how to join it, and how the tiers use it (see
+    :mod:`hicache.tiers.remote` and :mod:`hicache.storage.mooncake_backend`)."""
+
+    enabled: bool = False
+    master: str = ""  # the mooncake_master's host:port
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_names: str = ""
+    local_hostname: str = "127.0.0.1"
+    segment_bytes: int = 0  # memory this daemon contributes to the store
+    buffer_bytes: int = 16 << 20
+    policy: str = "write_through"
+    lookup_pages: int = 256
+    prefetch_policy: str = "timeout"
+    timeout_s: float = 0.5
+    retry_s: float = 2.0
+    write_backlog: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            self.store_config()
+        self.settings()
+
+    def store_config(self):
+        from hicache.storage.mooncake_backend import MooncakeConfig
+
+        return MooncakeConfig(master=self.master, metadata_server=self.metadata_server, protocol=self.protocol,
+                              device_names=self.device_names, local_hostname=self.local_hostname,
+                              segment_bytes=self.segment_bytes, buffer_bytes=self.buffer_bytes)
+
+    def settings(self):
+        from hicache.tiers.remote import RemoteSettings
+
+        return RemoteSettings(policy=self.policy, lookup_pages=self.lookup_pages,
+                              prefetch_policy=self.prefetch_policy, timeout_s=self.timeout_s, retry_s=self.retry_s,
+                              write_backlog=self.write_backlog)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventsConfig:
+    """KV events for routers (see :mod:`hicache.daemon.kv_events`): a PUB socket and a
+    replay ROUTER. They carry token ids: ``tcp://`` needs ``insecure_tcp = true``."""
+
+    enabled: bool = False
+    endpoint: str = ""  # "" = ipc://<the server socket's directory>/hicache-events.sock
+    replay_endpoint: str = ""  # "" = ipc://<...>/hicache-events-replay.sock; "none": no replay
+    topic: str = ""  # each pool's stream is <topic><pool id>
+    buffer_steps: int = 10_000  # batches kept for replay, per stream
+    hwm: int = 100_000
+    max_queue_events: int = 100_000  # events waiting for the next batch, per stream
+    insecure_tcp: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "buffer_steps", "hwm", "max_queue_events")
+        for endpoint in (self.endpoint, "" if self.replay_endpoint == "none" else self.replay_endpoint):
+            if not endpoint:
+                continue
+            if not endpoint.startswith(("ipc://", "tcp://")):
+                raise InvalidArgument(f"[events] endpoints are ipc:// or tcp://, got {endpoint!r}")
+            if endpoint.startswith("tcp://") and not self.insecure_tcp:
+                raise InvalidArgument("[events] on tcp:// sends token ids in the clear: set "
+                                      "[events].insecure_tcp = true on a network you trust")
+
+    def endpoints(self, socket_path: Path) -> tuple[str, str | None]:
+        """(PUB endpoint, replay endpoint or None), defaults next to the server's socket."""
+        here = socket_path.parent
+        endpoint = self.endpoint or f"ipc://{here / 'hicache-events.sock'}"
+        replay = (None if self.replay_endpoint == "none"
+                  else self.replay_endpoint or f"ipc://{here / 'hicache-events-replay.sock'}")
+        return endpoint, replay
+
+
+@dataclass(frozen=True, kw_only=True)
 class SharingConfig:
     enabled: bool = True
     disabled_extra_keys: tuple[str, ...] = ()
@@ -214,6 +293,8 @@ class DaemonConfig:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

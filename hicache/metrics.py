@@ -28,7 +28,8 @@ hicache_missed_tokens_total                     reason (never_stored, evicted_de
 hicache_load_short_tokens_total                 — (tokens a match reported on host / disk
                                                 that the load could not bring)
 hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_disk,
-                                                disk_to_host)
+                                                disk_to_host, host_to_remote,
+                                                remote_to_host)
 hicache_transfer_duration_seconds (histogram)   direction
 hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
@@ -40,6 +41,15 @@ hicache_backups_deferred_total                  — (device -> host backups the 
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
                                                 queue bound: retried, not dropped)
+hicache_remote_lookups_total                    result (hit, miss, unavailable: the remote
+                                                tier is down; busy: its queue is full)
+hicache_remote_pages_total                      op, result (get: hit, missing — gone since
+                                                the lookup —, corrupt — failed a check,
+                                                read as missing; put: ok, skipped — the
+                                                tier down, its queue full, no room)
+hicache_remote_errors_total                     op (lookup, get, put): calls that failed
+hicache_remote_up                      (gauge)  — (0 while the remote tier is marked down;
+                                                only with a remote tier)
 hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone,
                                                 revoked: its identity, key or user is no
                                                 longer allowed after a reload)
@@ -68,6 +78,9 @@ hicache_queue_limit_pages              (gauge)  queue (the bounded ones: host_st
                                                 disk_write)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
 hicache_disk_corrupt_records_total              —
+hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
+hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
+                                                  restarting its stream with a snapshot)
 hicache_build_info                     (gauge)  version, protocol_version, mode
 =============================================  ======================================
 """
@@ -80,7 +93,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -90,7 +103,10 @@ logger = logging.getLogger(__name__)
 
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
-DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
+DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
+REMOTE_LOOKUPS = ("hit", "miss", "unavailable", "busy")
+REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "skipped"))
+REMOTE_OPS = ("lookup", "get", "put")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
@@ -154,6 +170,19 @@ class Metrics:
             self.transfer_seconds.labels(direction)
         for reason in SESSION_END_REASONS:
             self.sessions_ended.labels(reason)
+        self.remote_lookups = Counter("hicache_remote_lookups", "Remote tier lookups after a local hit, by result",
+                                      ["result"], registry=r)
+        self.remote_pages_moved = Counter("hicache_remote_pages", "Pages got from or put to the remote tier",
+                                          ["op", "result"], registry=r)
+        self.remote_errors = Counter("hicache_remote_errors", "Remote tier calls that failed, by op", ["op"],
+                                     registry=r)
+        self._remote_up: Gauge | None = None  # (registered with a remote tier: see remote_up)
+        for result in REMOTE_LOOKUPS:
+            self.remote_lookups.labels(result)
+        for op, result in REMOTE_PAGES:
+            self.remote_pages_moved.labels(op, result)
+        for op in REMOTE_OPS:
+            self.remote_errors.labels(op)
 
     def request(self, op: str, status: str, seconds: float) -> None:
         """Owner thread only. A dict and a list bump (~0.5 us) where prometheus_client's
@@ -210,6 +239,23 @@ class Metrics:
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
 
+    def remote_lookup(self, result: str) -> None:
+        self.remote_lookups.labels(result).inc()
+
+    def remote_pages(self, op: str, result: str, num_pages: int) -> None:
+        if num_pages:
+            self.remote_pages_moved.labels(op, result).inc(num_pages)
+
+    def remote_error(self, op: str) -> None:
+        self.remote_errors.labels(op).inc()
+
+    def remote_up(self, up: bool) -> None:
+        """The remote tier answers, or not (the gauge exists once a remote tier does)."""
+        if self._remote_up is None:
+            self._remote_up = Gauge("hicache_remote_up", "1 while the remote tier answers (0: marked down)",
+                                    registry=self.registry)
+        self._remote_up.set(1 if up else 0)
+
     def auth_refused(self, reason: str) -> None:
         """Any thread (the ZAP handler's too)."""
         self.auth_refusals.labels(reason).inc()
@@ -250,6 +296,10 @@ class NullMetrics:
     def backup_deferred(self) -> None: ...
     def disk_write_deferred(self) -> None: ...
     def session_ended(self, reason: str) -> None: ...
+    def remote_lookup(self, result: str) -> None: ...
+    def remote_pages(self, op: str, result: str, num_pages: int) -> None: ...
+    def remote_error(self, op: str) -> None: ...
+    def remote_up(self, up: bool) -> None: ...
     def auth_refused(self, reason: str) -> None: ...
     def quota_refused(self, identity: str, quota: str) -> None: ...
     def identities(self, names: Iterable[str]) -> None: ...
@@ -304,6 +354,7 @@ class StateCollector:
          "oldest_lock_s": seconds,           # age of the oldest lock held, 0.0 if none
          "queues": {queue: [pages, limit or None]},  # every spec together
          "tenants": {tenant: [host pages, disk pages]},  # every spec together
+         "events": {"events": n, "batches": n, "dropped": n} or absent (no [events]),
          "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
 
     It is called from the HTTP thread, so it must only hand over that copy.
@@ -354,6 +405,15 @@ class StateCollector:
             yield GaugeMetricFamily("hicache_lmdb_map_size_bytes", "LMDB map size", value=storage["map_size_bytes"])
             yield CounterMetricFamily("hicache_disk_corrupt_records", "Disk records that failed a check on read",
                                       value=storage["corrupt_records"])
+        events = snap.get("events")
+        if events is not None:
+            yield CounterMetricFamily("hicache_kv_events", "KV events published (every stream)",
+                                      value=events["events"])
+            yield CounterMetricFamily("hicache_kv_event_batches", "KV event batches published (every stream)",
+                                      value=events["batches"])
+            yield CounterMetricFamily("hicache_kv_events_dropped",
+                                      "KV events lost before the wire (each loss restarts its stream)",
+                                      value=events["dropped"])
         build = GaugeMetricFamily("hicache_build_info", "Build information",
                                   labels=["version", "protocol_version", "mode"])
         info = snap["build"]

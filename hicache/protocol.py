@@ -344,6 +344,7 @@ class MatchResult(msgspec.Struct, kw_only=True, gc=False):
     host_pages: int
     disk_pages: int
     wait: list[tuple[int, int]]
+    remote_pages: int = 0  # of host_pages: just brought from the remote tier for this match
 
 
 class MatchReply(_Reply, tag="match"):
@@ -352,6 +353,7 @@ class MatchReply(_Reply, tag="match"):
     host_pages: int
     disk_pages: int
     wait: list[tuple[int, int]]
+    remote_pages: int = 0  # of host_pages: just brought from the remote tier for this match
 
 
 class MatchManyReply(_Reply, tag="match_many"):

@@ -336,6 +336,10 @@ class HiRadixTree:
         self._group_of: dict[NamespaceId, str] = {}
         self._group_pages: dict[str, list[int]] = {}
         self._direct_locks: dict[tuple[int, LockKey], int] = {}
+        # Told of every residency change — ``added(node, slot)`` (tokens still on the
+        # node), ``dropped(node, slot)`` — by the daemon's KV events (see
+        # hicache.daemon.kv_events); None: nobody listens.
+        self.observer = None
 
 
     def add_namespace(self, namespace: NamespaceId, page_size: int) -> Node:
@@ -1036,6 +1040,8 @@ class HiRadixTree:
             self._count(node.namespace, slot, node.num_pages)
             if HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
                 self._clean_host += node.num_pages
+        if self.observer is not None:
+            self.observer.added(node, slot)
         if slot == DISK_SLOT:
             self._settle_tokens(node)
         if self._is_protected(node, slot):
@@ -1053,6 +1059,8 @@ class HiRadixTree:
         if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
             self._clean_host -= node.num_pages
         value = node.residency.pop(slot)
+        if self.observer is not None:
+            self.observer.dropped(node, slot)
         if slot < 0:
             self._count(node.namespace, slot, -node.num_pages)
         if self._is_protected(node, slot):

@@ -33,7 +33,9 @@ registered scratch area) and the host page.
 
 Every call into Mooncake may block for seconds while the master is unreachable (its RPC
 timeouts): the tier manager calls this backend only from its own threads
-(:mod:`hicache.tiers.remote`). A failed RPC raises :class:`RemoteUnavailable`; a key
+(:mod:`hicache.tiers.remote`). The data calls let other threads run meanwhile; ``setup``
+does not (it holds the interpreter's lock while it retries), so a lazy backend joins only
+after a plain TCP connection to the master got through. A failed RPC raises :class:`RemoteUnavailable`; a key
 that is not stored is just missing. Leases and eviction are the master's: nothing here
 deletes on capacity, and :meth:`iter_metadata` lists nothing (a remote tier is not
 rebuilt into the tree; it is asked).
@@ -42,8 +44,10 @@ rebuilt into the tree; it is asked).
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -128,19 +132,34 @@ class MooncakeBackend:
 
     BATCH = 512  # objects per Mooncake call at most
 
-    def __init__(self, config: MooncakeConfig, *, store=None) -> None:
+    RECONNECT_S = 1.0  # between attempts to join the store while it is unreachable
+
+    def __init__(self, config: MooncakeConfig, *, store=None, lazy: bool = False) -> None:
         """``store``: an already set-up ``MooncakeDistributedStore`` (tests), else one is
-        made from ``config``."""
+        made from ``config`` — now, or with ``lazy`` on the first call that needs it
+        (a daemon starts while the master is down; every call retries the join, at most
+        every :attr:`RECONNECT_S`, raising :class:`RemoteUnavailable` meanwhile)."""
         self.config = config
-        if store is None:
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []  # (pointer, bytes) to register with the store
+        self._next_try = 0.0
+        if store is None and not lazy:
             store = self._connect(config)
         self._store = store
-        self._lock = threading.Lock()
-        self._registered: list[tuple[int, int]] = []  # (pointer, bytes) registered with the store
         self._local = threading.local()
         self._keep: list[np.ndarray] = []  # scratch areas (registered: kept alive until close)
         self._corrupt = 0
         self._closed = False
+
+    def _probe_master(self) -> None:
+        """Is the master listening? Mooncake's ``setup`` holds the interpreter's lock
+        while it retries an unreachable master (seconds: every thread of the daemon would
+        stop), so it is called only once a plain connection gets through."""
+        host, _, port = self.config.master.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=1.0).close()
+        except (OSError, ValueError) as exc:
+            raise RemoteUnavailable(f"the Mooncake master at {self.config.master} does not answer: {exc}") from None
 
     @staticmethod
     def _connect(config: MooncakeConfig):
@@ -158,17 +177,41 @@ class MooncakeBackend:
             raise RemoteUnavailable(f"cannot join the Mooncake Store at {config.master} (setup returned {rc})")
         return store
 
+    def _client(self):
+        """The store, joined (now, if it was not: see ``lazy``)."""
+        self._check_open()
+        store = self._store
+        if store is not None:
+            return store
+        with self._lock:
+            if self._store is None:
+                now = time.monotonic()
+                if now < self._next_try:
+                    raise RemoteUnavailable(f"not joined to the Mooncake Store at {self.config.master} yet")
+                self._next_try = now + self.RECONNECT_S
+                self._probe_master()
+                store = self._connect(self.config)
+                for ptr, size in self._registered:
+                    rc = store.register_buffer(ptr, size)
+                    if rc != 0:
+                        raise RemoteUnavailable(f"the store refused to register {size} bytes (rc {rc})")
+                self._store = store
+                logger.info("joined the Mooncake Store at %s", self.config.master)
+            return self._store
+
     # -- memory registration ------------------------------------------------------------
 
     def register(self, array: np.ndarray) -> None:
-        """Register ``array`` (the host pool's pages) for zero-copy transfers; idempotent."""
+        """Register ``array`` (the host pool's pages) for zero-copy transfers; idempotent
+        (and remembered: registered again when the store is joined later)."""
         ptr, size = _address(array)
         with self._lock:
             if any(p <= ptr and ptr + size <= p + s for p, s in self._registered):
                 return
-            rc = self._store.register_buffer(ptr, size)
-            if rc != 0:
-                raise RemoteUnavailable(f"the store refused to register {size} bytes (rc {rc})")
+            if self._store is not None:
+                rc = self._store.register_buffer(ptr, size)
+                if rc != 0:
+                    raise RemoteUnavailable(f"the store refused to register {size} bytes (rc {rc})")
             self._registered.append((ptr, size))
 
     def _scratch(self, header_bytes: int) -> np.ndarray:
@@ -186,11 +229,11 @@ class MooncakeBackend:
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` the store holds now (one master RPC per :attr:`BATCH`)."""
-        self._check_open()
+        store = self._client()
         found: list[bool] = []
         for start in range(0, len(keys), self.BATCH):
             names = [object_name(k) for k in keys[start : start + self.BATCH]]
-            codes = self._store.batch_is_exist(names)
+            codes = store.batch_is_exist(names)
             if any(c < 0 for c in codes):
                 raise RemoteUnavailable(f"the store did not answer is_exist (codes {sorted(set(codes))})")
             found.extend(c == 1 for c in codes)
@@ -207,7 +250,7 @@ class MooncakeBackend:
         return future
 
     def _put(self, batch: PageBatch, fingerprint: bytes) -> int:
-        self._check_open()
+        store = self._client()
         n = batch.num_records
         if n == 0:
             return 0
@@ -238,7 +281,7 @@ class MooncakeBackend:
                 names.append(object_name(key))
                 ptrs.append([area_ptr + j * header_bytes, base + row * payload])
                 sizes.append([header_bytes, payload])
-            codes = self._store.batch_put_from_multi_buffers(names, ptrs, sizes)
+            codes = store.batch_put_from_multi_buffers(names, ptrs, sizes)
             if codes and all(c == _RPC_FAIL for c in codes):
                 raise RemoteUnavailable("the store did not answer a put")
             written += sum(1 for c in codes if c == 0)
@@ -266,19 +309,19 @@ class MooncakeBackend:
         """Copy each stored, intact object into its buffer (the payload only); ``False``
         where it is missing or fails a check. ``token_bytes``: the tokens a record of
         this spec carries (by default, whatever the object says)."""
-        self._check_open()
+        store = self._client()
         if len(keys) != len(buffers):
             raise InvalidArgument("one buffer per key")
         found: list[bool] = []
         for start in range(0, len(keys), self.BATCH):
-            found.extend(self._get(keys[start : start + self.BATCH], buffers[start : start + self.BATCH],
+            found.extend(self._get(store, keys[start : start + self.BATCH], buffers[start : start + self.BATCH],
                                    fingerprint, token_bytes))
         return found
 
-    def _get(self, keys, buffers, fingerprint: bytes, token_bytes: int | None) -> list[bool]:
+    def _get(self, store, keys, buffers, fingerprint: bytes, token_bytes: int | None) -> list[bool]:
         addresses = [_address(b) for b in buffers]
         if token_bytes is None:
-            sizes = [self._store.get_size(object_name(k)) for k in keys]
+            sizes = [store.get_size(object_name(k)) for k in keys]
             token_bytes = max([s - HEADER_BYTES - a[1] for s, a in zip(sizes, addresses)] + [0])
         header_bytes = HEADER_BYTES + token_bytes
         area = self._scratch(header_bytes)
@@ -286,7 +329,7 @@ class MooncakeBackend:
         names = [object_name(k) for k in keys]
         ptrs = [[area_ptr + j * header_bytes, addresses[j][0]] for j in range(len(keys))]
         sizes = [[header_bytes, addresses[j][1]] for j in range(len(keys))]
-        codes = self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
+        codes = store.batch_get_into_multi_buffers(names, ptrs, sizes)
         if codes and all(c == _RPC_FAIL for c in codes):
             raise RemoteUnavailable("the store did not answer a get")
         found = []
@@ -316,8 +359,7 @@ class MooncakeBackend:
         """Remove ``keys`` (objects under a lease stay until it ends: Mooncake's rule)."""
         future: Future = Future()
         try:
-            self._check_open()
-            codes = self._store.batch_remove([object_name(k) for k in keys]) if keys else []
+            codes = self._client().batch_remove([object_name(k) for k in keys]) if keys else []
             future.set_result(sum(1 for c in codes if c == 0))
         except BaseException as exc:
             future.set_exception(exc)
@@ -350,6 +392,8 @@ class MooncakeBackend:
             if self._closed:
                 return
             self._closed = True
+        if self._store is None:
+            return
         try:
             for ptr, _ in self._registered:
                 self._store.unregister_buffer(ptr)

@@ -136,7 +136,7 @@ class Generation:
     tokens: list[int]  # the generated tokens
     logits: list[torch.Tensor]  # the logits each one was chosen from
     cached_tokens: int  # prompt tokens served from the cache
-    from_tier: dict[str, int]  # cached tokens by tier (device, host, disk)
+    from_tier: dict[str, int]  # cached tokens by tier (device, host, disk, remote)
 
 
 class ReferenceEngine:
@@ -196,7 +196,7 @@ class ReferenceEngine:
         ps = self.page_size
         client = self.client
         handle = None
-        from_tier = {"device": 0, "host": 0, "disk": 0}
+        from_tier = {"device": 0, "host": 0, "disk": 0, "remote": 0}
         prefix_pages = np.empty(0, dtype=np.int32)
         wait = ()
         if client is not None:
@@ -210,7 +210,9 @@ class ReferenceEngine:
             prefix_pages = loaded.device_pages[:usable]
             device = min(m.num_device_pages, usable)
             host = min(m.num_host_pages, usable - device)
-            from_tier = {"device": device * ps, "host": host * ps, "disk": (usable - device - host) * ps}
+            remote = min(m.num_remote_pages, host)  # (the remote tier's pages land on host first)
+            from_tier = {"device": device * ps, "host": (host - remote) * ps, "disk": (usable - device - host) * ps,
+                         "remote": remote * ps}
         cached = len(prefix_pages) * ps
         (row,) = self.req_to_token.alloc(1)
         table = self.req_to_token.req_to_token

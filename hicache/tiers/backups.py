@@ -137,6 +137,8 @@ class Backups:
             added.append(node)
         if added and self.disk_policy.write_on_host:
             self.disk.write(added[-1])
+        if added:
+            core.remote.write(added)
         for entry in transfer.entries:
             node = entry.node
             if (node.node_id in transfer.then_drop and tree.is_live(node)

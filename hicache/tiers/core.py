@@ -46,6 +46,9 @@ class Core:
     quotas: SpaceQuotas | None = None  # set by the tier manager
     # (namespaces, tier, pages) -> pages freed from those namespaces only: the manager's
     evict_own: Callable[[set, Tier, int], int] | None = None
+    # The remote tier (hicache.tiers.remote; set by the manager): told of pages an engine
+    # computed as they reach host memory (its write-through).
+    remote: object = None
     # Nodes a disk read brought to host that no load has taken yet: a load counts their
     # pages as disk hits (a match's prefetch reads them before the load asks).
     read_from_disk: OrderedDict[int, None] = field(default_factory=OrderedDict)

@@ -86,7 +86,7 @@ class DiskWriter:
         storage, fingerprint, host_pool = self.storage, core.spec.fingerprint, core.host_pool
 
         def submit():
-            return storage.put_batch(_batch(parts, host_pool), fingerprint=fingerprint)
+            return storage.put_batch(path_batch(parts, host_pool), fingerprint=fingerprint)
 
         core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
         return True
@@ -144,7 +144,7 @@ class DiskWriter:
         return sum(n.num_pages for node_id in self.deferred if (n := tree.find(node_id)) is not None)
 
 
-def _batch(parts, host_pool) -> PageBatch:
+def path_batch(parts, host_pool) -> PageBatch:
     """The store's records for a path's nodes, ``(namespace, parent key, tokens, page
     keys, pages, host page ids)`` each, as columns: joins of what the nodes hold, no
     object per page (write-preparation thread)."""

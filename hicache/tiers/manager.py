@@ -55,6 +55,7 @@ from hicache.tiers.owned import OwnedTransfers
 from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY
 from hicache.tiers.prefetch import answer_after
 from hicache.tiers.quotas import SpaceQuotas
+from hicache.tiers.remote import NoRemote, RemoteSettings, RemoteTier
 from hicache.tiers.results import Hit, LoadTiming, TierAccount
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import InFlight, Kind
@@ -80,9 +81,13 @@ class TierManager:
         pinned_host: bool | None = None,
         metrics=None,
         progress: Callable[[int], None] | None = None,
+        remote=None,
+        remote_settings: RemoteSettings | None = None,
     ) -> None:
         """``progress`` is called now and then while the host pool is pinned (seconds
-        for a large one), with the bytes done."""
+        for a large one), with the bytes done. ``remote``: the remote tier's store
+        (:class:`~hicache.storage.mooncake_backend.MooncakeBackend`), used per
+        ``remote_settings`` (see :mod:`hicache.tiers.remote`)."""
         self.spec = spec
         self.config = config or TierConfig()
         self.metrics = metrics if metrics is not None else NullMetrics()
@@ -104,6 +109,9 @@ class TierManager:
         backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
         self.disk: DiskTier = (LocalDisk(self._core, storage, backlog)
                                if storage is not None and self.disk_policy.enabled else NoDisk())
+        self.remote = (RemoteTier(self._core, remote, remote_settings or RemoteSettings())
+                       if remote is not None else NoRemote())
+        self._core.remote = self.remote
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
@@ -320,29 +328,43 @@ class TierManager:
     def lookup(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Hit | Future:
         """:meth:`match` when the prefetch policy answers at once, else
         :meth:`match_async`'s future."""
-        if not self.prefetch.waits:
+        if not self.prefetch.waits and not self.remote.enabled:
             return self.match(namespace, tokens, pool_id)
         return self.match_async(namespace, tokens, pool_id)
 
     def match_async(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId) -> Future:
         """:meth:`match` under the prefetch policy: ``best_effort`` answers now;
         ``wait_complete`` once the disk part is in host memory; ``timeout`` then, or
-        after ``prefetch_timeout_s``, whichever comes first."""
+        after ``prefetch_timeout_s``, whichever comes first. With a remote tier, pages
+        after the local hit are asked for there (:meth:`RemoteTier.fetch`), and the
+        remote tier's own prefetch policy governs the wait (for its pages and the disk
+        part both)."""
         hit = self.match(namespace, tokens, pool_id)
         pool = self.pools.get(pool_id)
         future: Future = Future()
-        if not self.prefetch.waits or not hit.match.num_disk_pages or not self.disk.enabled:
+        packed = pack_tokens(tokens)
+        fetch = self.remote.fetch(namespace, packed, hit.unclipped or hit.match) if self.remote.enabled else None
+        if fetch is not None and not fetch.on_host:
+            self.disk.prefetch(fetch.anchor)  # (the pages hang below it: its path goes to host first)
+        waits_disk = self.prefetch.waits and hit.match.num_disk_pages and self.disk.enabled
+        waits_remote = fetch is not None and self.remote.prefetch.waits
+        if not waits_disk and not waits_remote:
             future.set_result(hit)
             return future
-        packed = pack_tokens(tokens)
 
         def answer() -> None:
             if not future.done():
                 result = self.tree.match(namespace, packed, pool_id, touch=False)
-                future.set_result(self._hit(result, pool, self._inflight.tickets_on(result.last_device_node, pool_id)))
+                tickets = self._inflight.tickets_on(result.last_device_node, pool_id)
+                remote = fetch.pages if fetch is not None and fetch.done else 0
+                future.set_result(self._hit(result, pool, tickets)._replace(remote_pages=remote))
 
-        reads = [t for n in self.tree.path(hit.match.node) for t in self._inflight.on(n, Kind.DISK_READ)]
-        answer_after(reads, answer, self.prefetch, self._timers)
+        end = fetch.anchor if fetch is not None else hit.match.node
+        path = self.tree.path(end) if end is not None else []
+        waits: list = [t for n in path for t in self._inflight.on(n, Kind.DISK_READ)]
+        if waits_remote:
+            waits.append(fetch)
+        answer_after(waits, answer, self.remote.prefetch if waits_remote else self.prefetch, self._timers)
         return future
 
     def lock(self, node: Node, pool_id: PoolId) -> None:
@@ -634,6 +656,7 @@ class TierManager:
 
     def close(self) -> None:
         self.flush()
+        self.remote.close()
         self.workers.close()
         if self._copy_workers is not None:
             self._copy_workers.close()

@@ -117,6 +117,8 @@ class OwnedTransfers:
                 core.host_alloc.free(duplicates)
             if self.disk_policy.write_on_host:
                 self.disk.write(node)
+            if count > len(duplicates):
+                core.remote.write(_from_page(tree.path(node), skip))
             future.set_result(Stored(node, count - len(duplicates), skip + count))
 
         pool.copy.run(lambda: mover.backup(src, dst), done)
@@ -218,3 +220,13 @@ class OwnedTransfers:
 
     def _done(self, transfer: Transfer, error: BaseException | None) -> None:
         end_load(self.core, self.pools[transfer.pool], transfer, error)
+
+
+def _from_page(path: list[Node], first: int) -> list[Node]:
+    """The nodes of ``path`` (root first) from page ``first`` on (a node boundary)."""
+    pos = 0
+    for i, node in enumerate(path):
+        if pos >= first:
+            return path[i:]
+        pos += node.num_pages
+    return []

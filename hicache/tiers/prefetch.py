@@ -4,15 +4,19 @@ or, under the ``timeout`` prefetch policy, after the timeout if that comes first
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hicache.tiers.policies import PrefetchPolicy
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import Transfer
 
+if TYPE_CHECKING:
+    from hicache.tiers.remote import Fetch
 
-def answer_after(reads: list[Transfer], answer: Callable[[], None], policy: PrefetchPolicy,
+
+def answer_after(reads: list[Transfer | Fetch], answer: Callable[[], None], policy: PrefetchPolicy,
                  timers: Timers) -> None:
-    """Call ``answer`` when ``reads`` are done (at once if there are none) or at the
+    """Call ``answer`` when ``reads`` (disk reads, remote fetches) are done (at once if there are none) or at the
     policy's timeout; ``answer`` may be called twice and must ignore the second call."""
     if not reads:
         answer()

@@ -17,6 +17,7 @@ class Hit(NamedTuple):
     match: MatchResult
     wait: tuple[Ticket, ...]
     unclipped: MatchResult | None = None
+    remote_pages: int = 0  # pages of ``match``'s host part the remote tier gave it (just now)
 
 
 class LoadResult(NamedTuple):

@@ -27,6 +27,8 @@ class Kind(Enum):
     LOAD = "h2d"  # host -> device
     DISK_READ = "disk_to_host"
     DISK_WRITE = "host_to_disk"
+    REMOTE_READ = "remote_to_host"
+    REMOTE_WRITE = "host_to_remote"
 
 
 @dataclass(eq=False)

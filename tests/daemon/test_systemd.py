@@ -178,7 +178,7 @@ def test_example_config_states_the_defaults_under_the_unit(monkeypatch):
     assert example.disk.store_path == defaults.disk.store_path == Path("/var/lib/hicache/lmdb")
     assert dataclasses.replace(example.server, socket="") == defaults.server
     assert dataclasses.replace(example.disk, path="") == defaults.disk
-    for section in ("host", "tiers", "sharing", "metrics"):
+    for section in ("host", "tiers", "remote", "events", "sharing", "metrics"):
         assert getattr(example, section) == getattr(defaults, section)
 
 

@@ -1,0 +1,398 @@
+"""The remote tier below the local disk: a store shared by every node of a fleet
+(Mooncake Store, :mod:`hicache.storage.mooncake_backend`).
+
+The tree records nothing about the remote tier — it is shared, and its master leases
+and evicts on its own, so what this node could record would go stale. Instead:
+
+* **Writes** (``policy = "write_through"``): pages an engine computed on this node are
+  put to the remote tier as they reach host memory (a backup, an engine's ``store``),
+  from the host pages themselves, pinned until the put is done. At most ``write_backlog``
+  pages are in flight; a write beyond that, or while the tier is down, is skipped and
+  counted — the page stays cached locally, only the fleet does not get it.
+* **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
+  tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
+  every machine for the same namespace and tokens). The pages found from the first on
+  are read into fresh host pages, checked (a record that fails reads as missing), and
+  put in the tree as host-resident: a load brings them on to the device like any host
+  part. The match answers per ``prefetch`` — ``best_effort`` at once (the pages are
+  there for the next match), ``wait_complete`` once they landed, ``timeout`` then or
+  after ``timeout_s`` — and reports how many pages the remote tier gave it.
+* **Faults**: every call into the store runs on this tier's own threads (one for
+  lookups and reads, one for writes); the owner thread never waits on the store. A
+  failed call marks the tier down for ``retry_s`` (a log line, ``hicache_remote_up``
+  0): lookups answer "miss" and writes are skipped meanwhile; the next call after that
+  is the probe that brings it back. Calls queue at most ``max_queued`` deep: a slow
+  store means misses, not a backlog.
+
+Pages read from the remote tier join the tree only under a prefix that is on host (a
+disk-only prefix is read to host first: the match's disk prefetch); a hit whose last
+page is on a device only asks nothing (its pages have no host copy to hang them under).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.errors import HicacheError, InvalidArgument, ResidencyError
+from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId, chain_page_keys
+from hicache.tiers.core import Core
+from hicache.tiers.disk_writes import path_batch
+from hicache.tiers.policies import PrefetchPolicy, prefetch_policy
+from hicache.tiers.transfers import Entry, Kind, Transfer
+from hicache.tree import MatchResult, Node
+
+logger = logging.getLogger(__name__)
+
+REMOTE_POLICIES = ("write_through", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteSettings:
+    """How the tier manager uses a remote tier (``[remote]`` in the daemon's config)."""
+
+    policy: str = "write_through"  # or "none": read only
+    lookup_pages: int = 256  # pages asked for after a local hit, at most
+    prefetch_policy: str = "timeout"  # best_effort, wait_complete, timeout
+    timeout_s: float = 0.5  # the timeout policy's wait for a match's remote pages
+    retry_s: float = 2.0  # how long a failed call keeps the tier marked down
+    write_backlog: int = 4096  # pages being put at most
+    max_queued: int = 8  # calls queued on each of the tier's threads at most
+
+    def __post_init__(self) -> None:
+        if self.policy not in REMOTE_POLICIES:
+            raise InvalidArgument(f"remote policy must be one of {', '.join(REMOTE_POLICIES)}; got {self.policy!r}")
+        prefetch_policy(self.prefetch_policy, self.timeout_s)
+        if self.lookup_pages < 1 or self.write_backlog < 1 or self.max_queued < 1:
+            raise InvalidArgument("remote lookup_pages, write_backlog and max_queued must be >= 1")
+        if self.timeout_s < 0 or self.retry_s < 0:
+            raise InvalidArgument("remote timeout_s and retry_s must be >= 0")
+
+    def prefetch(self) -> PrefetchPolicy:
+        return prefetch_policy(self.prefetch_policy, self.timeout_s)
+
+
+@dataclass(eq=False)
+class Fetch:
+    """The remote pages after one local hit, on their way to host. ``pages``: how many
+    landed in the tree (known once ``done``)."""
+
+    namespace: NamespaceId
+    anchor: Node | None  # the deepest local node: the pages hang below it (pinned meanwhile);
+    # None: the namespace is not in the tree yet (created if pages land)
+    first: int  # pages of the path up to and including ``anchor``
+    packed: bytes  # the request's tokens up to the last page asked for
+    keys: bytes
+    done: bool = False
+    pages: int = 0
+    waiters: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def parent_key(self) -> bytes:
+        return ROOT_PARENT_KEY if self.anchor is None else self.anchor.last_page_key
+
+    @property
+    def on_host(self) -> bool:
+        """Is the anchor's path on host (nothing to read from disk first)?"""
+        return self.anchor is None or self.anchor.is_root or self.anchor.host_pages is not None
+
+    def finish(self, pages: int) -> None:
+        self.done = True
+        self.pages = pages
+        for waiter in self.waiters:
+            waiter()
+        self.waiters.clear()
+
+
+class _Lane:
+    """One thread for store calls, with a bounded queue (owner thread submits)."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._limit = limit
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    def submit(self, core: Core, work: Callable, done: Callable) -> bool:
+        with self._lock:
+            if self._queued >= self._limit:
+                return False
+            self._queued += 1
+
+        def run():
+            try:
+                return work()
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+        core.completions.forward(self._pool.submit(run), done)
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class NoRemote:
+    enabled = False
+    pending = 0
+
+    def write(self, nodes: list[Node]) -> None:
+        pass
+
+    def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
+        return None
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteTier:
+    """See the module docstring. Owner thread, except what runs on the lanes."""
+
+    enabled = True
+
+    def __init__(self, core: Core, store, settings: RemoteSettings,
+                 on_host_pages: Callable[[list[Node]], None] | None = None) -> None:
+        """``store``: a :class:`~hicache.storage.mooncake_backend.MooncakeBackend` (or
+        anything with its ``contains`` / ``get`` / ``put_batch`` / ``register``)."""
+        self.core = core
+        self.store = store
+        self.settings = settings
+        self.prefetch = settings.prefetch()
+        self.pending = 0  # pages being put
+        self.up = True
+        self._down_until = 0.0
+        self._reads = _Lane("hicache-remote-read", settings.max_queued)
+        self._writes = _Lane("hicache-remote-write", settings.max_queued)
+        self._fetches: dict[tuple[bytes, bytes], Fetch] = {}  # (namespace, anchor's last key) -> in flight
+        self._token_bytes = core.spec.page_size * TOKEN_BYTES
+        self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_unavailable", "lookup_busy",
+                                     "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_skipped"), 0)
+        store.register(core.host_pool.pages_array())
+        core.metrics.remote_up(True)
+
+    # -- health --------------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        return self.up or time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, error: BaseException) -> None:
+        self.core.metrics.remote_error(op)
+        if self.up:
+            logger.warning("remote tier unreachable (%s: %s): local tiers keep serving; retrying every %.1f s",
+                           op, error, self.settings.retry_s)
+        self.up = False
+        self._down_until = time.monotonic() + self.settings.retry_s
+        self.core.metrics.remote_up(False)
+
+    def _answered(self) -> None:
+        if not self.up:
+            logger.warning("remote tier reachable again")
+            self.up = True
+            self.core.metrics.remote_up(True)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def write(self, nodes: list[Node]) -> None:
+        """Put the pages of ``nodes`` (one path's, top-down, just on host) to the store."""
+        if self.settings.policy != "write_through" or not nodes:
+            return
+        core = self.core
+        tree = core.tree
+        nodes = [n for n in nodes if tree.is_live(n) and n.host_pages is not None and n.tokens]
+        total = sum(n.num_pages for n in nodes)
+        if not total:
+            return
+        if not self._usable() or self.pending + total > self.settings.write_backlog:
+            self._skip_write(total, "unavailable" if not self._usable() else "backlog")
+            return
+        hold = nodes[-1]
+        parts, entries = [], []
+        for n in nodes:
+            host = n.host_pages.astype(np.int64)
+            parts.append((n.namespace, n.parent.last_page_key, n.tokens, n.page_keys, n.num_pages, host))
+            entries.append(Entry(n, host, host))
+        transfer = Transfer(Kind.REMOTE_WRITE, None, entries, hold)
+        store, fingerprint, host_pool = self.store, core.spec.fingerprint, core.host_pool
+
+        def work():
+            return store.put_batch(path_batch(parts, host_pool), fingerprint=fingerprint).result()
+
+        tree.pin(hold)
+        core.inflight.add(transfer)
+        if not self._writes.submit(core, work, lambda result, error: self._written(transfer, result, error)):
+            core.inflight.remove(transfer)
+            tree.unpin(hold)
+            self._skip_write(total, "busy")
+            return
+        self.pending += total
+
+    def _skip_write(self, pages: int, reason: str) -> None:
+        self.counts["put_skipped"] += pages
+        self.core.metrics.remote_pages("put", "skipped", pages)
+
+    def _written(self, transfer: Transfer, result, error: BaseException | None) -> None:
+        core = self.core
+        core.inflight.remove(transfer)
+        core.tree.unpin(transfer.hold)
+        self.pending -= transfer.num_pages
+        if error is not None:
+            self._failed("put", error)
+            self._skip_write(transfer.num_pages, "unavailable")
+            return
+        self._answered()
+        core.report(transfer, result.written)
+        self.counts["pages_put"] += result.written
+        core.metrics.remote_pages("put", "ok", result.written)
+        if result.written < transfer.num_pages:  # (no segment with room: the master's call)
+            self._skip_write(transfer.num_pages - result.written, "refused")
+
+    # -- lookups and reads ---------------------------------------------------------------
+
+    def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
+        """Ask the store for the whole pages of ``packed`` after ``result``'s hit (the
+        tree's full match, the request's packed tokens); ``None`` when nothing is asked."""
+        core = self.core
+        page_bytes = self._token_bytes
+        first = result.num_pages
+        whole = len(packed) // page_bytes
+        anchor = result.node  # (None: a namespace this tree has no page of)
+        if whole <= first:
+            return None
+        if anchor is not None and not anchor.is_root and anchor.host_pages is None and not anchor.on_disk:
+            return None  # (device-only prefix: nothing on host to hang the pages under)
+        parent_key = ROOT_PARENT_KEY if anchor is None else anchor.last_page_key
+        key = (namespace, parent_key)
+        fetch = self._fetches.get(key)
+        if fetch is not None:
+            return fetch
+        if not self._usable():
+            self._lookup("unavailable")
+            return None
+        count = min(whole - first, self.settings.lookup_pages)
+        end = (first + count) * page_bytes
+        keys = chain_page_keys(namespace, parent_key, packed[first * page_bytes : end], core.spec.page_size)
+        fetch = Fetch(namespace, anchor, first, packed[:end], keys)
+        store = self.store
+        key_list = [keys[i : i + PAGE_KEY_BYTES] for i in range(0, len(keys), PAGE_KEY_BYTES)]
+        if not self._reads.submit(core, lambda: store.contains(key_list),
+                                  lambda found, error: self._looked_up(fetch, found, error)):
+            self._lookup("busy")
+            return None
+        if anchor is not None and not anchor.is_root:
+            core.tree.pin(anchor)
+        self._fetches[key] = fetch
+        return fetch
+
+    def _lookup(self, result: str) -> None:
+        self.counts[f"lookup_{result}"] += 1
+        self.core.metrics.remote_lookup(result)
+
+    def _looked_up(self, fetch: Fetch, found: list[bool] | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._failed("lookup", error)
+            self._lookup("unavailable")
+            return self._end(fetch, 0)
+        self._answered()
+        count = int(np.argmin(found)) if not all(found) else len(found)
+        self._lookup("hit" if count else "miss")
+        if not count:
+            return self._end(fetch, 0)
+        core = self.core
+        pages = core.alloc_host(count)
+        while pages is None and count > 1:
+            count //= 2
+            pages = core.alloc_host(count)
+        if pages is None:
+            core.metrics.missed("no_room", count * core.spec.page_size)
+            return self._end(fetch, 0)
+        core.host_staging += count
+        transfer = Transfer(Kind.REMOTE_READ, None, [], fetch.anchor)
+        core.inflight.add_detached(transfer)
+        keys = [fetch.keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in range(count)]
+        buffers = [core.host_pool.page_array(int(h)) for h in pages]
+        store, fingerprint, token_bytes = self.store, core.spec.fingerprint, self._token_bytes
+
+        def work():
+            before = getattr(store, "corrupt_records", 0)
+            found = store.get(keys, buffers, fingerprint=fingerprint, token_bytes=token_bytes)
+            return found, getattr(store, "corrupt_records", 0) - before
+
+        def done(result, error):
+            got, corrupt = result if result is not None else (None, 0)
+            self._read(fetch, transfer, pages, got, corrupt, error)
+
+        if not self._reads.submit(core, work, done):
+            done(None, None)
+
+    def _read(self, fetch: Fetch, transfer: Transfer, pages, got: list[bool] | None, corrupt: int,
+              error: BaseException | None) -> None:
+        core = self.core
+        core.inflight.remove_detached(transfer)
+        core.host_staging -= len(pages)
+        if error is not None:
+            self._failed("get", error)
+        elif got is not None:
+            self._answered()
+        got = got if got is not None and error is None else [False] * len(pages)
+        good = len(got) if all(got) else int(np.argmin(got))
+        self.counts["pages_got"] += good
+        self.counts["pages_missing"] += len(got) - good
+        self.counts["pages_corrupt"] += corrupt
+        core.metrics.remote_pages("get", "hit", good)
+        core.metrics.remote_pages("get", "corrupt", corrupt)
+        core.metrics.remote_pages("get", "missing", len(got) - good - corrupt)
+        if good:
+            core.report(transfer, good)  # (a detached transfer: bytes of the pages that landed)
+        core.host_alloc.free(pages[good:])
+        self._land(fetch, pages[:good])
+
+    def _land(self, fetch: Fetch, pages) -> None:
+        """Put the landed pages in the tree below the anchor — once the anchor's path is
+        on host (a disk read of it may still be landing)."""
+        core = self.core
+        tree = core.tree
+        anchor = fetch.anchor
+        if len(pages) and not fetch.on_host and tree.is_live(anchor):
+            reads = core.inflight.on(anchor, Kind.DISK_READ)
+            if reads:
+                reads[0].waiters.append(lambda: self._land(fetch, pages))
+                return
+        landed = 0
+        if len(pages):
+            end = (fetch.first + len(pages)) * self._token_bytes
+            try:
+                if anchor is None:
+                    tree.add_namespace(fetch.namespace, core.spec.page_size)
+                _, duplicates = tree.add_host_path(fetch.namespace, fetch.packed[:end], fetch.first, pages)
+                core.host_alloc.free(duplicates)
+                landed = len(pages) - len(duplicates)
+            except (ResidencyError, HicacheError) as exc:  # the prefix left host meanwhile
+                logger.debug("remote pages not kept: %s", exc)
+                core.host_alloc.free(pages)
+                core.metrics.missed("no_room", len(pages) * core.spec.page_size)
+        self._end(fetch, landed)
+
+    def _end(self, fetch: Fetch, pages: int) -> None:
+        if fetch.anchor is not None and not fetch.anchor.is_root:
+            self.core.tree.unpin(fetch.anchor)
+        self._fetches.pop((fetch.namespace, fetch.parent_key), None)
+        fetch.finish(pages)
+
+    def stats(self) -> dict:
+        return {"up": self.up, "pending_writes": self.pending, **self.counts,
+                "corrupt_records": getattr(self.store, "corrupt_records", 0)}
+
+    def close(self) -> None:
+        self._reads.close()
+        self._writes.close()

@@ -1,0 +1,211 @@
+"""KV events from a daemon: what a router builds from the stream is the tree's residency.
+
+A daemon (in this process, so that its tree can be read) with the events on real ipc://
+sockets, two engines registering one after the other, and a mixed workload: prefills,
+hits and loads, device and host evictions, writes to disk. A subscriber decodes every
+batch with structs of vLLM's and Dynamo's shapes, fills sequence gaps through the replay
+socket, and keeps (medium, block hash) per stream; after every step that picture must
+equal the tree's, and every ``BlockStored`` must carry the block's own tokens.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import zmq
+
+from hicache import protocol as p
+from hicache.config import DaemonConfig
+from hicache.daemon.service import Daemon
+from hicache.fdpass import FdExchange
+from hicache.keys import key_self_test, page_keys
+from hicache.tree import DISK_SLOT, HOST_SLOT, Tier
+from kv_event_shapes import BlockStored, apply, decode
+from tiers_util import SPEC, Engine, offered, wired
+
+PS = SPEC.page_size
+
+
+class Subscriber:
+    """A router's view of one daemon: every stream's (medium, hash) set, in order."""
+
+    def __init__(self, context: zmq.Context, daemon: Daemon) -> None:
+        self.daemon = daemon
+        publisher = daemon.events.publisher
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(publisher.endpoint)
+        self.replay = context.socket(zmq.DEALER)
+        self.replay.connect(publisher.replay_endpoint)
+        self.blocks: dict[bytes, set] = {}
+        self.next_seq: dict[bytes, int] = {}
+        self.tokens: dict[int, list[int]] = {}  # block hash -> the tokens a BlockStored gave it
+        self.batches = 0
+
+    def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
+        if seq < self.next_seq.get(topic, 0):
+            return  # (already applied from a replay)
+        assert seq == self.next_seq.get(topic, 0), (topic, seq)
+        batch = decode(payload)
+        assert batch.data_parallel_rank == int(topic)
+        apply(self.blocks.setdefault(topic, set()), batch)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                assert event.block_size == PS
+                for i, h in enumerate(event.block_hashes):
+                    self.tokens[h] = event.token_ids[i * PS : (i + 1) * PS]
+        self.next_seq[topic] = seq + 1
+        self.batches += 1
+
+    def ask_replay(self, topic: bytes, start: int) -> list[tuple[int, bytes]]:
+        self.replay.send_multipart([topic, start.to_bytes(8, "big")])
+        got = []
+        while True:
+            while not self.replay.poll(10):
+                self.daemon.poll()  # (the daemon's loop answers replays)
+            frames = self.replay.recv_multipart()
+            assert frames[0] == b"" and len(frames) == 4
+            if frames[1] == b"":
+                return got
+            got.append((int.from_bytes(frames[2], "big"), frames[3]))
+
+    def pump(self) -> None:
+        """Everything published so far (a gap: fetched through the replay socket)."""
+        self.daemon.poll()
+        while self.sub.poll(50):
+            topic, seq8, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq8, "big")
+            if seq > self.next_seq.get(topic, 0):  # joined late, or missed some: replay them
+                for s, data in self.ask_replay(topic, self.next_seq.get(topic, 0)):
+                    self._apply(topic, s, data)
+            self._apply(topic, seq, payload)
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.replay.close(0)
+
+
+def residency(daemon: Daemon, pool_id: int) -> set:
+    """(medium, block hash) of every page the pool's stream speaks of, from the tree."""
+    out = set()
+    for manager in daemon.managers.values():
+        for node in manager.tree.nodes():
+            hashes = np.frombuffer(node.page_keys, dtype=">u8")[1::2].tolist()
+            for slot in node.residency:
+                medium = {pool_id: "GPU", HOST_SLOT: "CPU", DISK_SLOT: "STORAGE"}.get(slot)
+                if medium is not None:
+                    out.update((medium, h) for h in hashes)
+    return out
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    config = DaemonConfig.load(overrides={
+        "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0, "server.lease_s": 30.0,
+        "disk.path": str(tmp_path / "lmdb"), "disk.capacity_bytes": 64 * SPEC.host_page_bytes,
+        "events.enabled": True})
+    d = Daemon(config, fds=FdExchange(tmp_path / "fds"))
+    yield d
+    d.close()
+
+
+def answered(daemon: Daemon, reply):
+    """The reply, or the one its future ends with while the daemon's loop turns."""
+    while isinstance(reply, Future) and not reply.done():
+        daemon.poll()
+    reply = reply.result() if isinstance(reply, Future) else reply
+    assert not isinstance(reply, p.Error), reply
+    return reply
+
+
+def register(daemon: Daemon, engine: Engine) -> tuple[int, int]:
+    """A session for ``engine``'s pool: (session id, pool id)."""
+    hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test"))
+    reply = answered(daemon, wired(daemon, p.Register(
+        id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+        key_check=key_self_test(SPEC.fingerprint, PS), pools=[offered(daemon, engine.exported)])))
+    return hello.session, reply.pool
+
+
+def test_a_subscriber_sees_the_trees_residency(daemon, tmp_path):
+    context = zmq.Context()
+    engines = [Engine(16), Engine(16)]
+    router = Subscriber(context, daemon)
+    rng = np.random.default_rng(7)
+    prompts: list[list[int]] = []
+    true_tokens: dict[int, list[int]] = {}  # block hash -> its page's tokens
+    pools: dict[int, int] = {}  # session id -> pool id
+    try:
+        sid, pool_id = register(daemon, engines[0])
+        pools[sid] = pool_id
+        manager = next(iter(daemon.managers.values()))
+
+        def prefill(sid: int, tokens: list[int]) -> None:
+            """An engine's request: match, lock, load what is on host / disk, compute the
+            rest, insert, unlock."""
+            packed = np.asarray(tokens, np.int32).tobytes()
+            m = answered(daemon, daemon.handle(p.Match(id=3, session=sid, tokens=packed)))
+            have = np.frombuffer(m.device_pages, np.int32)
+            if m.node >= 0:
+                answered(daemon, daemon.handle(p.Lock(id=4, session=sid, node=m.node)))
+                if m.host_pages or m.disk_pages:
+                    loaded = answered(daemon, daemon.handle(p.Load(id=5, session=sid, node=m.node)))
+                    have = np.frombuffer(loaded.device_pages, np.int32)
+            need = len(tokens) // PS - len(have)
+            if need:
+                new = answered(daemon, daemon.handle(p.Alloc(id=6, session=sid, num_pages=need)))
+                have = np.concatenate([have, np.frombuffer(new.pages, np.int32)])
+            answered(daemon, daemon.handle(p.Insert(id=7, session=sid, tokens=packed,
+                                                    pages=have.astype(np.int32).tobytes())))
+            if m.node >= 0:
+                answered(daemon, daemon.handle(p.Unlock(id=8, session=sid, node=m.node)))
+            namespace = manager.tree.namespaces()[0]
+            for i, key in enumerate(page_keys(namespace, tokens, PS)):
+                true_tokens[int.from_bytes(key[8:], "big")] = tokens[i * PS : (i + 1) * PS]
+
+        def check() -> None:
+            router.pump()
+            for pool_id in pools.values():
+                assert router.blocks.get(str(pool_id).encode(), set()) == residency(daemon, pool_id)
+            for h, tokens in router.tokens.items():
+                assert tokens == true_tokens[h], f"block {h:x}: the event's tokens are not the block's"
+            media.update(medium for blocks in router.blocks.values() for medium, _ in blocks)
+
+        media: set[str] = set()  # every medium the streams spoke of, some time
+
+        for step in range(40):
+            if step == 20:  # a second engine joins late: its stream starts with a snapshot
+                sid, pool_id = register(daemon, engines[1])
+                pools[sid] = pool_id
+            sid = list(pools)[int(rng.integers(0, len(pools)))]
+            action = int(rng.integers(0, 6))
+            if action <= 2 or not prompts:  # a new conversation
+                prompts.append(rng.integers(0, 1000, int(rng.integers(2, 5)) * PS).tolist())
+                prefill(sid, prompts[-1])
+            elif action == 3:  # a turn on an earlier one: a hit, loaded, extended
+                prompts.append(prompts[int(rng.integers(0, len(prompts)))] + rng.integers(0, 1000, PS).tolist())
+                prefill(sid, prompts[-1])
+            elif action == 4:  # to disk, then out of host memory
+                manager.flush()
+                manager.evict(Tier.HOST, int(rng.integers(1, 8)))
+            else:
+                manager.evict(Tier.DEVICE, int(rng.integers(1, 8)), pools[sid])
+            check()
+        manager.flush()
+        check()
+        assert media == {"GPU", "CPU", "STORAGE"}, media
+
+        # A router that joins now recovers every stream through the replay socket alone.
+        late = Subscriber(context, daemon)
+        for topic in router.blocks:
+            for seq, payload in late.ask_replay(topic, 0):
+                late._apply(topic, seq, payload)
+        assert late.blocks == router.blocks
+        late.close()
+    finally:
+        router.close()
+        context.destroy(linger=0)
+        for engine in engines:
+            engine.close()

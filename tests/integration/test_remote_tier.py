@@ -1,0 +1,91 @@
+"""The remote tier at the tier manager: two managers (two nodes) and one real Mooncake
+Store. Every page a node gets from the remote tier is checked byte for byte against the
+bytes its key stands for (:func:`tiers_util.expected_page`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.metrics import Metrics
+from hicache.keys import namespace_id
+from hicache.tiers.config import TierConfig
+from hicache.tiers.manager import TierManager
+from hicache.tiers.remote import RemoteSettings
+from hicache.tree import Tier
+from mooncake_util import MooncakeCluster, require_mooncake
+from tiers_util import SPEC, Engine
+
+PS = SPEC.page_size
+NS = namespace_id(SPEC.fingerprint)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    require_mooncake()
+    c = MooncakeCluster(tmp_path).start()
+    yield c
+    c.stop()
+
+
+class Node:
+    def __init__(self, cluster, **settings) -> None:
+        from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+        self.store = MooncakeBackend(MooncakeConfig(master=cluster.master))
+        self.metrics = Metrics()
+        self.engine = Engine(num_pages=32)
+        self.tm = TierManager(SPEC, host_pages=32, metrics=self.metrics, config=TierConfig(), remote=self.store,
+                              remote_settings=RemoteSettings(**{"prefetch_policy": "wait_complete", **settings}))
+        self.tm.add_namespace(NS)
+        self.counters = self.tm.register_pool(0, [self.engine.pool])
+
+    def lookup(self, tokens):
+        hit = self.tm.lookup(NS, tokens, 0)
+        return self.tm.wait(hit) if hasattr(hit, "result") else hit
+
+    def prefill(self, tokens):
+        hit = self.lookup(tokens)
+        m = hit.match
+        new = self.tm.alloc(0, len(tokens) // PS - m.num_device_pages)
+        pages = np.concatenate((m.device_pages, new))
+        self.engine.compute(NS, tokens, pages)
+        self.tm.insert(NS, tokens, 0, pages)
+        return hit
+
+    def load(self, tokens):
+        """Match (remote part included), lock, load; check every page's bytes."""
+        hit = self.lookup(tokens)
+        self.tm.lock(hit.match.node, 0)
+        loaded = self.tm.wait(self.tm.load(hit.match.node, 0))
+        self.engine.wait(self.counters, loaded.wait)
+        self.engine.check(NS, tokens, loaded.device_pages)
+        self.tm.unlock(hit.match.node, 0)
+        self.tm.check_invariants()
+        return hit, loaded
+
+    def close(self) -> None:
+        self.tm.close()
+        self.store.close()
+        self.engine.close()
+
+
+def test_pages_stored_by_one_node_load_byte_exact_on_another(cluster):
+    a, b = Node(cluster), Node(cluster)
+    try:
+        tokens = list(range(1000, 1000 + 10 * PS + 2))
+        a.prefill(tokens)
+        a.tm.flush()
+        assert a.tm.remote.counts["pages_put"] == 10
+        hit, loaded = b.load(tokens)
+        assert hit.remote_pages == 10 and hit.match.num_host_pages == 10
+        assert len(loaded.device_pages) == 10
+        assert b.tm.tree.sizes(Tier.HOST).cached == 10
+        # A longer request: its first ten pages are B's own now, the rest nobody has.
+        longer = tokens[: 10 * PS] + list(range(5000, 5000 + 3 * PS))
+        hit, _ = b.load(longer)
+        assert hit.remote_pages == 0 and hit.match.num_pages == 10
+        assert b.tm.remote.counts["lookup_miss"] == 1
+    finally:
+        a.close()
+        b.close()

@@ -30,3 +30,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def require_mooncake() -> None:
+    """Skip without Mooncake Store — except under CI, where a missing install step must
+    fail loudly (``.ci/run`` installs ``libibverbs1``; ``make test`` the ``remote`` extra)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"Mooncake Store is not installed: {exc}")
+
+
+@pytest.fixture
+def mooncake_store(tmp_path):
+    """A real Mooncake Store on loopback (:class:`hicache.storage.mooncake_local.LocalMooncake`:
+    a master and a segment holder), objects leased 200 ms: tests overwrite them."""
+    require_mooncake()
+    from hicache.storage.mooncake_local import LocalMooncake
+
+    store = LocalMooncake(tmp_path, lease_ms=200).start()
+    yield store
+    store.stop()

@@ -20,7 +20,7 @@ import torch
 from daemon_util import DaemonProcess
 from hicache.client import CacheClient
 from hicache.engine.reference import ModelConfig, ReferenceEngine, TinyTransformer
-from mooncake_util import MooncakeCluster, free_port, require_mooncake
+from hicache.storage.mooncake_local import free_port
 
 CONFIG = ModelConfig(seed=5)
 
@@ -30,25 +30,18 @@ def model():
     return TinyTransformer(CONFIG)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    require_mooncake()
-    (tmp_path / "mooncake").mkdir()
-    c = MooncakeCluster(tmp_path / "mooncake").start()
-    yield c
-    c.stop()
 
 
 class Node:
     """One machine: a daemon (its own state directory and metrics port) and an engine."""
 
-    def __init__(self, directory, cluster, model) -> None:
+    def __init__(self, directory, mooncake_store, model) -> None:
         directory.mkdir()
         self.port = free_port()
         self.daemon = DaemonProcess(
             directory, host={"ratio": 2.0}, disk={"capacity_bytes": 64 << 20},
             metrics={"enabled": True, "address": "127.0.0.1", "port": self.port},
-            remote={"enabled": True, "master": cluster.master, "prefetch_policy": "wait_complete",
+            remote={"enabled": True, "master": mooncake_store.master, "prefetch_policy": "wait_complete",
                     "retry_s": 0.2})
         self.model = model
         self.engine: ReferenceEngine | None = None
@@ -82,10 +75,10 @@ def same(a, b):
         assert torch.equal(x, y), "logits differ"
 
 
-def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, cluster, model):
+def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, mooncake_store, model):
     plain = ReferenceEngine(model, num_pages=200)
-    a = Node(tmp_path / "a", cluster, model).start()
-    b = Node(tmp_path / "b", cluster, model).start()
+    a = Node(tmp_path / "a", mooncake_store, model).start()
+    b = Node(tmp_path / "b", mooncake_store, model).start()
     rng = np.random.default_rng(0)
     try:
         def run(node, prompt):
@@ -115,7 +108,7 @@ def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, cluster, m
         assert restarted.from_tier["remote"] > 0 and restarted.from_tier["disk"] == 0, restarted.from_tier
 
         # The master dies mid-traffic: both nodes keep serving from their own tiers.
-        cluster.kill_master()
+        mooncake_store.kill_master()
         local = run(b, shared + [1, 2, 3])
         assert local.cached_tokens > 0 and local.from_tier["remote"] == 0
         fresh = rng.integers(0, CONFIG.vocab, 70).tolist()
@@ -127,8 +120,8 @@ def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, cluster, m
         assert "remote tier unreachable" in a.daemon.log.read_text()
 
         # The master returns: the daemons rejoin; what is written now is shared again.
-        cluster.start_master()
-        cluster.wait_segment()
+        mooncake_store.start_master()
+        mooncake_store.wait_segment()
         later = rng.integers(0, CONFIG.vocab, 100).tolist()
         deadline = time.monotonic() + 30
         while True:  # (until node A's writes get through again: its retry and Mooncake's re-mount)
@@ -150,17 +143,14 @@ def b_probe(b, prompt, run) -> bool:
     return run(b, prompt).from_tier["remote"] > 0
 
 
-def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, cluster, model):
-    from mooncake.store import MooncakeDistributedStore
-
+def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_store, model):
     from hicache.keys import ROOT_PARENT_KEY, chain_page_keys, namespace_id, pack_tokens
     from hicache.storage.mooncake_backend import object_name
 
     plain = ReferenceEngine(model, num_pages=200)
-    a = Node(tmp_path / "a", cluster, model).start()
-    b = Node(tmp_path / "b", cluster, model).start()
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", cluster.master) == 0
+    a = Node(tmp_path / "a", mooncake_store, model).start()
+    b = Node(tmp_path / "b", mooncake_store, model).start()
+    raw = mooncake_store.client()
     try:
         prompt = np.random.default_rng(1).integers(0, CONFIG.vocab, 129).tolist()
         a.engine.generate(prompt, 2)

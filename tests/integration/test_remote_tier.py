@@ -5,7 +5,6 @@ bytes its key stands for (:func:`tiers_util.expected_page`)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from hicache.metrics import Metrics
 from hicache.keys import namespace_id
@@ -13,26 +12,19 @@ from hicache.tiers.config import TierConfig
 from hicache.tiers.manager import TierManager
 from hicache.tiers.remote import RemoteSettings
 from hicache.tree import Tier
-from mooncake_util import MooncakeCluster, require_mooncake
 from tiers_util import SPEC, Engine
 
 PS = SPEC.page_size
 NS = namespace_id(SPEC.fingerprint)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    require_mooncake()
-    c = MooncakeCluster(tmp_path).start()
-    yield c
-    c.stop()
 
 
 class Node:
-    def __init__(self, cluster, **settings) -> None:
+    def __init__(self, mooncake_store, **settings) -> None:
         from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
-        self.store = MooncakeBackend(MooncakeConfig(master=cluster.master))
+        self.store = MooncakeBackend(MooncakeConfig(master=mooncake_store.master))
         self.metrics = Metrics()
         self.engine = Engine(num_pages=32)
         self.tm = TierManager(SPEC, host_pages=32, metrics=self.metrics, config=TierConfig(), remote=self.store,
@@ -70,8 +62,8 @@ class Node:
         self.engine.close()
 
 
-def test_pages_stored_by_one_node_load_byte_exact_on_another(cluster):
-    a, b = Node(cluster), Node(cluster)
+def test_pages_stored_by_one_node_load_byte_exact_on_another(mooncake_store):
+    a, b = Node(mooncake_store), Node(mooncake_store)
     try:
         tokens = list(range(1000, 1000 + 10 * PS + 2))
         a.prefill(tokens)

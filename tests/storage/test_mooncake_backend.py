@@ -7,7 +7,6 @@ import pytest
 
 from hicache.keys import ROOT_PARENT_KEY, chain_page_keys, pack_tokens
 from hicache.storage.base import PageBatch
-from mooncake_util import MooncakeCluster, require_mooncake
 
 PAGE_SIZE = 16
 PAYLOAD = 4096
@@ -15,18 +14,12 @@ FINGERPRINT = bytes(range(16))
 NAMESPACE = bytes(16)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    require_mooncake()
-    c = MooncakeCluster(tmp_path).start()
-    yield c
-    c.stop()
 
 
-def _backend(cluster, **kw):
+def _backend(mooncake_store, **kw):
     from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
-    return MooncakeBackend(MooncakeConfig(master=cluster.master, **kw))
+    return MooncakeBackend(MooncakeConfig(master=mooncake_store.master, **kw))
 
 
 def _pages(n: int, seed: int = 0):
@@ -40,8 +33,8 @@ def _pages(n: int, seed: int = 0):
     return batch, [keys[i * 16 : (i + 1) * 16] for i in range(n)], source
 
 
-def test_put_get_bytes_equal_across_clients(cluster):
-    writer, reader = _backend(cluster), _backend(cluster)
+def test_put_get_bytes_equal_across_clients(mooncake_store):
+    writer, reader = _backend(mooncake_store), _backend(mooncake_store)
     try:
         batch, keys, source = _pages(40)
         writer.register(source)
@@ -62,10 +55,10 @@ def test_put_get_bytes_equal_across_clients(cluster):
         reader.close()
 
 
-def test_bad_records_read_as_missing_and_are_counted(cluster):
+def test_bad_records_read_as_missing_and_are_counted(mooncake_store):
     from hicache.storage.mooncake_backend import object_name
 
-    backend = _backend(cluster)
+    backend = _backend(mooncake_store)
     try:
         batch, keys, source = _pages(4, seed=1)
         backend.put_batch(batch, fingerprint=FINGERPRINT).result()
@@ -92,18 +85,18 @@ def test_bad_records_read_as_missing_and_are_counted(cluster):
         backend.close()
 
 
-def test_master_down_raises_unavailable_and_recovers(cluster):
+def test_master_down_raises_unavailable_and_recovers(mooncake_store):
     from hicache.storage.mooncake_backend import RemoteUnavailable
 
-    backend = _backend(cluster)
+    backend = _backend(mooncake_store)
     try:
         batch, keys, source = _pages(2, seed=2)
         backend.put_batch(batch, fingerprint=FINGERPRINT).result()
-        cluster.kill_master()
+        mooncake_store.kill_master()
         with pytest.raises(RemoteUnavailable):
             backend.contains(keys)
-        cluster.start_master()
-        cluster.wait_segment()  # the holder re-mounts its segment on the new master
+        mooncake_store.start_master()
+        mooncake_store.wait_segment()  # the holder re-mounts its segment on the new master
         # The new master knows nothing stored before: misses, and puts work again.
         assert backend.contains(keys) == [False, False]
         assert backend.put_batch(batch, fingerprint=FINGERPRINT).result().written == 2

@@ -1,39 +1,17 @@
-"""A real Mooncake Store on loopback for tests: ``mooncake_master`` and one
-``mooncake_client`` holding the memory segment (a storage node of its own, so that the
-objects outlive the daemons that stored them), TCP transport, ``P2PHANDSHAKE``.
-
-Without the wheel the tests that need it are skipped — except under CI, where a missing
-install step must fail loudly (``.ci/run`` installs ``libibverbs1``; ``make test``
-installs the ``remote`` extra)."""
+"""A Mooncake Store on this machine: ``mooncake_master`` and one ``mooncake_client``
+holding the store's memory (a storage node of its own, so that objects outlive the
+daemons that stored them), TCP, ``P2PHANDSHAKE``, on free loopback ports. For tests,
+benchmarks and trying the fleet setup out — a fleet runs the master and its storage
+nodes as services (README, "Fleet")."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
-
-
-def require_mooncake() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"Mooncake Store is not installed: {exc}")
-
-
-def _binary(name: str) -> str:
-    here = Path(sys.executable).parent / name
-    found = str(here) if here.exists() else shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not installed next to {sys.executable}")
-    return found
 
 
 def free_port() -> int:
@@ -42,7 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> None:
+def binary(name: str) -> str:
+    """A Mooncake console script: next to this interpreter (a venv), else on ``PATH``."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed (pip install 'hicache[remote]')")
+    return found
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -54,14 +41,15 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 
     raise RuntimeError(f"{what} did not listen on {port}")
 
 
-class MooncakeCluster:
-    """The master (restartable: :meth:`kill_master`, :meth:`start_master`) and a
-    segment holder of ``segment_bytes``."""
+class LocalMooncake:
+    """The master (restartable: :meth:`kill_master`, :meth:`start_master`) and a segment
+    holder of ``segment_bytes``; logs in ``workdir``. ``lease_ms``: the master's
+    default object lease (reads shorter than it; a shorter one lets objects go sooner)."""
 
-    def __init__(self, workdir: Path, segment_bytes: int = 256 << 20) -> None:
-        require_mooncake()
-        self.workdir = workdir
+    def __init__(self, workdir: Path, segment_bytes: int = 256 << 20, lease_ms: int = 5000) -> None:
+        self.workdir = Path(workdir)
         self.segment_bytes = segment_bytes
+        self.lease_ms = lease_ms
         self.port = free_port()
         self.master = f"127.0.0.1:{self.port}"
         self._master: subprocess.Popen | None = None
@@ -76,9 +64,9 @@ class MooncakeCluster:
     def start_master(self) -> None:
         log = self._log("mooncake_master.log")
         self._master = subprocess.Popen(
-            [_binary("mooncake_master"), f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
-             "--default_kv_lease_ttl=200"], stdout=log, stderr=log, cwd=self.workdir)
-        _wait_port(self.port, self._master, "mooncake_master")
+            [binary("mooncake_master"), f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
+             f"--default_kv_lease_ttl={self.lease_ms}"], stdout=log, stderr=log, cwd=self.workdir)
+        wait_port(self.port, self._master, "mooncake_master")
 
     def kill_master(self) -> None:
         if self._master is not None:
@@ -90,27 +78,33 @@ class MooncakeCluster:
         log = self._log("mooncake_client.log")
         port = free_port()
         self._holder = subprocess.Popen(
-            [_binary("mooncake_client"), f"--global_segment_size={self.segment_bytes}",
+            [binary("mooncake_client"), f"--global_segment_size={self.segment_bytes}",
              f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
              "--host=127.0.0.1", f"--port={port}"], stdout=log, stderr=log, cwd=self.workdir)
-        _wait_port(port, self._holder, "mooncake_client")
+        wait_port(port, self._holder, "mooncake_client")
 
-    def wait_segment(self, timeout_s: float = 30.0) -> None:
-        """Until a put through a fresh client lands (the holder's segment is mounted)."""
+    def client(self, buffer_bytes: int = 16 << 20):
+        """A plain Mooncake client of this store (no segment of its own)."""
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", self.master) == 0
+        if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, buffer_bytes, "tcp", "", self.master) != 0:
+            raise RuntimeError(f"cannot join the Mooncake Store at {self.master}")
+        return store
+
+    def wait_segment(self, timeout_s: float = 30.0) -> None:
+        """Until a put lands (the holder's segment is mounted on the current master)."""
+        store = self.client(1 << 20)
         try:
             deadline = time.monotonic() + timeout_s
-            while store.put("hicache-test-probe", b"x") != 0:
+            while store.put("hicache-probe", b"x") != 0:
                 if time.monotonic() > deadline:
                     raise RuntimeError("no segment mounted in the Mooncake Store")
                 time.sleep(0.1)
         finally:
             store.close()
 
-    def start(self) -> "MooncakeCluster":
+    def start(self) -> "LocalMooncake":
         self.start_master()
         self.start_holder()
         self.wait_segment()
@@ -123,10 +117,3 @@ class MooncakeCluster:
                 proc.wait()
         for f in self._logs:
             f.close()
-
-
-@pytest.fixture
-def mooncake(tmp_path):
-    cluster = MooncakeCluster(tmp_path).start()
-    yield cluster
-    cluster.stop()

@@ -279,19 +279,22 @@ class EventPublisher:
             sent += 1
         return sent
 
-    def serve_replay(self) -> int:
-        """Answer every replay request waiting, without blocking; returns how many. A
-        request that does not parse gets the end marker alone."""
+    def serve_replay(self, limit: int | None = None) -> int:
+        """Answer the replay requests waiting (at most ``limit``: a reply may be a whole
+        ring of batches, and a client sending requests back to back must not hold its
+        owner's thread), without blocking; returns how many. A request that does not
+        parse gets the end marker alone."""
         if self._replay is None:
             return 0
         served = 0
-        while True:
+        while limit is None or served < limit:
             try:
                 frames = self._replay.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return served
             self._answer(frames[0], frames[1:])
             served += 1
+        return served
 
     def _answer(self, identity: bytes, body: list[bytes]) -> None:
         if body and not body[0]:  # the empty delimiter of a REQ socket (or a DEALER that mimics one)

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_SLICE = 2000  # nodes a snapshot announces per loop turn
 EXTRA_KEYS = 1 << 16  # namespaces whose extra key is remembered
+REPLAYS_PER_TURN = 4  # replay requests answered per loop turn at most (each up to a ring of batches)
 
 
 def _hashes(node: Node) -> list[int]:
@@ -191,7 +192,7 @@ class KvEvents:
         for events in self._managers.values():
             events.tick()
         self.publisher.publish()
-        self.publisher.serve_replay()
+        self.publisher.serve_replay(REPLAYS_PER_TURN)
 
     def stats(self) -> dict[str, int]:
         p = self.publisher

@@ -209,3 +209,50 @@ def test_a_subscriber_sees_the_trees_residency(daemon, tmp_path):
         context.destroy(linger=0)
         for engine in engines:
             engine.close()
+
+
+def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):
+    """Anything sent to the replay socket — garbage frames, many frames, an oversized
+    message, a flood of whole-ring requests — gets at most the end marker; the daemon
+    keeps answering its engines and a good replay request afterwards."""
+    import random
+
+    from daemon_util import ClientEngine, DaemonProcess
+
+    daemon = DaemonProcess(tmp_path, events={"enabled": True, "buffer_steps": 64}).start()
+    context = zmq.Context()
+    engine = ClientEngine(daemon.endpoint)
+    replay_endpoint = f"ipc://{tmp_path / 'hicache-events-replay.sock'}"
+    try:
+        for i in range(20):  # a ring of batches worth flooding for
+            engine.prefill(np.random.default_rng(i).integers(0, 1000, 2 * PS).tolist())
+        rng = random.Random(3)
+        attackers = [context.socket(zmq.DEALER) for _ in range(4)]
+        for sock in attackers:
+            sock.connect(replay_endpoint)
+        bodies = [[b""], [b"", b"", b""], [b"\x00" * 7], [b"\xff" * 9], [b"no such topic", (0).to_bytes(8, "big")],
+                  [b"x" * (1 << 20)], [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))
+                                        for _ in range(rng.randrange(1, 12))]]
+        for _ in range(200):
+            rng.choice(attackers).send_multipart(rng.choice(bodies + [[(0).to_bytes(8, "big")]]))
+        # The daemon still serves its engines (while the flood is answered a few a turn) ...
+        engine.prefill(np.random.default_rng(99).integers(0, 1000, 3 * PS).tolist())
+        engine.client.health()
+        # ... and a good request gets every batch still in the ring, then the end marker.
+        good = context.socket(zmq.DEALER)
+        good.connect(replay_endpoint)
+        good.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert good.poll(60_000), "no answer from the replay socket"
+            frames = good.recv_multipart()
+            if frames[-1] == b"" and frames[-2] == (-1).to_bytes(8, "big", signed=True):
+                break
+            seqs.append(int.from_bytes(frames[-2], "big"))
+        assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        for sock in attackers + [good]:
+            sock.close(0)
+    finally:
+        engine.close()
+        context.destroy(linger=0)
+        assert daemon.stop() == 0

@@ -196,16 +196,19 @@ class LocalDisk:
         which then takes the interpreter from the owner thread for a while); returns
         the pages freed."""
         doomed: list[bytes] = []
+        leaving = []  # (namespace, parent key, page keys) of each node: for a remote write-back
         for node in self.core.tree.iter_evictable(Tier.DISK, namespaces=namespaces):
             if len(doomed) >= num_pages:
                 break
+            leaving.append((node.namespace, node.parent.last_page_key, node.page_keys))
             self._drop(node, doomed)
-        if doomed:
+        if doomed and not self.core.remote.write_back(leaving, self.storage):
             self.storage.delete(doomed)
         return len(doomed)
 
     def _drop(self, node: Node, doomed: list[bytes]) -> None:
-        """``node`` leaves the disk tier; its keys go to ``doomed`` (to be deleted)."""
+        """``node`` leaves the disk tier; its keys go to ``doomed`` (to be deleted — by
+        the remote tier's write-back once it has them, if it takes them)."""
         self.core.misses.evicted(node, Tier.DISK)
         keys = node.page_key_list()
         if not node.tokens and len(node.residency) > 1:  # cached elsewhere still: it may

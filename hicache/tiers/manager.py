@@ -109,8 +109,11 @@ class TierManager:
         backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
         self.disk: DiskTier = (LocalDisk(self._core, storage, backlog)
                                if storage is not None and self.disk_policy.enabled else NoDisk())
-        self.remote = (RemoteTier(self._core, remote, remote_settings or RemoteSettings())
-                       if remote is not None else NoRemote())
+        remote_settings = remote_settings or RemoteSettings()
+        if remote is not None and remote_settings.policy == "write_back" and not self.disk.enabled:
+            raise InvalidArgument('the remote policy "write_back" writes pages the disk tier evicts: it needs a '
+                                  'disk tier (without one, use "write_through")')
+        self.remote = RemoteTier(self._core, remote, remote_settings) if remote is not None else NoRemote()
         self._core.remote = self.remote
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)

@@ -9,6 +9,9 @@ and evicts on its own, so what this node could record would go stale. Instead:
   from the host pages themselves, pinned until the put is done. At most ``write_backlog``
   pages are in flight; a write beyond that, or while the tier is down, is skipped and
   counted — the page stays cached locally, only the fleet does not get it.
+  ``policy = "write_back"``: pages go to the remote tier as the local disk tier evicts
+  them instead — their records read back into staging pages, put, then deleted from the
+  disk (:meth:`RemoteTier.write_back`); skipped and counted the same way.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
   every machine for the same namespace and tokens). The pages found from the first on
@@ -45,19 +48,21 @@ from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, TOKEN_BYTES, Namespace
 from hicache.tiers.core import Core
 from hicache.tiers.disk_writes import path_batch
 from hicache.tiers.policies import PrefetchPolicy, prefetch_policy
+from hicache.storage.base import PageBatch
 from hicache.tiers.transfers import Entry, Kind, Transfer
 from hicache.tree import MatchResult, Node
 
 logger = logging.getLogger(__name__)
 
-REMOTE_POLICIES = ("write_through", "none")
+REMOTE_POLICIES = ("write_through", "write_back", "none")
+STAGING_PAGES = 64  # a write-back's pages read from disk into this many staging pages at most
 
 
 @dataclass(frozen=True, kw_only=True)
 class RemoteSettings:
     """How the tier manager uses a remote tier (``[remote]`` in the daemon's config)."""
 
-    policy: str = "write_through"  # or "none": read only
+    policy: str = "write_through"  # "write_back": pages the disk tier evicts; "none": read only
     lookup_pages: int = 256  # pages asked for after a local hit, at most
     prefetch_policy: str = "timeout"  # best_effort, wait_complete, timeout
     timeout_s: float = 0.5  # the timeout policy's wait for a match's remote pages
@@ -146,6 +151,9 @@ class NoRemote:
     def write(self, nodes: list[Node]) -> None:
         pass
 
+    def write_back(self, leaving, storage) -> bool:
+        return False
+
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
 
@@ -176,6 +184,8 @@ class RemoteTier:
         self._writes = _Lane("hicache-remote-write", settings.max_queued)
         self._fetches: dict[tuple[bytes, bytes], Fetch] = {}  # (namespace, anchor's last key) -> in flight
         self._token_bytes = core.spec.page_size * TOKEN_BYTES
+        self._staging: np.ndarray | None = None  # write-back staging pages (see write_back)
+        self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_unavailable", "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_skipped"), 0)
         store.register(core.host_pool.pages_array())
@@ -236,6 +246,71 @@ class RemoteTier:
             self._skip_write(total, "busy")
             return
         self.pending += total
+
+    def write_back(self, leaving: list[tuple[bytes, bytes, bytes]], storage) -> bool:
+        """``policy = "write_back"``: the disk tier evicts these nodes' pages —
+        ``(namespace, parent key, page keys)`` each, already out of the tree. Read their
+        records from ``storage`` into staging pages and put them to the store, then delete
+        the records; True if it took them (else the caller deletes them now)."""
+        if self.settings.policy != "write_back":
+            return False
+        core = self.core
+        keys = [k[i : i + PAGE_KEY_BYTES] for _, _, k in leaving for i in range(0, len(k), PAGE_KEY_BYTES)]
+        total = len(keys)
+        if not self._usable() or self.pending + total > self.settings.write_backlog or total > len(self._free_rows):
+            self._skip_write(total, "unavailable" if not self._usable() else "backlog")
+            return False
+        rows = np.array([self._free_rows.pop() for _ in range(total)], dtype=np.int64)
+        staging = self._staging_area()
+        namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k in leaving)
+        parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k in leaving)
+        store, fingerprint = self.store, core.spec.fingerprint
+        transfer = Transfer(Kind.REMOTE_WRITE, None, [], None)  # (detached: its pages left the tree)
+        core.inflight.add_detached(transfer)
+
+        def work():
+            tokens = storage.read_tokens(keys)
+            found = storage.get(keys, [staging[r] for r in rows], fingerprint=fingerprint)
+            keep = [i for i in range(total) if found[i] and tokens[i] is not None]
+            if not keep:
+                return 0
+            pick = np.asarray(keep)
+            batch = PageBatch(b"".join(keys[i] for i in keep),
+                              b"".join(namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
+                              b"".join(parents[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
+                              b"".join(tokens[i] for i in keep), staging, rows[pick])
+            return store.put_batch(batch, fingerprint=fingerprint).result().written
+
+        def done(written, error):
+            core.inflight.remove_detached(transfer)
+            self._free_rows.extend(int(r) for r in rows)
+            self.pending -= total
+            storage.delete(keys)
+            if error is not None:
+                self._failed("put", error)
+                self._skip_write(total, "unavailable")
+                return
+            self._answered()
+            core.report(transfer, written)
+            self.counts["pages_put"] += written
+            core.metrics.remote_pages("put", "ok", written)
+            if written < total:
+                self._skip_write(total - written, "refused")
+
+        if not self._writes.submit(core, work, done):
+            core.inflight.remove_detached(transfer)
+            self._free_rows.extend(int(r) for r in rows)
+            self._skip_write(total, "busy")
+            return False
+        self.pending += total
+        return True
+
+    def _staging_area(self) -> np.ndarray:
+        """The write-back's staging pages (allocated and registered with the store once)."""
+        if self._staging is None:
+            self._staging = np.zeros((STAGING_PAGES, self.core.spec.host_page_bytes), dtype=np.uint8)
+            self.store.register(self._staging)
+        return self._staging
 
     def _skip_write(self, pages: int, reason: str) -> None:
         self.counts["put_skipped"] += pages

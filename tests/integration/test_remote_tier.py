@@ -5,6 +5,7 @@ bytes its key stands for (:func:`tiers_util.expected_page`)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hicache.metrics import Metrics
 from hicache.keys import namespace_id
@@ -21,13 +22,15 @@ NS = namespace_id(SPEC.fingerprint)
 
 
 class Node:
-    def __init__(self, mooncake_store, **settings) -> None:
+    def __init__(self, mooncake_store, disk=None, **settings) -> None:
         from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
         self.store = MooncakeBackend(MooncakeConfig(master=mooncake_store.master))
+        self.disk = disk
         self.metrics = Metrics()
         self.engine = Engine(num_pages=32)
         self.tm = TierManager(SPEC, host_pages=32, metrics=self.metrics, config=TierConfig(), remote=self.store,
+                              storage=disk,
                               remote_settings=RemoteSettings(**{"prefetch_policy": "wait_complete", **settings}))
         self.tm.add_namespace(NS)
         self.counters = self.tm.register_pool(0, [self.engine.pool])
@@ -60,6 +63,8 @@ class Node:
         self.tm.close()
         self.store.close()
         self.engine.close()
+        if self.disk is not None:
+            self.disk.close()
 
 
 def test_pages_stored_by_one_node_load_byte_exact_on_another(mooncake_store):
@@ -78,6 +83,40 @@ def test_pages_stored_by_one_node_load_byte_exact_on_another(mooncake_store):
         hit, _ = b.load(longer)
         assert hit.remote_pages == 0 and hit.match.num_pages == 10
         assert b.tm.remote.counts["lookup_miss"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_back_puts_what_the_disk_tier_evicts(mooncake_store, tmp_path):
+    """``policy = "write_back"``: nothing goes to the store until the disk tier evicts a
+    page; then its record is read back, put to the store (node B gets it byte-exact) and
+    deleted from the disk."""
+    from hicache.errors import InvalidArgument
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    with pytest.raises(InvalidArgument):  # (nothing to write back without a disk tier)
+        Node(mooncake_store, policy="write_back").close()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    a, b = Node(mooncake_store, disk=disk, policy="write_back"), Node(mooncake_store)
+    try:
+        prompts = [list(range(100 * i, 100 * i + 4 * PS)) for i in range(1, 4)]
+        for tokens in prompts:
+            a.prefill(tokens)
+        a.tm.flush()
+        assert a.tm.remote.counts["pages_put"] == 0  # (on disk, not evicted: not written)
+        a.tm.evict(Tier.DEVICE, 32, 0)
+        a.tm.evict(Tier.HOST, 32)
+        a.tm.flush()
+        assert a.tm.tree.sizes(Tier.DISK).cached == 12
+        assert a.tm.evict(Tier.DISK, 12) == 12
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert a.tm.remote.counts["pages_put"] == 12
+        assert not list(disk.iter_metadata()), "records written back stay on disk"
+        for tokens in prompts:
+            hit, loaded = b.load(tokens)
+            assert hit.remote_pages == 4 and len(loaded.device_pages) == 4
     finally:
         a.close()
         b.close()

@@ -112,6 +112,15 @@ def _checksum(header, tokens, payload) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=seed)
 
 
+def _bytes_of(buffer) -> np.ndarray:
+    """A buffer's bytes as a flat uint8 array (no copy): numpy, torch, bytes-like."""
+    if hasattr(buffer, "numpy"):  # a torch tensor
+        buffer = buffer.numpy()
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(np.uint8)
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
 def _address(buffer) -> tuple[int, int]:
     """(pointer, bytes) of a contiguous buffer."""
     if isinstance(buffer, np.ndarray):
@@ -297,10 +306,7 @@ class MooncakeBackend:
         if not records:
             return self.put_batch(PageBatch(b"", b"", b"", b"", np.zeros((0, 0), np.uint8), np.zeros(0, np.int64)),
                                   fingerprint=fingerprint)
-        payloads = [np.frombuffer(memoryview(r.payload).cast("B") if not hasattr(r.payload, "numpy")
-                                  else r.payload.numpy().reshape(-1).view(np.uint8), dtype=np.uint8)
-                    for r in records]
-        source = np.stack(payloads)
+        source = np.stack([_bytes_of(r.payload) for r in records])
         batch = PageBatch(b"".join(r.key for r in records), b"".join(r.meta.namespace for r in records),
                           b"".join(r.meta.parent for r in records), b"".join(r.meta.tokens for r in records),
                           source, np.arange(len(records)))
@@ -364,9 +370,7 @@ class MooncakeBackend:
         if (magic != RECORD_MAGIC or version != RECORD_VERSION or size != len(header) or fp != fingerprint
                 or length != payload or stored_key != key or tokens != size - HEADER_BYTES):
             return False
-        data = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(
-            buffer.numpy() if hasattr(buffer, "numpy") else buffer, dtype=np.uint8)
-        return _checksum(header, header[HEADER_BYTES:], data.reshape(-1).view(np.uint8)) == checksum
+        return _checksum(header, header[HEADER_BYTES:], _bytes_of(buffer)) == checksum
 
     # -- the rest of the storage port -----------------------------------------------------
 

@@ -157,9 +157,6 @@ class NoRemote:
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
 
-    def stats(self) -> dict:
-        return {}
-
     def close(self) -> None:
         pass
 
@@ -169,8 +166,7 @@ class RemoteTier:
 
     enabled = True
 
-    def __init__(self, core: Core, store, settings: RemoteSettings,
-                 on_host_pages: Callable[[list[Node]], None] | None = None) -> None:
+    def __init__(self, core: Core, store, settings: RemoteSettings) -> None:
         """``store``: a :class:`~hicache.storage.mooncake_backend.MooncakeBackend` (or
         anything with its ``contains`` / ``get`` / ``put_batch`` / ``register``)."""
         self.core = core
@@ -224,7 +220,7 @@ class RemoteTier:
         if not total:
             return
         if not self._usable() or self.pending + total > self.settings.write_backlog:
-            self._skip_write(total, "unavailable" if not self._usable() else "backlog")
+            self._skip_write(total)
             return
         hold = nodes[-1]
         parts, entries = [], []
@@ -243,7 +239,7 @@ class RemoteTier:
         if not self._writes.submit(core, work, lambda result, error: self._written(transfer, result, error)):
             core.inflight.remove(transfer)
             tree.unpin(hold)
-            self._skip_write(total, "busy")
+            self._skip_write(total)
             return
         self.pending += total
 
@@ -258,7 +254,7 @@ class RemoteTier:
         keys = [k[i : i + PAGE_KEY_BYTES] for _, _, k in leaving for i in range(0, len(k), PAGE_KEY_BYTES)]
         total = len(keys)
         if not self._usable() or self.pending + total > self.settings.write_backlog or total > len(self._free_rows):
-            self._skip_write(total, "unavailable" if not self._usable() else "backlog")
+            self._skip_write(total)
             return False
         rows = np.array([self._free_rows.pop() for _ in range(total)], dtype=np.int64)
         staging = self._staging_area()
@@ -288,19 +284,19 @@ class RemoteTier:
             storage.delete(keys)
             if error is not None:
                 self._failed("put", error)
-                self._skip_write(total, "unavailable")
+                self._skip_write(total)
                 return
             self._answered()
             core.report(transfer, written)
             self.counts["pages_put"] += written
             core.metrics.remote_pages("put", "ok", written)
             if written < total:
-                self._skip_write(total - written, "refused")
+                self._skip_write(total - written)
 
         if not self._writes.submit(core, work, done):
             core.inflight.remove_detached(transfer)
             self._free_rows.extend(int(r) for r in rows)
-            self._skip_write(total, "busy")
+            self._skip_write(total)
             return False
         self.pending += total
         return True
@@ -312,7 +308,8 @@ class RemoteTier:
             self.store.register(self._staging)
         return self._staging
 
-    def _skip_write(self, pages: int, reason: str) -> None:
+    def _skip_write(self, pages: int) -> None:
+        """Pages not put: the tier down, its queue full, or no room in the store."""
         self.counts["put_skipped"] += pages
         self.core.metrics.remote_pages("put", "skipped", pages)
 
@@ -323,14 +320,14 @@ class RemoteTier:
         self.pending -= transfer.num_pages
         if error is not None:
             self._failed("put", error)
-            self._skip_write(transfer.num_pages, "unavailable")
+            self._skip_write(transfer.num_pages)
             return
         self._answered()
         core.report(transfer, result.written)
         self.counts["pages_put"] += result.written
         core.metrics.remote_pages("put", "ok", result.written)
         if result.written < transfer.num_pages:  # (no segment with room: the master's call)
-            self._skip_write(transfer.num_pages - result.written, "refused")
+            self._skip_write(transfer.num_pages - result.written)
 
     # -- lookups and reads ---------------------------------------------------------------
 
@@ -463,10 +460,6 @@ class RemoteTier:
             self.core.tree.unpin(fetch.anchor)
         self._fetches.pop((fetch.namespace, fetch.parent_key), None)
         fetch.finish(pages)
-
-    def stats(self) -> dict:
-        return {"up": self.up, "pending_writes": self.pending, **self.counts,
-                "corrupt_records": getattr(self.store, "corrupt_records", 0)}
 
     def close(self) -> None:
         self._reads.close()

@@ -112,3 +112,23 @@ def test_bad_config_is_refused():
     for bad in ({"master": "nohost"}, {"master": "h:1", "protocol": "udp"}, {"master": "h:1", "segment_bytes": -1}):
         with pytest.raises(InvalidArgument):
             MooncakeConfig(**bad)
+
+
+def test_records_one_by_one_round_trip(mooncake_store):
+    """The port's ``put`` of records (numpy, torch and bytes payloads) reads back equal."""
+    import torch
+
+    from hicache.storage.base import PageMeta, PageRecord
+
+    backend = _backend(mooncake_store)
+    try:
+        batch, keys, source = _pages(3, seed=4)
+        payloads = [source[0], torch.from_numpy(source[1].copy()), bytearray(source[2].tobytes())]
+        records = [PageRecord(keys[i], payloads[i], PageMeta(NAMESPACE, batch.parents[16 * i : 16 * i + 16],
+                                                             batch.tokens[64 * i : 64 * i + 64])) for i in range(3)]
+        assert backend.put(records, fingerprint=FINGERPRINT).result().written == 3
+        out = np.zeros((3, PAYLOAD), np.uint8)
+        assert backend.get(keys, [out[i] for i in range(3)], fingerprint=FINGERPRINT, token_bytes=64) == [True] * 3
+        assert np.array_equal(out, source)
+    finally:
+        backend.close()

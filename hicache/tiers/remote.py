@@ -396,6 +396,8 @@ class RemoteTier:
         store, fingerprint, token_bytes = self.store, core.spec.fingerprint, self._token_bytes
 
         def work():
+            # (the store's count moves by this get's bad records: this tier's reads run on
+            # one thread — another spec's manager sharing the store may blur it)
             before = getattr(store, "corrupt_records", 0)
             found = store.get(keys, buffers, fingerprint=fingerprint, token_bytes=token_bytes)
             return found, getattr(store, "corrupt_records", 0) - before
@@ -411,7 +413,6 @@ class RemoteTier:
               error: BaseException | None) -> None:
         core = self.core
         core.inflight.remove_detached(transfer)
-        core.host_staging -= len(pages)
         if error is not None:
             self._failed("get", error)
         elif got is not None:
@@ -427,6 +428,7 @@ class RemoteTier:
         if good:
             core.report(transfer, good)  # (a detached transfer: bytes of the pages that landed)
         core.host_alloc.free(pages[good:])
+        core.host_staging -= len(pages) - good  # (the rest stay staging until they join the tree)
         self._land(fetch, pages[:good])
 
     def _land(self, fetch: Fetch, pages) -> None:
@@ -441,6 +443,7 @@ class RemoteTier:
                 reads[0].waiters.append(lambda: self._land(fetch, pages))
                 return
         landed = 0
+        core.host_staging -= len(pages)
         if len(pages):
             end = (fetch.first + len(pages)) * self._token_bytes
             try:

@@ -120,3 +120,29 @@ def test_write_back_puts_what_the_disk_tier_evicts(mooncake_store, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_remote_pages_after_a_prefix_on_disk_only(mooncake_store, tmp_path):
+    """Node B holds the first pages on disk only: the remote pages after them wait for
+    the disk read of that prefix, then join the tree below it; the accounts balance at
+    every step and every page loads byte-exact."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    a, b = Node(mooncake_store), Node(mooncake_store, disk=disk)
+    try:
+        tokens = list(range(7000, 7000 + 8 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        b.prefill(tokens[: 4 * PS])
+        b.tm.flush()
+        b.tm.evict(Tier.DEVICE, 32, 0)
+        b.tm.evict(Tier.HOST, 32)
+        b.tm.flush()
+        assert b.tm.tree.sizes(Tier.HOST).cached == 0 and b.tm.tree.sizes(Tier.DISK).cached == 4
+        hit, loaded = b.load(tokens)
+        assert hit.remote_pages == 4 and hit.match.num_pages == 8, hit
+        assert len(loaded.device_pages) == 8
+    finally:
+        a.close()
+        b.close()

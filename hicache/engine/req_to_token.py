@@ -182,3 +182,96 @@ def _as_int(value: int, what: str) -> int:
         except TypeError:
             pass
     raise InvalidArgument(f"{what} must be an int, got {value!r}")
+
+
+PADDING_SLOT = 0
+
+
+class HybridReqToTokenPool(ReqToTokenPool):
+    """A :class:`ReqToTokenPool` for models with recurrent-state layers (linear attention,
+    Mamba, KDA: seed 000 §8.3): each request row also owns one slot of the pool's state
+    region — allocated with the row, freed with it — and ``row_to_state[row]`` is that
+    slot, a tensor on the table's device for the kernels that gather a batch's states::
+
+        row_to_state  int32 [size + 1]
+        row 0         0      the padding row reads and writes the padding slot
+        row 1         3      request A's conv / temporal state lives in slot 3
+        row 2         0      (free: a freed row points at the padding slot again)
+
+    Slots follow the rows' rules: slot 0 is the padding slot of the state region
+    (``DeviceLayout`` keeps ``num_state_slots + 1``) and is never handed out; free slots
+    form a stack (a freed slot is the next one handed out); ``slot_generation[slot]``
+    counts hand-outs and survives :meth:`clear`. Running out of slots, like running out of
+    rows, makes :meth:`alloc` return ``None`` with nothing changed.
+    """
+
+    def __init__(self, size: int, max_context_len: int, num_state_slots: int | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(size, max_context_len, device)
+        slots = size if num_state_slots is None else num_state_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise InvalidArgument(f"num_state_slots must be a non-negative int, got {num_state_slots!r}")
+        self.num_state_slots = slots
+        self.row_to_state = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.slot_generation = torch.zeros(slots + 1, dtype=torch.int64)
+        self._free_slots: list[int] = list(range(slots, PADDING_SLOT, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def state_slot(self, row: int) -> int:
+        """The state slot of an allocated row."""
+        row = _as_int(row, "row")
+        if not self.is_allocated(row):
+            raise InvalidArgument(f"row {row} is not allocated")
+        return int(self.row_to_state[row])
+
+    def alloc(self, num_rows: int) -> list[int] | None:
+        """``num_rows`` rows, each with a state slot, or ``None`` (and no change) if fewer
+        rows or slots are free."""
+        if isinstance(num_rows, int) and not isinstance(num_rows, bool) and num_rows > len(self._free_slots):
+            return None
+        rows = super().alloc(num_rows)
+        if not rows:
+            return rows
+        slots = self._free_slots[-len(rows):]
+        del self._free_slots[-len(rows):]
+        slots.reverse()
+        self.slot_generation[slots] += 1
+        self.row_to_state[rows] = torch.tensor(slots, dtype=torch.int32, device=self.row_to_state.device)
+        return rows
+
+    def free(self, rows: Iterable[int]) -> None:
+        """Return rows and their state slots (checked as :meth:`ReqToTokenPool.free` does,
+        before anything changes); the slots' states are stale, not cleared."""
+        rows = [_as_int(row, "row") for row in rows]
+        super().free(rows)
+        if rows:
+            self._free_slots.extend(int(s) for s in self.row_to_state[rows].tolist())
+            self.row_to_state[rows] = PADDING_SLOT
+
+    def clear(self) -> None:
+        """Free every row and slot; generations are kept."""
+        super().clear()
+        if hasattr(self, "row_to_state"):  # (not yet while ReqToTokenPool.__init__ runs)
+            self._free_slots = list(range(self.num_state_slots, PADDING_SLOT, -1))
+            self.row_to_state.zero_()
+
+    def check_invariants(self) -> None:
+        """:meth:`ReqToTokenPool.check_invariants`, and: every allocated row owns a slot of
+        its own, free rows point at the padding slot, and a slot is either free or
+        owned by exactly one row. O(size + slots)."""
+        super().check_invariants()
+        assert self.row_to_state.shape == (self.size + 1,) and self.row_to_state.dtype == torch.int32
+        assert self.slot_generation.shape == (self.num_state_slots + 1,)
+        assert int(self.slot_generation[PADDING_SLOT]) == 0, "the padding slot was handed out"
+        mapping = self.row_to_state.tolist()
+        owned = [mapping[row] for row in range(1, self.size + 1) if self.is_allocated(row)]
+        assert all(0 < s <= self.num_state_slots for s in owned), "an allocated row has no slot"
+        assert len(set(owned)) == len(owned), "two rows share a state slot"
+        assert all(mapping[row] == PADDING_SLOT for row in range(self.size + 1) if not self.is_allocated(row))
+        free = self._free_slots
+        assert len(set(free)) == len(free), "a slot is on the free list twice"
+        assert set(free) | set(owned) == set(range(1, self.num_state_slots + 1)) and not set(free) & set(owned)
+        assert bool((self.slot_generation[owned] >= 1).all()) if owned else True

@@ -112,16 +112,25 @@ class Component:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MHALayer:
-    """Full attention: K ``[num_kv_heads, head_dim]``, V ``[num_kv_heads, v_head_dim]``."""
+    """Attention: K ``[num_kv_heads, head_dim]``, V ``[num_kv_heads, v_head_dim]``; over
+    the whole sequence, or with ``sliding_window`` over the last that many tokens (SWA:
+    gpt-oss, Gemma) — the bytes of a token are the same, what a hit needs is not."""
 
     kind: ClassVar[str] = "mha"
     num_kv_heads: int
     head_dim: int
     v_head_dim: int = 0  # 0 means "same as head_dim"
     dtype: str = "float16"
+    sliding_window: int = 0  # tokens a query attends back over; 0: full attention
+    # Fields left out of the spec's canonical form while at their default, so that the
+    # fingerprints of specs made before they existed stay what they were.
+    omitted_at_default: ClassVar[tuple[str, ...]] = ("sliding_window",)
 
     def __post_init__(self) -> None:
         _require_positive("MHALayer", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
+                or self.sliding_window < 0:
+            raise InvalidArgument(f"MHALayer.sliding_window must be a non-negative int, got {self.sliding_window!r}")
         if self.v_head_dim == 0:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         _require_positive("MHALayer", v_head_dim=self.v_head_dim)
@@ -366,7 +375,9 @@ class KVSpec:
 
 
 def _layer_to_dict(layer: Layer) -> dict[str, Any]:
-    fields = {name: getattr(layer, name) for name in layer.__dataclass_fields__}
+    omitted = getattr(layer, "omitted_at_default", ())
+    fields = {name: getattr(layer, name) for name, f in layer.__dataclass_fields__.items()
+              if name != "omitted_at_default" and not (name in omitted and getattr(layer, name) == f.default)}
     return {"kind": layer.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
 
 

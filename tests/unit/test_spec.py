@@ -160,3 +160,23 @@ def test_a_spec_off_the_wire_is_refused_whatever_its_fields_hold():
         with pytest.raises(InvalidArgument):
             KVSpec.from_dict(base | bad)
     assert KVSpec.from_dict(base | {"layers": [layer] * MAX_LAYERS}).num_layers == MAX_LAYERS
+
+
+def test_a_sliding_window_is_part_of_the_spec_and_of_nothing_else_before_it():
+    """SWA layers (issue 20): the window changes the fingerprint (a hit needs other pages),
+    not the bytes of a page; a spec without windows keeps the fingerprint it always had."""
+    full = MHALayer(num_kv_heads=4, head_dim=64)
+    swa = MHALayer(num_kv_heads=4, head_dim=64, sliding_window=128)
+    plain = KVSpec(page_size=16, layers=(full, full), model="gemma-like")
+    mixed = KVSpec(page_size=16, layers=(swa, full), model="gemma-like")
+    assert mixed.fingerprint != plain.fingerprint
+    assert mixed.host_page_bytes == plain.host_page_bytes
+    assert "sliding_window" not in plain.to_dict()["layers"][0]
+    assert mixed.to_dict()["layers"][0]["sliding_window"] == 128
+    assert KVSpec.from_dict(mixed.to_dict()) == mixed
+    assert KVSpec.from_dict(mixed.to_dict()).fingerprint == mixed.fingerprint
+    assert KVSpec(page_size=16, layers=(MHALayer(num_kv_heads=4, head_dim=64, sliding_window=0), full),
+                  model="gemma-like").fingerprint == plain.fingerprint
+    for bad in (-1, 1.5, True, "128"):
+        with pytest.raises(InvalidArgument):
+            MHALayer(num_kv_heads=4, head_dim=64, sliding_window=bad)

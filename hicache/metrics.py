@@ -45,8 +45,9 @@ hicache_remote_lookups_total                    result (hit, miss, unavailable: 
                                                 tier is down; busy: its queue is full)
 hicache_remote_pages_total                      op, result (get: hit, missing — gone since
                                                 the lookup —, corrupt — failed a check,
-                                                read as missing; put: ok, skipped — the
-                                                tier down, its queue full, no room)
+                                                read as missing; put: ok, deferred — the
+                                                queue full: put later —, skipped — the
+                                                tier down, too much deferred, no room)
 hicache_remote_errors_total                     op (lookup, get, put): calls that failed
 hicache_remote_up                      (gauge)  — (0 while the remote tier is marked down;
                                                 only with a remote tier)
@@ -105,7 +106,8 @@ TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 REMOTE_LOOKUPS = ("hit", "miss", "unavailable", "busy")
-REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "skipped"))
+REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "deferred"),
+                ("put", "skipped"))
 REMOTE_OPS = ("lookup", "get", "put")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")

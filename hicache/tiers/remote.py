@@ -7,7 +7,8 @@ and evicts on its own, so what this node could record would go stale. Instead:
 * **Writes** (``policy = "write_through"``): pages an engine computed on this node are
   put to the remote tier as they reach host memory (a backup, an engine's ``store``),
   from the host pages themselves, pinned until the put is done. At most ``write_backlog``
-  pages are in flight; a write beyond that, or while the tier is down, is skipped and
+  pages are in flight; a write beyond that waits (deferred, counted, started as puts
+  finish — up to :data:`MAX_DEFERRED` writes); one while the tier is down is skipped and
   counted — the page stays cached locally, only the fleet does not get it.
   ``policy = "write_back"``: pages go to the remote tier as the local disk tier evicts
   them instead — their records read back into staging pages, put, then deleted from the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ from hicache.tree import MatchResult, Node
 logger = logging.getLogger(__name__)
 
 REMOTE_POLICIES = ("write_through", "write_back", "none")
+MAX_DEFERRED = 4096  # write-through writes waiting for room in the queue, at most
 STAGING_PAGES = 64  # a write-back's pages read from disk into this many staging pages at most
 
 
@@ -182,8 +185,10 @@ class RemoteTier:
         self._token_bytes = core.spec.page_size * TOKEN_BYTES
         self._staging: np.ndarray | None = None  # write-back staging pages (see write_back)
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
+        self._deferred: deque[list[int]] = deque()  # node ids of writes waiting for room in the queue
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_unavailable", "lookup_busy",
-                                     "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_skipped"), 0)
+                                     "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
+                                     "put_skipped"), 0)
         store.register(core.host_pool.pages_array())
         core.metrics.remote_up(True)
 
@@ -219,8 +224,11 @@ class RemoteTier:
         total = sum(n.num_pages for n in nodes)
         if not total:
             return
-        if not self._usable() or self.pending + total > self.settings.write_backlog:
+        if not self._usable():
             self._skip_write(total)
+            return
+        if self.pending and self.pending + total > self.settings.write_backlog:
+            self._defer(nodes, total)
             return
         hold = nodes[-1]
         parts, entries = [], []
@@ -308,6 +316,27 @@ class RemoteTier:
             self.store.register(self._staging)
         return self._staging
 
+    def _defer(self, nodes: list[Node], pages: int) -> None:
+        """The queue is full: keep the write for when it has room (oldest first, at most
+        :data:`MAX_DEFERRED` writes: beyond, skipped and counted)."""
+        if len(self._deferred) >= MAX_DEFERRED:
+            self._skip_write(pages)
+            return
+        self._deferred.append([n.node_id for n in nodes])
+        self.counts["put_deferred"] += pages
+        self.core.metrics.remote_pages("put", "deferred", pages)
+
+    def _retry_deferred(self) -> None:
+        """Start the deferred writes the queue has room for (after a put finished)."""
+        tree = self.core.tree
+        while self._deferred and self._usable():
+            nodes = [n for node_id in self._deferred[0] if (n := tree.find(node_id)) is not None]
+            total = sum(n.num_pages for n in nodes if n.host_pages is not None and n.tokens)
+            if self.pending and self.pending + total > self.settings.write_backlog:
+                return
+            self._deferred.popleft()
+            self.write(nodes)  # (what left host meanwhile is left out; the rest goes now)
+
     def _skip_write(self, pages: int) -> None:
         """Pages not put: the tier down, its queue full, or no room in the store."""
         self.counts["put_skipped"] += pages
@@ -328,6 +357,8 @@ class RemoteTier:
         core.metrics.remote_pages("put", "ok", result.written)
         if result.written < transfer.num_pages:  # (no segment with room: the master's call)
             self._skip_write(transfer.num_pages - result.written)
+        if self._deferred:
+            self._retry_deferred()
 
     # -- lookups and reads ---------------------------------------------------------------
 

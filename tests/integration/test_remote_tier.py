@@ -146,3 +146,25 @@ def test_remote_pages_after_a_prefix_on_disk_only(mooncake_store, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_writes_over_the_queue_wait_for_room_and_all_arrive(mooncake_store):
+    """A burst of write-throughs over ``write_backlog``: the writes beyond it are deferred
+    (counted), started as puts finish, and every page reaches the store."""
+    a, b = Node(mooncake_store, write_backlog=2), Node(mooncake_store)
+    try:
+        prompts = [list(range(9000 + 100 * i, 9000 + 100 * i + 4 * PS)) for i in range(4)]
+        for tokens in prompts:
+            a.prefill(tokens)
+        a.tm.flush()
+        counts = a.tm.remote.counts
+        assert counts["put_deferred"] > 0 and counts["put_skipped"] == 0
+        assert counts["pages_put"] == 16
+        assert a.metrics.registry.get_sample_value("hicache_remote_pages_total",
+                                                   {"op": "put", "result": "deferred"}) == counts["put_deferred"]
+        for tokens in prompts:
+            hit, _ = b.load(tokens)
+            assert hit.remote_pages == 4
+    finally:
+        a.close()
+        b.close()

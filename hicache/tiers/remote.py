@@ -185,7 +185,7 @@ class RemoteTier:
         self._token_bytes = core.spec.page_size * TOKEN_BYTES
         self._staging: np.ndarray | None = None  # write-back staging pages (see write_back)
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
-        self._deferred: deque[list[int]] = deque()  # node ids of writes waiting for room in the queue
+        self._deferred: deque[tuple[int, int]] = deque()  # writes waiting for room: (deepest node id, pages)
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_unavailable", "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
                                      "put_skipped"), 0)
@@ -322,7 +322,9 @@ class RemoteTier:
         if len(self._deferred) >= MAX_DEFERRED:
             self._skip_write(pages)
             return
-        self._deferred.append([n.node_id for n in nodes])
+        # (the deepest node and the pages of the path's end to write: a split meanwhile
+        # cuts nodes, not positions)
+        self._deferred.append((nodes[-1].node_id, sum(n.num_pages for n in nodes)))
         self.counts["put_deferred"] += pages
         self.core.metrics.remote_pages("put", "deferred", pages)
 
@@ -330,7 +332,15 @@ class RemoteTier:
         """Start the deferred writes the queue has room for (after a put finished)."""
         tree = self.core.tree
         while self._deferred and self._usable():
-            nodes = [n for node_id in self._deferred[0] if (n := tree.find(node_id)) is not None]
+            node_id, pages = self._deferred[0]
+            node = tree.find(node_id)
+            nodes: list[Node] = []
+            if node is not None:
+                for n in reversed(tree.path(node)):
+                    if pages <= 0:
+                        break
+                    nodes.insert(0, n)
+                    pages -= n.num_pages
             total = sum(n.num_pages for n in nodes if n.host_pages is not None and n.tokens)
             if self.pending and self.pending + total > self.settings.write_backlog:
                 return

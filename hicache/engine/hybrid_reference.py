@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.engine.reference import rms_norm, rotary, rotary_frequencies
 from hicache.spec import KVSpec, MHALayer, StateLayer
 
 KINDS = ("linear", "swa", "full")
@@ -117,18 +118,12 @@ class HybridTransformer:
                       "wv": w(c.hidden, c.num_kv_heads * c.head_dim), "wo": w(hd, c.hidden)} for _ in range(2)]
         self.mlps = [{"w1": w(c.hidden, c.mlp), "w2": w(c.mlp, c.hidden)} for _ in KINDS]
         self.lm_head = w(c.hidden, c.vocab)
-        half = c.head_dim // 2
-        self._inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+        self._inv_freq = rotary_frequencies(c.head_dim)
 
-    @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    _norm = staticmethod(rms_norm)
 
     def _rotate(self, x: torch.Tensor, position: int) -> torch.Tensor:
-        angles = position * self._inv_freq
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        return rotary(x, position, self._inv_freq)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = self.mlps[i]

@@ -37,6 +37,23 @@ from hicache.pages import PageAllocator
 from hicache.spec import KVSpec
 
 
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def rotary_frequencies(head_dim: int) -> torch.Tensor:
+    half = head_dim // 2
+    return 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+
+
+def rotary(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of one token's heads ``[heads, head_dim]``."""
+    angles = position * inv_freq
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     vocab: int = 512
@@ -77,19 +94,12 @@ class TinyTransformer:
             for _ in range(c.num_layers)
         ]
         self.lm_head = w(c.hidden, c.vocab)
-        half = c.head_dim // 2
-        self._inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+        self._inv_freq = rotary_frequencies(c.head_dim)
 
-    @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    _norm = staticmethod(rms_norm)
 
     def _rotate(self, x: torch.Tensor, position: int) -> torch.Tensor:
-        """Rotary position embedding of one token's heads ``[heads, head_dim]``."""
-        angles = position * self._inv_freq
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        return rotary(x, position, self._inv_freq)
 
     def qkv(self, layer: int, x: torch.Tensor, position: int) -> tuple[torch.Tensor, ...]:
         """One token: ``x [hidden]`` -> q ``[heads, hd]``, k and v ``[kv_heads, hd]``."""

@@ -24,7 +24,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
                capacity
     [remote]   enabled, master, metadata_server, protocol, device_names,
                local_hostname, segment_bytes, buffer_bytes, policy, lookup_pages,
-               prefetch_policy, timeout_s, retry_s, write_backlog
+               prefetch_policy, timeout_s, retry_s, write_backlog, miss_ttl_s
     [events]   enabled, endpoint, replay_endpoint, topic, buffer_steps, hwm,
                max_queue_events, insecure_tcp
     [sharing]  enabled, disabled_extra_keys
@@ -151,6 +151,7 @@ class RemoteConfig:
     timeout_s: float = 0.5
     retry_s: float = 2.0
     write_backlog: int = 4096
+    miss_ttl_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -169,7 +170,7 @@ class RemoteConfig:
 
         return RemoteSettings(policy=self.policy, lookup_pages=self.lookup_pages,
                               prefetch_policy=self.prefetch_policy, timeout_s=self.timeout_s, retry_s=self.retry_s,
-                              write_backlog=self.write_backlog)
+                              write_backlog=self.write_backlog, miss_ttl_s=self.miss_ttl_s)
 
 
 @dataclass(frozen=True, kw_only=True)

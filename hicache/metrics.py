@@ -41,7 +41,8 @@ hicache_backups_deferred_total                  — (device -> host backups the 
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
                                                 queue bound: retried, not dropped)
-hicache_remote_lookups_total                    result (hit, miss, unavailable: the remote
+hicache_remote_lookups_total                    result (hit, miss, recent_miss: not asked
+                                                again within miss_ttl_s, unavailable: the remote
                                                 tier is down; busy: its queue is full)
 hicache_remote_pages_total                      op, result (get: hit, missing — gone since
                                                 the lookup —, corrupt — failed a check,
@@ -105,7 +106,7 @@ logger = logging.getLogger(__name__)
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
-REMOTE_LOOKUPS = ("hit", "miss", "unavailable", "busy")
+REMOTE_LOOKUPS = ("hit", "miss", "recent_miss", "unavailable", "busy")
 REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "deferred"),
                 ("put", "skipped"))
 REMOTE_OPS = ("lookup", "get", "put")

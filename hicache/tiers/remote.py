@@ -15,7 +15,8 @@ and evicts on its own, so what this node could record would go stale. Instead:
   disk (:meth:`RemoteTier.write_back`); skipped and counted the same way.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
-  every machine for the same namespace and tokens). The pages found from the first on
+  every machine for the same namespace and tokens) — unless a lookup found nothing at
+  that first key within ``miss_ttl_s``. The pages found from the first on
   are read into fresh host pages, checked (a record that fails reads as missing), and
   put in the tree as host-resident: a load brings them on to the device like any host
   part. The match answers per ``prefetch`` — ``best_effort`` at once (the pages are
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 REMOTE_POLICIES = ("write_through", "write_back", "none")
 MAX_DEFERRED = 4096  # write-through writes waiting for room in the queue, at most
+MAX_ABSENT = 65536  # page keys remembered as recently absent (see RemoteTier._recently_absent)
 STAGING_PAGES = 64  # a write-back's pages read from disk into this many staging pages at most
 
 
@@ -72,6 +74,7 @@ class RemoteSettings:
     retry_s: float = 2.0  # how long a failed call keeps the tier marked down
     write_backlog: int = 4096  # pages being put at most
     max_queued: int = 8  # calls queued on each of the tier's threads at most
+    miss_ttl_s: float = 1.0  # a lookup that found nothing is not asked again for this long
 
     def __post_init__(self) -> None:
         if self.policy not in REMOTE_POLICIES:
@@ -79,8 +82,8 @@ class RemoteSettings:
         prefetch_policy(self.prefetch_policy, self.timeout_s)
         if self.lookup_pages < 1 or self.write_backlog < 1 or self.max_queued < 1:
             raise InvalidArgument("remote lookup_pages, write_backlog and max_queued must be >= 1")
-        if self.timeout_s < 0 or self.retry_s < 0:
-            raise InvalidArgument("remote timeout_s and retry_s must be >= 0")
+        if self.timeout_s < 0 or self.retry_s < 0 or self.miss_ttl_s < 0:
+            raise InvalidArgument("remote timeout_s, retry_s and miss_ttl_s must be >= 0")
 
     def prefetch(self) -> PrefetchPolicy:
         return prefetch_policy(self.prefetch_policy, self.timeout_s)
@@ -185,8 +188,10 @@ class RemoteTier:
         self._token_bytes = core.spec.page_size * TOKEN_BYTES
         self._staging: np.ndarray | None = None  # write-back staging pages (see write_back)
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
+        self._absent: OrderedDict[bytes, float] = OrderedDict()  # first page key -> until when it is known absent
         self._deferred: deque[tuple[int, int]] = deque()  # writes waiting for room: (deepest node id, pages)
-        self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_unavailable", "lookup_busy",
+        self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_recent_miss", "lookup_unavailable",
+                                     "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
                                      "put_skipped"), 0)
         store.register(core.host_pool.pages_array())
@@ -395,6 +400,9 @@ class RemoteTier:
         count = min(whole - first, self.settings.lookup_pages)
         end = (first + count) * page_bytes
         keys = chain_page_keys(namespace, parent_key, packed[first * page_bytes : end], core.spec.page_size)
+        if self._recently_absent(keys[:PAGE_KEY_BYTES]):
+            self._lookup("recent_miss")
+            return None
         fetch = Fetch(namespace, anchor, first, packed[:end], keys)
         store = self.store
         key_list = [keys[i : i + PAGE_KEY_BYTES] for i in range(0, len(keys), PAGE_KEY_BYTES)]
@@ -406,6 +414,26 @@ class RemoteTier:
             core.tree.pin(anchor)
         self._fetches[key] = fetch
         return fetch
+
+    def _recently_absent(self, key: bytes) -> bool:
+        """Did a lookup find nothing at this page key within ``miss_ttl_s``? (An engine's
+        scheduler asks again for a waiting request at every step: one RPC per prompt
+        and second, not per step.)"""
+        expires = self._absent.get(key)
+        if expires is None:
+            return False
+        if time.monotonic() < expires:
+            return True
+        del self._absent[key]
+        return False
+
+    def _note_absent(self, key: bytes) -> None:
+        if self.settings.miss_ttl_s <= 0:
+            return
+        self._absent[key] = time.monotonic() + self.settings.miss_ttl_s
+        self._absent.move_to_end(key)
+        if len(self._absent) > MAX_ABSENT:
+            self._absent.popitem(last=False)
 
     def _lookup(self, result: str) -> None:
         self.counts[f"lookup_{result}"] += 1
@@ -420,6 +448,7 @@ class RemoteTier:
         count = int(np.argmin(found)) if not all(found) else len(found)
         self._lookup("hit" if count else "miss")
         if not count:
+            self._note_absent(fetch.keys[:PAGE_KEY_BYTES])
             return self._end(fetch, 0)
         core = self.core
         pages = core.alloc_host(count)

@@ -168,3 +168,26 @@ def test_writes_over_the_queue_wait_for_room_and_all_arrive(mooncake_store):
     finally:
         a.close()
         b.close()
+
+
+def test_a_lookup_that_found_nothing_is_not_repeated_within_its_ttl(mooncake_store):
+    """An engine asks again for a waiting request at every step: within ``miss_ttl_s``
+    the remote tier is not asked again (counted as recent_miss); with 0 it always is."""
+    a = Node(mooncake_store)
+    patient, eager = Node(mooncake_store, miss_ttl_s=3600.0), Node(mooncake_store, miss_ttl_s=0.0)
+    try:
+        tokens = list(range(20_000, 20_000 + 4 * PS))
+        for node in (patient, eager):
+            assert node.lookup(tokens).match.num_pages == 0
+            assert node.tm.remote.counts["lookup_miss"] == 1
+        a.prefill(tokens)
+        a.tm.flush()
+        again = patient.lookup(tokens)
+        assert again.match.num_pages == 0 and again.remote_pages == 0
+        assert patient.tm.remote.counts["lookup_recent_miss"] == 1 and patient.tm.remote.counts["lookup_miss"] == 1
+        assert patient.metrics.registry.get_sample_value("hicache_remote_lookups_total",
+                                                         {"result": "recent_miss"}) == 1
+        assert eager.lookup(tokens).remote_pages == 4
+    finally:
+        for node in (a, patient, eager):
+            node.close()

@@ -153,6 +153,9 @@ class Node:
     hit_count: int = 0
     last_access: int = 0
     priority: int = 0
+    # The recurrent state after its last page (hicache.tiers.checkpoints), for specs with
+    # state layers; stays with this node when it is split (the node keeps its end).
+    checkpoint: object = None
 
     @property
     def is_root(self) -> bool:
@@ -340,6 +343,9 @@ class HiRadixTree:
         # node), ``dropped(node, slot)`` — by the daemon's KV events (see
         # hicache.daemon.kv_events); None: nobody listens.
         self.observer = None
+        # Told of each node with a checkpoint as it leaves the tree (a checkpoint never
+        # outlives its node): hicache.tiers.checkpoints.Checkpoints.forget.
+        self.on_remove: Callable[[Node], None] | None = None
 
 
     def add_namespace(self, namespace: NamespaceId, page_size: int) -> Node:
@@ -1112,6 +1118,8 @@ class HiRadixTree:
         if node.tokens:
             del parent.by_tokens[node.tokens[: len(node.tokens) // node.num_pages]]  # type: ignore[union-attr]
         del self._nodes[node.node_id]
+        if node.checkpoint is not None and self.on_remove is not None:
+            self.on_remove(node)
 
 
     def check_invariants(self) -> None:

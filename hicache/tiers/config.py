@@ -43,6 +43,10 @@ class TierConfig:
     # ahead of need, so host and disk hold different pages and the cache about as much
     # as both. See TierManager._keep_host_free and systemd/hicache.toml for the trade-off.
     capacity: str = "inclusive"
+    # Host state slots for recurrent-state checkpoints (specs with state layers only;
+    # hicache.tiers.checkpoints); 0: enough to take an eighth of the host tier's bytes,
+    # at least 16.
+    host_checkpoints: int = 0
 
     def __post_init__(self) -> None:
         self.writes(), self.disk(), self.prefetch()  # each names a registered policy
@@ -57,12 +61,23 @@ class TierConfig:
             raise InvalidArgument("eviction_log_slots must be >= 16")
         if self.disk_write_backlog < 0:
             raise InvalidArgument("disk_write_backlog must be >= 0 (0: half the host tier)")
+        if self.host_checkpoints < 0:
+            raise InvalidArgument("host_checkpoints must be >= 0 (0: an eighth of the host tier)")
         if self.prefetch_timeout_s < 0:
             raise InvalidArgument("prefetch_timeout_s must be >= 0")
 
     @property
     def exclusive(self) -> bool:
         return self.capacity == "exclusive"
+
+    def checkpoint_slots(self, spec, host_pages: int) -> int:
+        """Host state slots for ``spec``'s checkpoints (0 for a spec without state)."""
+        slot_bytes = spec.tp_size * spec.state_bytes
+        if not slot_bytes:
+            return 0
+        if self.host_checkpoints:
+            return self.host_checkpoints
+        return max(16, host_pages * spec.host_page_bytes // (8 * slot_bytes))
 
     def writes(self) -> WritePolicy:
         return write_policy(self.write_policy, self.write_threshold)

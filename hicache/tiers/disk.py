@@ -74,7 +74,8 @@ class DiskTier(Protocol):
 
     def flush(self) -> None: ...
 
-    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]: ...
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY,
+                      checkpoints: list | None = None) -> Iterator[int]: ...
 
 
 class NoDisk:
@@ -120,7 +121,7 @@ class NoDisk:
     def flush(self) -> None:
         pass
 
-    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
         yield from ()
         return 0
 
@@ -273,5 +274,5 @@ class LocalDisk:
     def flush(self) -> None:
         self.storage.flush()
 
-    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
-        return rebuild_steps(self.core.tree, self.storage, self.core.spec, every)
+    def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
+        return rebuild_steps(self.core.tree, self.storage, self.core.spec, every, checkpoints)

@@ -43,6 +43,7 @@ from hicache.spec import KVSpec
 from hicache.storage.base import StorageBackend
 from hicache.tiers.accounts import accounting, check_invariants
 from hicache.tiers.backups import Backups
+from hicache.tiers.checkpoints import Checkpoints
 from hicache.tiers.config import TierConfig
 from hicache.tiers.copying import CopyEngines
 from hicache.tiers.core import Core
@@ -96,7 +97,9 @@ class TierManager:
         self.prefetch = self.config.prefetch()
         inflight = InFlight()
         self.tree = HiRadixTree(eviction=self.config.eviction, on_split=inflight.on_split)
-        self.host_pool = HostPool(spec, host_pages, pinned=pinned_host, progress=progress)
+        checkpoint_slots = self.config.checkpoint_slots(spec, host_pages)
+        self.host_pool = HostPool(spec, host_pages, num_state_slots=checkpoint_slots, pinned=pinned_host,
+                                  progress=progress)
         self.host_alloc = PageAllocator.for_host(host_pages)
         self.completions = completions or Completions()
         self.workers = Workers(self.completions, io_threads=self.config.io_threads)
@@ -115,6 +118,11 @@ class TierManager:
                                   'disk tier (without one, use "write_through")')
         self.remote = RemoteTier(self._core, remote, remote_settings) if remote is not None else NoRemote()
         self._core.remote = self.remote
+        # Recurrent-state checkpoints, for a spec with state layers (None otherwise).
+        self.checkpoints: Checkpoints | None = None
+        if checkpoint_slots:
+            self.checkpoints = Checkpoints(self._core, checkpoint_slots, self.disk.storage,
+                                           lambda keys: self.disk.on_store_evicted(keys))
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
@@ -285,7 +293,12 @@ class TierManager:
 
     def _hit(self, result: MatchResult, pool: DevicePoolState, wait) -> Hit:
         """The answer to a match: what a load can deliver of ``result`` (and ``result``
-        itself aside when that is less)."""
+        itself aside when that is less). For a spec with state layers both end at a
+        node with a checkpoint."""
+        if self.checkpoints is not None:
+            result = self.checkpoints.trim(result, pool.pool_id)
+            clipped = self.checkpoints.trim(self._deliverable(result, pool), pool.pool_id)
+            return Hit(clipped, wait, None if clipped is result else result)
         clipped = self._deliverable(result, pool)
         return Hit(clipped, wait, None if clipped is result else result)
 
@@ -346,7 +359,10 @@ class TierManager:
         pool = self.pools.get(pool_id)
         future: Future = Future()
         packed = pack_tokens(tokens)
-        fetch = self.remote.fetch(namespace, packed, hit.unclipped or hit.match) if self.remote.enabled else None
+        # (the remote tier keeps no checkpoints: pages it brings would be no hit for a
+        # spec with state layers)
+        fetch = (self.remote.fetch(namespace, packed, hit.unclipped or hit.match)
+                 if self.remote.enabled and self.checkpoints is None else None)
         if fetch is not None and not fetch.on_host:
             self.disk.prefetch(fetch.anchor)  # (the pages hang below it: its path goes to host first)
         waits_disk = self.prefetch.waits and hit.match.num_disk_pages and self.disk.enabled
@@ -400,10 +416,88 @@ class TierManager:
             self._backups.backup(pool, node)
         return result
 
-    def load(self, node: Node, pool_id: PoolId) -> Future:
+    def check_checkpoints(self, pool_id: PoolId, num_pages: int, checkpoints: Sequence[tuple[int, int]]) -> None:
+        """Raise ``InvalidArgument`` unless ``checkpoints`` — ``(pages before it, device
+        state slot)`` pairs — can go with an insert of ``num_pages`` whole pages: a spec
+        with state layers, page counts ascending in ``1 .. num_pages``, slots in the
+        pool's state region (slot 0 is its padding)."""
+        if not checkpoints:
+            return
+        if self.checkpoints is None:
+            raise InvalidArgument("checkpoints are for specs with state layers; this spec has none")
+        pool = self._native(pool_id)
+        slots = pool.ranks[0].layout.num_state_slots
+        last = 0
+        for item in checkpoints:
+            if (not isinstance(item, (tuple, list)) or len(item) != 2
+                    or any(type(v) is not int for v in item)):
+                raise InvalidArgument("a checkpoint is a pair of ints: (pages before it, device state slot)")
+            pages, slot = item
+            if not last < pages <= num_pages:
+                raise InvalidArgument(f"checkpoint page counts must ascend within 1 .. {num_pages}; got {pages} "
+                                      f"after {last}")
+            if not 1 <= slot <= slots:
+                raise InvalidArgument(f"state slot {slot} outside the pool's 1 .. {slots}")
+            last = pages
+
+    def checkpoint(self, node: Node, pool_id: PoolId, checkpoints: Sequence[tuple[int, int]]) -> Future:
+        """Keep the engine's states as checkpoints on ``node``'s path (an insert's
+        node): ``(pages before it, device state slot)`` pairs, checked by
+        :meth:`check_checkpoints`. A future of how many were taken, done once the
+        engine may reuse its state slots."""
+        self.check_checkpoints(pool_id, sum(n.num_pages for n in self.tree.path(node)), checkpoints)
+        if not checkpoints:
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        offers = []
+        wanted = iter(checkpoints)
+        pages, slot = next(wanted)
+        start = 0
+        for n in self.tree.path(node):
+            end = start + n.num_pages
+            while pages is not None and pages <= end:
+                holder = n if pages == end else self.tree.split(n, pages - start)
+                offers.append((holder, slot))
+                start = pages
+                pages, slot = next(wanted, (None, None))
+            start = end
+        return self.checkpoints.offer(self._native(pool_id), offers)
+
+    def load(self, node: Node, pool_id: PoolId, state_slot: int | None = None) -> Future:
         """Bring the host / disk part of ``node``'s path into the pool; a future of
-        :class:`~hicache.tiers.results.LoadResult` (see :mod:`hicache.tiers.loads`)."""
-        return self._loads.load(node, self._native(pool_id))
+        :class:`~hicache.tiers.results.LoadResult` (see :mod:`hicache.tiers.loads`).
+        With ``state_slot`` (a spec with state layers), ``node``'s checkpoint is copied
+        into that device state slot first (``LoadResult.state``)."""
+        pool = self._native(pool_id)
+        if state_slot is None:
+            return self._loads.load(node, pool)
+        if self.checkpoints is None:
+            raise InvalidArgument("a state slot is for specs with state layers; this spec has none")
+        slots = pool.ranks[0].layout.num_state_slots
+        if type(state_slot) is not int or not 1 <= state_slot <= slots:
+            raise InvalidArgument(f"state slot {state_slot!r} outside the pool's 1 .. {slots}")
+        out: Future = Future()
+
+        def loaded(f: Future, restored: bool) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+                return
+            r = f.result()
+            out.set_result(r._replace(state=restored and r.node is node))
+
+        def state_done(f: Future) -> None:
+            restored = f.result()
+            try:
+                future = self._loads.load(node, pool)
+            except BaseException as exc:  # noqa: BLE001 - the request's answer
+                out.set_exception(exc)
+                return
+            future.add_done_callback(lambda g: loaded(g, restored))
+
+        self.checkpoints.restore(node, pool, state_slot).add_done_callback(state_done)
+        return out
 
     def _device_alloc(self, pool: DevicePoolState, num_pages: int) -> PageIds | None:
         pages = pool.allocator.alloc(num_pages)
@@ -554,7 +648,16 @@ class TierManager:
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
         """:meth:`rebuild_from_storage` as a generator of the records done so far."""
-        return self.disk.rebuild_steps(every)
+        if self.checkpoints is None:
+            return self.disk.rebuild_steps(every)
+        return self._rebuild_with_checkpoints(every)
+
+    def _rebuild_with_checkpoints(self, every: int) -> Iterator[int]:
+        records: list[tuple[bytes, bytes]] = []
+        pages = yield from self.disk.rebuild_steps(every, records)
+        attached = self.checkpoints.attach_restored(records)
+        logger.info("rebuild: %d checkpoints back on their pages", attached)
+        return pages
 
     def poll(self, timeout_s: float = 0.0, limit: int | None = None) -> int:
         """Run completed transfers' callbacks (at most ``limit``; 0: none, for an owner
@@ -589,7 +692,8 @@ class TierManager:
         return future.result()
 
     def idle(self) -> bool:
-        return not self._inflight and not self.disk.pending and not self._loads.parked
+        return (not self._inflight and not self.disk.pending and not self._loads.parked
+                and not (self.checkpoints is not None and self.checkpoints.busy))
 
     @property
     def deferred_backups(self) -> int:
@@ -673,3 +777,5 @@ class TierManager:
     def check_invariants(self) -> None:
         """The tree's and allocators' own checks, plus the accounting between them."""
         check_invariants(self._core, self.pools, self.disk)
+        if self.checkpoints is not None:
+            self.checkpoints.check()

@@ -16,7 +16,7 @@ REBUILD_PROGRESS_EVERY = 16384  # records between two progress calls of a rebuil
 
 
 def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
-                  every: int = REBUILD_PROGRESS_EVERY) -> Iterator[int]:
+                  every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
     """Put every persisted page of ``spec`` back into ``tree`` as disk-resident; records
     of this spec that no chain from a first page reaches (a page before them is gone, or
     belongs to another namespace) are deleted. A generator: it yields the records done
@@ -27,13 +27,20 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     Walks the records top-down from each sequence's first page, once each: the time is
     O(records) plus one tree restore per leaf, however long the shared prefixes are
     (walking up from every leaf instead was O(leaves x depth): 23 s for 450,000 pages
-    under 1,000-page shared prompts)."""
+    under 1,000-page shared prompts).
+
+    Checkpoint records of this spec (no tokens: :mod:`hicache.tiers.checkpoints`) are
+    not pages: each one's ``(key, boundary page key)`` is appended to ``checkpoints``
+    (left alone when it is ``None``)."""
     page_bytes = spec.page_size * TOKEN_BYTES
     fingerprint = spec.fingerprint
     metas = {}
     for done, (key, meta) in enumerate(storage.iter_metadata(batch=every), 1):
-        if meta.fingerprint == fingerprint and len(meta.tokens) == page_bytes:
-            metas[key] = meta
+        if meta.fingerprint == fingerprint:
+            if len(meta.tokens) == page_bytes:
+                metas[key] = meta
+            elif not meta.tokens and checkpoints is not None:
+                checkpoints.append((key, meta.parent))
         if done % every == 0:
             yield done
     children: dict[bytes, list[bytes]] = {}

@@ -24,12 +24,14 @@ class LoadResult(NamedTuple):
     """``device_pages``: every page of the path from the root to ``node`` in the pool
     (what the engine writes into its req_to_token row); the last ``num_loaded_pages`` of
     them arrive layer by layer — wait on every ticket in ``wait`` before reading a
-    layer."""
+    layer. ``state``: a load with a state slot found ``node``'s checkpoint there before
+    any layer (see :mod:`hicache.tiers.checkpoints`)."""
 
     node: Node
     device_pages: PageIds
     num_loaded_pages: int
     wait: tuple[Ticket, ...]
+    state: bool = False
 
 
 class TierAccount(NamedTuple):

@@ -1,0 +1,430 @@
+"""Recurrent-state checkpoints: what makes a prefix usable for a model with state layers.
+
+A model with linear-attention / Mamba layers (a spec with :class:`~hicache.spec.StateLayer`
+layers) can reuse a cached prefix only together with the recurrent state after exactly
+that prefix. An engine *offers* a checkpoint at a page boundary it chooses (``insert``
+with ``checkpoints``: the end of a prefill chunk, every N pages, the end of a turn): the
+state in one of its device state slots is copied into a host state slot and kept on the
+tree node that ends at that boundary (the tree is split there). Then:
+
+* a match on a state spec ends at the deepest matched node with a usable checkpoint
+  (:meth:`Checkpoints.trim`): a node without one is never a hit end;
+* a load with a state slot copies the checkpoint there before any layer's pages
+  (:meth:`Checkpoints.restore`), reading it from disk first if it has no host copy;
+* with a disk tier, every checkpoint is written through to disk (one record, keyed by
+  :func:`checkpoint_key` of its boundary's page key, its metadata's parent that page key
+  and its tokens empty), so a restarted daemon gets it back
+  (:meth:`Checkpoints.attach_restored`);
+* host state slots are a pool of their own (``host_checkpoints``): when they run out,
+  the least recently used checkpoint's host copy goes (one on disk first; one that is
+  nowhere else is lost, and counted);
+* a checkpoint never outlives its node: the tree calls :meth:`Checkpoints.forget` as it
+  removes a node, which frees the host slot and deletes the disk record.
+
+The device tier keeps no checkpoint of its own: a request's state slot is its engine's,
+and the state of a device hit comes from host (one small copy; an engine's prefix pages
+are many).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.errors import InvalidArgument
+from hicache.keys import PAGE_KEY_BYTES
+from hicache.pages import PageAllocator
+from hicache.storage.base import PageMeta, PageRecord
+from hicache.tiers.core import Core
+from hicache.tiers.devices import DevicePoolState
+from hicache.tree import HOST_SLOT, MatchResult, Node
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_key(page_key: bytes) -> bytes:
+    """The disk record key of the checkpoint after the page with key ``page_key``."""
+    return hashlib.blake2b(bytes(page_key), digest_size=PAGE_KEY_BYTES, person=b"hicache.ckpt").digest()
+
+
+@dataclass(slots=True, eq=False)
+class Checkpoint:
+    """The state after ``node``'s last page. ``host``: its host state slot (-1: none);
+    ``ready``: its bytes have landed; ``pins``: copies reading its host slot now;
+    ``dead``: its node is gone (the slot is freed when the last pin goes)."""
+
+    node: Node
+    key: bytes
+    host: int = -1
+    on_disk: bool = False
+    ready: bool = False
+    writing: bool = False
+    pins: int = 0
+    dead: bool = False
+
+
+class Checkpoints:
+    """See the module docstring. Owner thread only."""
+
+    def __init__(self, core: Core, num_slots: int, storage=None, on_store_evicted=None) -> None:
+        if num_slots <= 0:
+            raise InvalidArgument(f"a spec with state layers needs host checkpoint slots, got {num_slots}")
+        self.core = core
+        self.storage = storage
+        self.num_slots = num_slots
+        self.alloc = PageAllocator.for_host(num_slots)
+        self.on_host: dict[int, Checkpoint] = {}  # host slot -> checkpoint
+        self.by_key: dict[bytes, Checkpoint] = {}  # disk record key -> checkpoint on disk
+        self.on_store_evicted = on_store_evicted or (lambda keys: None)
+        self.lost = 0  # checkpoints dropped from host that were nowhere else
+        self.offered = 0
+        self.restored = 0
+        self.refused = 0  # offers that found no host slot (every one being read)
+        self.busy = 0  # copies, reads and writes in flight
+        core.tree.on_remove = self.forget
+
+    # -- state ---------------------------------------------------------------------
+
+    @staticmethod
+    def usable(node: Node) -> bool:
+        cp = node.checkpoint
+        return cp is not None and cp.ready and (cp.host >= 0 or cp.on_disk)
+
+    def count(self) -> tuple[int, int]:
+        """(checkpoints with a host copy, checkpoints on disk)."""
+        return len(self.on_host), len(self.by_key)
+
+    def _view(self, slot: int) -> np.ndarray:
+        size = self.core.host_pool.state_slot_bytes
+        return self.core.host_pool.states[slot * size : (slot + 1) * size].numpy()
+
+    # -- match ---------------------------------------------------------------------
+
+    def trim(self, result: MatchResult, pool_id: int) -> MatchResult:
+        """``result`` cut back to its deepest node with a usable checkpoint (nothing
+        matched when none has one)."""
+        node = result.node
+        if node is None or node.parent is None:
+            return result
+        end = node
+        while end.parent is not None and not self.usable(end):
+            end = end.parent
+        if end is node:
+            return result
+        root = self.core.tree.root(node.namespace)
+        if end is root:
+            return MatchResult(root, root, root, b"", 0, 0, result.page_size)
+        device: list[bytes] = []
+        host = disk = 0
+        last_device = last_host = root
+        for n in self.core.tree.path(end):
+            pages = n.residency.get(pool_id)
+            if pages is not None:
+                device.append(pages)
+                last_device = last_host = n
+            elif HOST_SLOT in n.residency:
+                host += n.num_pages
+                last_host = n
+            else:
+                disk += n.num_pages
+        return MatchResult(end, last_device, last_host, b"".join(device), host, disk, result.page_size)
+
+    # -- offer (device -> host) ------------------------------------------------------
+
+    def offer(self, pool: DevicePoolState, offers: list[tuple[Node, int]]) -> Future:
+        """Copy each ``(node, device state slot)`` into a host slot and keep it on its
+        node; a future of how many were taken, done once the engine may reuse its
+        slots. Nodes that have a checkpoint already take none."""
+        future: Future = Future()
+        tree = self.core.tree
+        taken: list[Checkpoint] = []
+        src: list[int] = []
+        for node, slot in offers:
+            if node.checkpoint is not None or not tree.is_live(node):
+                continue
+            host = self._alloc_slot()
+            if host is None:
+                self.refused += len(offers) - len(taken)
+                break
+            cp = Checkpoint(node, checkpoint_key(node.last_page_key), host=host)
+            node.checkpoint = cp
+            self.on_host[host] = cp
+            tree.pin(node)
+            taken.append(cp)
+            src.append(slot)
+        if not taken:
+            future.set_result(0)
+            return future
+        dst = np.array([cp.host for cp in taken], dtype=np.int64)
+        src_ids = np.array(src, dtype=np.int64)
+        movers = pool.movers
+
+        def copy() -> None:
+            for mover in movers:
+                mover.backup_states(src_ids, dst)
+
+        def done(error: BaseException | None) -> None:
+            self.busy -= 1
+            for cp in taken:
+                tree.unpin(cp.node)
+            if error is not None:
+                logger.error("checkpoint copy from pool %s failed: %s", pool.pool_id, error)
+                for cp in taken:
+                    self._drop(cp)
+                future.set_result(0)
+                return
+            for cp in taken:
+                cp.ready = True
+                self._write(cp)
+            self.offered += len(taken)
+            future.set_result(len(taken))
+
+        self.busy += 1
+        pool.copy.run(copy, done)
+        return future
+
+    # -- restore (host / disk -> device) ----------------------------------------------
+
+    def restore(self, node: Node, pool: DevicePoolState, slot: int) -> Future:
+        """Copy ``node``'s checkpoint into the engine's device state ``slot``; a future
+        of whether it landed (``False``: no usable checkpoint, a failed read or copy —
+        the engine computes the prefix itself)."""
+        future: Future = Future()
+        cp = node.checkpoint
+        if not self.usable(node):
+            future.set_result(False)
+            return future
+        cp.pins += 1
+        if cp.host >= 0:
+            self._to_device(cp, pool, slot, future)
+            return future
+        host = self._alloc_slot()
+        if host is None:
+            self._unpin(cp)
+            future.set_result(False)
+            return future
+        storage, key, view = self.storage, cp.key, self._view(host)
+        fingerprint = self.core.spec.fingerprint
+
+        def read() -> bool:
+            return storage.get([key], [view], fingerprint=fingerprint)[0]
+
+        def done(found, error: BaseException | None) -> None:
+            self.busy -= 1
+            if error is None and found and cp.host < 0 and not cp.dead:
+                cp.host = host
+                self.on_host[host] = cp
+                self._to_device(cp, pool, slot, future)
+                return
+            self.alloc.free(np.array([host], dtype=np.int32))
+            if error is not None or not found:
+                logger.warning("checkpoint record %s unreadable: dropped", key.hex())
+                self._lose_disk(cp)
+            if cp.host >= 0 and not cp.dead:  # (another read brought it meanwhile)
+                self._to_device(cp, pool, slot, future)
+                return
+            self._unpin(cp)
+            future.set_result(False)
+
+        self.busy += 1
+        self.core.workers.io(read, done)
+        return future
+
+    def _to_device(self, cp: Checkpoint, pool: DevicePoolState, slot: int, future: Future) -> None:
+        src = np.array([cp.host], dtype=np.int64)
+        dst = np.array([slot], dtype=np.int64)
+        movers = pool.movers
+
+        def copy() -> None:
+            for mover in movers:
+                mover.load_states(src, dst)
+
+        def done(error: BaseException | None) -> None:
+            self.busy -= 1
+            self._unpin(cp)
+            if error is not None:
+                logger.error("checkpoint copy into pool %s failed: %s", pool.pool_id, error)
+                future.set_result(False)
+                return
+            self.restored += 1
+            future.set_result(True)
+
+        self.busy += 1
+        pool.copy.run(copy, done)
+
+    # -- disk ----------------------------------------------------------------------
+
+    def _write(self, cp: Checkpoint) -> None:
+        """Write ``cp`` through to disk (its host copy stays pinned until committed)."""
+        storage = self.storage
+        if storage is None or cp.on_disk or cp.writing or cp.host < 0:
+            return
+        cp.writing = True
+        cp.pins += 1
+        node = cp.node
+        record = PageRecord(cp.key, self._view(cp.host), PageMeta(node.namespace, node.last_page_key, b""))
+        fingerprint = self.core.spec.fingerprint
+
+        def submit():
+            return storage.put([record], fingerprint=fingerprint)
+
+        def done(result, error: BaseException | None) -> None:
+            self.busy -= 1
+            cp.writing = False
+            if error is not None:
+                logger.error("checkpoint write failed: %s", error)
+            elif cp.dead:
+                storage.delete([cp.key])
+            else:
+                cp.on_disk = True
+                self.by_key[cp.key] = cp
+            self._unpin(cp)
+            if result is not None and result.evicted:
+                self.on_store_evicted(result.evicted)
+
+        self.busy += 1
+        self.core.workers.write(submit, done)
+
+    def forget_keys(self, keys) -> None:
+        """The store dropped these records (its capacity, or a bad read)."""
+        if not self.by_key:
+            return
+        for key in keys:
+            cp = self.by_key.get(bytes(key))
+            if cp is not None:
+                self._lose_disk(cp)
+
+    def _lose_disk(self, cp: Checkpoint) -> None:
+        if self.by_key.get(cp.key) is cp:
+            del self.by_key[cp.key]
+        cp.on_disk = False
+        if cp.host < 0 and not cp.dead and cp.node.checkpoint is cp:
+            cp.node.checkpoint = None
+            cp.dead = True
+
+    def attach_restored(self, records: list[tuple[bytes, bytes]]) -> int:
+        """After a rebuild: put the checkpoint records ``(key, boundary page key)``
+        back on their nodes (splitting a node to end at its boundary); records whose
+        boundary is in no node are deleted. Returns how many were attached."""
+        tree = self.core.tree
+        if not records:
+            return 0
+        nodes = tree.disk_nodes(parent for _, parent in records)
+        stale = []
+        attached = 0
+        for key, parent in records:
+            node, last = _holder(nodes.get(parent), parent)
+            if node is None or key != checkpoint_key(parent):
+                stale.append(key)
+                continue
+            if last + 1 < node.num_pages:  # (the node above a split keeps the first pages)
+                node = tree.split(node, last + 1)
+            if node.checkpoint is not None:
+                stale.append(key)
+                continue
+            cp = Checkpoint(node, key, on_disk=True, ready=True)
+            node.checkpoint = cp
+            self.by_key[key] = cp
+            attached += 1
+        if stale and self.storage is not None:
+            logger.warning("deleting %d checkpoint records that no cached page ends", len(stale))
+            self.storage.delete(stale)
+        return attached
+
+    # -- host slots ----------------------------------------------------------------
+
+    def _alloc_slot(self) -> int | None:
+        slots = self.alloc.alloc(1)
+        if slots is None:
+            self._evict_one()
+            slots = self.alloc.alloc(1)
+        return None if slots is None else int(slots[0])
+
+    def _evict_one(self) -> None:
+        """Free the host slot of the least recently used checkpoint no copy reads now,
+        preferring one on disk."""
+        best = None
+        for cp in self.on_host.values():
+            if cp.pins or not cp.ready:
+                continue
+            rank = (not cp.on_disk, cp.node.last_access)
+            if best is None or rank < best[0]:
+                best = (rank, cp)
+        if best is None:
+            return
+        cp = best[1]
+        if not cp.on_disk:
+            self.lost += 1
+            self._drop(cp)
+        else:
+            self._free_host(cp)
+
+    def _free_host(self, cp: Checkpoint) -> None:
+        if cp.host >= 0:
+            del self.on_host[cp.host]
+            self.alloc.free(np.array([cp.host], dtype=np.int32))
+            cp.host = -1
+
+    def _unpin(self, cp: Checkpoint) -> None:
+        cp.pins -= 1
+        if cp.dead and not cp.pins:
+            self._free_host(cp)
+
+    def _drop(self, cp: Checkpoint) -> None:
+        """``cp`` goes from every tier and from its node."""
+        if cp.node.checkpoint is cp:
+            cp.node.checkpoint = None
+        cp.dead = True
+        if not cp.pins:
+            self._free_host(cp)
+        if cp.on_disk:
+            if self.by_key.get(cp.key) is cp:
+                del self.by_key[cp.key]
+            cp.on_disk = False
+            if self.storage is not None:
+                self.storage.delete([cp.key])
+
+    def forget(self, node: Node) -> None:
+        """``node`` leaves the tree: its checkpoint goes with it (the tree's hook)."""
+        cp = node.checkpoint
+        if cp is not None:
+            self._drop(cp)
+
+    # -- checks --------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Invariants, for tests: every checkpoint's node is live and holds it; host
+        slots are allocated exactly for the checkpoints holding them; disk keys name
+        their boundary."""
+        tree = self.core.tree
+        holders = [n for n in tree.nodes() if n.checkpoint is not None]
+        for node in holders:
+            cp = node.checkpoint
+            assert cp.node is node and not cp.dead, (node, cp)
+            assert cp.key == checkpoint_key(node.last_page_key), node
+            assert cp.host >= 0 or cp.on_disk or not cp.ready, f"checkpoint of {node!r} lives nowhere"
+        live_host = {cp.host for cp in self.on_host.values()}
+        assert len(live_host) == len(self.on_host)
+        for slot, cp in self.on_host.items():
+            assert cp.host == slot
+            assert cp.dead or (tree.is_live(cp.node) and cp.node.checkpoint is cp), cp
+        assert self.alloc.num_allocated == len(self.on_host), (self.alloc.num_allocated, len(self.on_host))
+        for key, cp in self.by_key.items():
+            assert cp.key == key and cp.on_disk and not cp.dead and cp.node.checkpoint is cp, cp
+
+
+def _holder(node: Node | None, page_key: bytes) -> tuple[Node | None, int]:
+    """The node holding ``page_key`` and the page's index in it: ``node`` or, after
+    splits cut it, one of the nodes above it."""
+    while node is not None and node.parent is not None:
+        index = node.page_keys.find(page_key)
+        while index > 0 and index % PAGE_KEY_BYTES:
+            index = node.page_keys.find(page_key, index + 1)
+        if index >= 0:
+            return node, index // PAGE_KEY_BYTES
+        node = node.parent
+    return None, -1

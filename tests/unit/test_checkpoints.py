@@ -1,0 +1,250 @@
+"""Recurrent-state checkpoints in the tier manager: offered with an insert, the end of
+every hit for a spec with state layers, brought back into an engine's state slot from
+host or disk, written through to disk, back after a restart, gone with their node."""
+
+import numpy as np
+import pytest
+
+from hicache.errors import InvalidArgument
+from hicache.keys import namespace_id
+from hicache.spec import KVSpec, MHALayer, StateLayer
+from hicache.storage.lmdb_backend import LmdbBackend
+from hicache.tiers import TierConfig, TierManager
+from hicache.tiers.checkpoints import checkpoint_key
+from hicache.tree import Tier
+from tiers_util import Engine
+
+SPEC = KVSpec(page_size=4, model="checkpoints-test", layers=(
+    StateLayer(conv_state_shape=(2, 8), temporal_state_shape=(2, 4, 4), conv_dtype="float32"),
+    MHALayer(num_kv_heads=2, head_dim=8, dtype="float16")))
+NS = namespace_id(SPEC.fingerprint, "checkpoints")
+PS = SPEC.page_size
+STATE_SLOTS = 6
+
+
+class StateEngine(Engine):
+    """An engine whose pool has state slots: states are bytes derived from a label."""
+
+    def __init__(self, num_pages: int = 32) -> None:
+        from hicache.engine.kv_pool import export_kv_pool
+        self.spec = SPEC
+        self.exported = export_kv_pool(SPEC, num_pages, num_state_slots=STATE_SLOTS)
+        self.pool = self.exported.pool
+        self.waiters = {}
+        self._regions = self.pool.layout.token_regions
+
+    def _state_spans(self, slot: int):
+        for r in self.pool.layout.state_regions:
+            yield slice(r.offset + slot * r.unit_bytes, r.offset + (slot + 1) * r.unit_bytes)
+
+    def set_state(self, slot: int, label: int) -> None:
+        buf = self.pool.buffer.numpy()
+        rng = np.random.default_rng(label)
+        for span in self._state_spans(slot):
+            buf[span] = rng.integers(0, 256, span.stop - span.start, dtype=np.uint8)
+
+    def state_label(self, slot: int, labels) -> int | None:
+        """Which of ``labels`` the slot holds (None: none of them)."""
+        buf = self.pool.buffer.numpy()
+        got = b"".join(buf[span].tobytes() for span in self._state_spans(slot))
+        for label in labels:
+            self.set_state(STATE_SLOTS, label)  # (the last slot as scratch)
+            want = b"".join(buf[span].tobytes() for span in self._state_spans(STATE_SLOTS))
+            if got == want:
+                return label
+        return None
+
+
+@pytest.fixture
+def engine():
+    e = StateEngine()
+    yield e
+    e.close()
+
+
+def make_tm(engine, *, host_pages=16, storage=None, **config):
+    tm = TierManager(SPEC, host_pages=host_pages, storage=storage, config=TierConfig(**config))
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+    return tm
+
+
+def tokens(start, pages):
+    return list(range(start, start + pages * PS))
+
+
+def prefill(tm, engine, toks, checkpoints=()):
+    """Compute ``toks`` into new pages, insert them with ``(pages, label)`` checkpoints
+    (each label's state written into its own slot first)."""
+    hit = tm.match(NS, toks, 0).match
+    new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+    pages = np.concatenate((hit.device_pages, new))
+    engine.compute(NS, toks, pages)
+    result = tm.insert(NS, toks, 0, pages)
+    offers = []
+    for slot, (num_pages, label) in enumerate(checkpoints, 1):
+        engine.set_state(slot, label)
+        offers.append((num_pages, slot))
+    taken = tm.wait(tm.checkpoint(result.node, 0, offers))
+    tm.check_invariants()
+    return result, taken
+
+
+def load_state(tm, engine, toks, slot=1):
+    """Match, lock, load with a state slot; returns (pages hit, state landed, result)."""
+    engine.set_state(slot, 999)
+    hit = tm.match(NS, toks, 0)
+    node = hit.match.node
+    if node.parent is None:
+        return 0, False, None
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0, state_slot=slot))
+    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(node, 0)
+    tm.check_invariants()
+    return len(loaded.device_pages), loaded.state, loaded
+
+
+def test_a_hit_ends_at_the_deepest_checkpoint_and_brings_its_state(engine):
+    tm = make_tm(engine)
+    toks = tokens(100, 6)
+    _, taken = prefill(tm, engine, toks, [(2, 11), (5, 12)])
+    assert taken == 2
+    # The tree was cut at both boundaries: the checkpoints sit on node ends.
+    assert [n.num_pages for n in tm.tree.path(tm.match(NS, toks, 0).match.node)] == [2, 3]
+    assert tm.match(NS, toks, 0).match.num_pages == 5  # page 6 has no checkpoint after it
+    for length, want_pages, label in ((6, 5, 12), (5, 5, 12), (4, 2, 11), (3, 2, 11), (2, 2, 11)):
+        pages, state, _ = load_state(tm, engine, toks[: length * PS])
+        assert (pages, state) == (want_pages, True), length
+        assert engine.state_label(1, [11, 12]) == label
+    # Before the first checkpoint: no hit at all (KV without its state is no use).
+    assert tm.match(NS, toks[: PS], 0).match.node.parent is None
+    tm.close()
+
+
+def test_a_checkpoint_is_offered_once_and_slots_and_page_counts_are_checked(engine):
+    tm = make_tm(engine)
+    toks = tokens(200, 3)
+    result, taken = prefill(tm, engine, toks, [(3, 1)])
+    assert taken == 1
+    assert tm.wait(tm.checkpoint(result.node, 0, [(3, 2)])) == 0  # has one already: kept
+    for bad in ([(0, 1)], [(4, 1)], [(2, 1), (2, 2)], [(3, 0)], [(3, STATE_SLOTS + 1)], [(1,)], [("1", 1)],
+                [(1.0, 1)], [(True, 1)]):
+        with pytest.raises(InvalidArgument):
+            tm.checkpoint(result.node, 0, bad)
+    node = tm.match(NS, toks, 0).match.node
+    tm.lock(node, 0)
+    with pytest.raises(InvalidArgument):
+        tm.load(node, 0, state_slot=STATE_SLOTS + 1)
+    tm.unlock(node, 0)
+    tm.check_invariants()
+    tm.close()
+
+
+def test_a_spec_without_state_layers_takes_no_checkpoint():
+    from tiers_util import SPEC as PLAIN
+    plain = Engine(num_pages=8)
+    tm = TierManager(PLAIN, host_pages=8)
+    ns = namespace_id(PLAIN.fingerprint, "plain")
+    tm.add_namespace(ns)
+    tm.register_pool(0, [plain.pool])
+    assert tm.checkpoints is None and tm.host_pool.num_state_slots == 0
+    with pytest.raises(InvalidArgument):
+        tm.check_checkpoints(0, 2, [(1, 1)])
+    tm.close()
+    plain.close()
+
+
+@pytest.fixture
+def store(tmp_path):
+    backend = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    yield backend
+    backend.close()
+
+
+def test_checkpoints_are_written_through_and_come_back_from_disk(engine, store):
+    tm = make_tm(engine, storage=store, host_checkpoints=2)
+    prompts = [tokens(1000 * i, 3) for i in range(1, 5)]
+    for label, toks in enumerate(prompts, 1):
+        prefill(tm, engine, toks, [(3, label)])
+        tm.flush()  # (a host slot whose checkpoint is being written cannot be taken)
+    # Four checkpoints, two host slots: the older two live on disk only.
+    on_host, on_disk = tm.checkpoints.count()
+    assert (on_host, on_disk) == (2, 4)
+    tm.evict(Tier.DEVICE, 32, 0)
+    tm.evict(Tier.HOST, 16)
+    tm.flush()
+    for label, toks in enumerate(prompts, 1):
+        pages, state, _ = load_state(tm, engine, toks)
+        assert (pages, state) == (3, True)
+        assert engine.state_label(1, range(1, 5)) == label
+    tm.check_invariants()
+    tm.close()
+
+
+def test_a_restarted_manager_gets_its_checkpoints_back(engine, tmp_path):
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    a, b = tokens(100, 5), tokens(100, 2) + tokens(900, 3)  # b branches off a after page 2
+    prefill(tm, engine, a, [(2, 21), (5, 22)])
+    prefill(tm, engine, b, [(4, 23)])
+    tm.flush()
+    tm.close()
+    store.close()
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    assert tm.rebuild_from_storage() == 8
+    tm.check_invariants()
+    assert tm.checkpoints.count() == (0, 3)
+    for toks, want_pages, label in ((a, 5, 22), (a[: 4 * PS], 2, 21), (b, 4, 23), (b[: 3 * PS], 2, 21)):
+        pages, state, _ = load_state(tm, engine, toks)
+        assert (pages, state) == (want_pages, True)
+        assert engine.state_label(1, [21, 22, 23]) == label
+    tm.close()
+    store.close()
+
+
+def test_a_checkpoint_goes_with_its_node_from_every_tier(engine, store):
+    tm = make_tm(engine, storage=store)
+    toks = tokens(300, 2)
+    result, _ = prefill(tm, engine, toks, [(2, 31)])
+    tm.flush()
+    node = result.node
+    key = checkpoint_key(node.last_page_key)
+    assert tm.checkpoints.count() == (1, 1)
+    tm.evict(Tier.DEVICE, 32, 0)
+    tm.evict(Tier.HOST, 16)
+    tm.evict(Tier.DISK, 16)
+    tm.flush()
+    assert not tm.tree.is_live(node)
+    assert tm.checkpoints.count() == (0, 0)
+    assert tm.checkpoints.alloc.num_allocated == 0
+    assert store.get([key], [bytearray(tm.host_pool.state_slot_bytes)], fingerprint=SPEC.fingerprint) == [False]
+    tm.check_invariants()
+    tm.close()
+
+
+def test_a_lost_checkpoint_record_makes_the_hit_shorter_not_wrong(engine, store):
+    tm = make_tm(engine, storage=store, host_checkpoints=1)
+    toks = tokens(400, 4)
+    prefill(tm, engine, toks[: 2 * PS], [(2, 41)])
+    tm.flush()
+    prefill(tm, engine, toks, [(4, 42)])  # one host slot: the first goes to disk only
+    tm.flush()
+    assert tm.checkpoints.count() == (1, 2)
+    deep = tm.match(NS, toks, 0).match.node
+    shallow = deep.parent
+    store.delete([checkpoint_key(shallow.last_page_key)]).result()
+    tm.evict(Tier.DEVICE, 32, 0)
+    tm.evict(Tier.HOST, 16)
+    tm.flush()
+    # The shallow checkpoint's record is gone: restoring it fails, and the node no
+    # longer counts as a hit end.
+    pages, state, _ = load_state(tm, engine, toks[: 3 * PS])
+    assert (pages, state) == (2, False)
+    assert tm.match(NS, toks[: 3 * PS], 0).match.node.parent is None
+    pages, state, _ = load_state(tm, engine, toks)
+    assert (pages, state) == (4, True) and engine.state_label(1, [41, 42]) == 42
+    tm.close()

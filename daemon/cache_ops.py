@@ -176,7 +176,7 @@ class CacheOps:
         session = self._session(m.session)
         node = self.sessions.node(session, m.node)
         self.sessions.require_lock(session, node, m.node)
-        future = session.manager.load(node, session.pool_id)
+        future = session.manager.load(node, session.pool_id, m.state_slot or None)
         out: Future = Future()
 
         def done(f: Future) -> None:
@@ -187,7 +187,7 @@ class CacheOps:
             r = f.result()
             out.set_result(p.LoadReply(id=0, node=self.sessions.handle_for(session, r.node),
                                        device_pages=r.device_pages.tobytes(), loaded_pages=r.num_loaded_pages,
-                                       wait=[tuple(t) for t in r.wait]))
+                                       wait=[tuple(t) for t in r.wait], state=r.state))
 
         future.add_done_callback(done)
         return out
@@ -200,20 +200,31 @@ class CacheOps:
         pages = session.manager.alloc(session.pool_id, m.num_pages)
         return p.AllocReply(id=m.id, pages=b"" if pages is None else pages.tobytes())
 
-    def insert(self, m: p.Insert) -> p.InsertReply:
+    def insert(self, m: p.Insert) -> p.InsertReply | Future:
         session = self._session(m.session)
         tokens = self._tokens(m.tokens)
         manager = session.manager
         pages = manager.page_ids(session.pool_id, m.pages)
         if len(pages) != len(tokens) // TOKEN_BYTES // manager.spec.page_size:
             raise InvalidArgument("one page id per whole page of tokens")
+        manager.check_checkpoints(session.pool_id, len(pages), m.checkpoints)  # (before anything changes)
         namespace = self._namespace(session, m.extra_key, m.tenant)
         result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages)
         if result is None:  # not stored: the pages went back to the pool
             return p.InsertReply(id=m.id, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
-        return p.InsertReply(id=m.id, node=self.sessions.handle_for(session, result.node),
-                             device_pages=result.device_pages.tobytes(), freed=result.duplicate_pages.tobytes(),
-                             prefix_pages=result.num_prefix_pages)
+        reply = p.InsertReply(id=m.id, node=self.sessions.handle_for(session, result.node),
+                              device_pages=result.device_pages.tobytes(), freed=result.duplicate_pages.tobytes(),
+                              prefix_pages=result.num_prefix_pages)
+        if not m.checkpoints:
+            return reply
+        out: Future = Future()
+
+        def taken(f: Future) -> None:
+            reply.checkpoints = f.result()
+            out.set_result(reply)
+
+        manager.checkpoint(result.node, session.pool_id, m.checkpoints).add_done_callback(taken)
+        return out
 
     def release(self, m: p.Release) -> p.Ok:
         session = self._session(m.session)

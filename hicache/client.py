@@ -125,6 +125,7 @@ class Loaded(NamedTuple):
     device_pages: PageIds  # the whole path: write into req_to_token
     num_loaded_pages: int
     wait: tuple[Ticket, ...]  # every load still landing in device_pages: the one list to wait on
+    state: bool = False  # a load with a state slot: the handle's checkpoint is in it
 
 
 class Stored(NamedTuple):
@@ -150,6 +151,7 @@ class Inserted(NamedTuple):
     device_pages: PageIds  # canonical pages of every whole page
     freed: PageIds  # duplicates the daemon took back
     num_prefix_pages: int
+    num_checkpoints: int = 0  # checkpoints taken (their state slots are the engine's again)
 
 
 _RCVTIMEO = int(zmq.RCVTIMEO)  # a plain int: pyzmq converts enum members on every call
@@ -620,10 +622,12 @@ class CacheClient:
         if done:
             self.release(sorted(done))
 
-    def load(self, handle: NodeHandle | None) -> Loaded:
+    def load(self, handle: NodeHandle | None, *, state_slot: int = 0) -> Loaded:
         """Bring the host / disk part of a locked handle's path onto the device. Use the
         answer's ``device_pages`` and wait on its ``wait`` (every load still landing in
-        them). Without the daemon (degraded, or a handle from before a reconnect) nothing
+        them). For a spec with state layers, ``state_slot`` (the request's device state
+        slot) receives the handle's checkpoint before any layer: use the hit only when
+        the answer's ``state`` is true and its handle is the one asked for. Without the daemon (degraded, or a handle from before a reconnect) nothing
         is loaded: the answer has the path's pages the engine was last given — none if
         they were still landing then, as nothing could be waited on — and no tickets.
         Raises :class:`UnknownNode` / :class:`LockUnderflow` for a handle this client
@@ -633,8 +637,8 @@ class CacheClient:
         if self._locked.get(handle, 0) <= 0:
             raise self._not_held(handle, "load")
         if handle.epoch == self.epoch:
-            reply = self._request(p.Load(id=0, session=0, node=handle.node), timeout_s=self.load_timeout_s,
-                                  epoch=handle.epoch)
+            reply = self._request(p.Load(id=0, session=0, node=handle.node, state_slot=state_slot),
+                                  timeout_s=self.load_timeout_s, epoch=handle.epoch)
             if reply is not None:
                 pages = _pages(reply.device_pages)
                 wait = tuple(Ticket(*t) for t in reply.wait)
@@ -642,7 +646,7 @@ class CacheClient:
                 loaded = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None
                 if loaded is not None:
                     self._remember(loaded, pages, wait)
-                return Loaded(loaded, pages, reply.loaded_pages, wait)
+                return Loaded(loaded, pages, reply.loaded_pages, wait, reply.state)
         usable = _NO_PAGES if handle in self._stale else self._paths.get(handle, _NO_PAGES)
         return Loaded(handle, usable, 0, ())
 
@@ -667,10 +671,15 @@ class CacheClient:
         return pages
 
     def insert(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "", *,
-               tenant: str | None = None) -> Inserted:
+               tenant: str | None = None, checkpoints: Sequence[tuple[int, int]] = ()) -> Inserted:
+        """Give the tree the whole pages of ``tokens`` (one page id per whole page).
+        ``checkpoints`` (a spec with state layers): ``(pages before it, device state
+        slot)`` for each state the engine offers, page counts ascending; the answer
+        comes once they are copied, and then the slots are the engine's again."""
         ids = as_page_ids(pages)
         reply = self._request(p.Insert(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
-                                       extra_key=extra_key, tenant=self._tenant(tenant)))
+                                       extra_key=extra_key, tenant=self._tenant(tenant),
+                                       checkpoints=[(int(n), int(s)) for n, s in checkpoints]))
         if reply is None:
             return Inserted(None, ids, _NO_PAGES, 0)  # degraded: the pages stay ours
         taken = ids.tolist()
@@ -683,7 +692,7 @@ class CacheClient:
         device = _pages(reply.device_pages)
         if handle is not None:
             self._remember(handle, device)
-        return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages)
+        return Inserted(handle, device, _pages(reply.freed), reply.prefix_pages, reply.checkpoints)
 
     def store(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "", *,
               tenant: str | None = None) -> Stored:

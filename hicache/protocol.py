@@ -31,6 +31,7 @@ from msgspec import UNSET, UnsetType
 from hicache.errors import ErrorCode, HicacheError
 from hicache.spec import MAX_LAYERS
 
+MAX_CHECKPOINTS = 4096  # checkpoints offered with one insert
 PROTOCOL_VERSION = 2  # 2: memfd pools over the descriptor socket, per-session node handles
 
 
@@ -53,6 +54,7 @@ class MHALayerMsg(_Part, tag_field="kind", tag="mha"):
     head_dim: int
     v_head_dim: int | UnsetType = UNSET
     dtype: str | UnsetType = UNSET
+    sliding_window: int | UnsetType = UNSET
 
 
 class MLALayerMsg(_Part, tag_field="kind", tag="mla"):
@@ -212,6 +214,9 @@ class Unlock(_Request, tag="unlock"):
 class Load(_Request, tag="load"):
     session: int
     node: int
+    # A spec with state layers: the engine's device state slot (>= 1) the node's
+    # checkpoint is copied into before any layer; 0: none.
+    state_slot: int = 0
 
 
 class Alloc(_Request, tag="alloc"):
@@ -225,6 +230,9 @@ class Insert(_Request, tag="insert"):
     pages: bytes
     extra_key: str = ""
     tenant: str | UnsetType = UNSET
+    # A spec with state layers: [pages before it, device state slot] per checkpoint
+    # offered, page counts ascending; the reply comes once the states are copied.
+    checkpoints: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_CHECKPOINTS)] = []
 
 
 class Release(_Request, tag="release"):
@@ -365,6 +373,7 @@ class LoadReply(_Reply, tag="load"):
     device_pages: bytes
     loaded_pages: int
     wait: list[tuple[int, int]]
+    state: bool = False  # the node's checkpoint is in the state slot asked for
 
 
 class AllocReply(_Reply, tag="alloc"):
@@ -376,6 +385,7 @@ class InsertReply(_Reply, tag="insert"):
     device_pages: bytes  # the canonical pages of every whole page: write them to req_to_token
     freed: bytes  # the caller's duplicates, already returned to the pool
     prefix_pages: int
+    checkpoints: int = 0  # checkpoints taken (copied: their slots are the engine's again)
 
 
 class StoreReply(_Reply, tag="store"):

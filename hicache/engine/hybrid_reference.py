@@ -83,6 +83,19 @@ class HybridCache:
         return HybridCache(self.conv.clone(), self.temporal.clone(), [list(k) for k in self.keys],
                            [list(v) for v in self.values], list(self.first), self.length)
 
+    def append_kv(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Attention layer ``i``'s K / V of the token at position ``length``."""
+        self.keys[i].append(k)
+        self.values[i].append(v)
+
+    def kv_since(self, i: int, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layer ``i``'s K / V of positions ``lo ..`` (this token's included),
+        each ``[n, kv_heads, head_dim]``."""
+        if lo < self.first[i]:
+            raise RuntimeError(f"the {KINDS[i + 1]} layer needs position {lo}, the cache starts at {self.first[i]}")
+        start = lo - self.first[i]
+        return torch.stack(self.keys[i][start:]), torch.stack(self.values[i][start:])
+
     def resume(self, config: HybridConfig, *, drop_outside_window: bool = True) -> "HybridCache":
         """:meth:`checkpoint`, with the swa layer's K / V before the window of the next
         token left out — what a cache that frees out-of-window pages gives back (whole
@@ -147,15 +160,11 @@ class HybridTransformer:
         c, p = self.config, self.attn[i]
         h = self._norm(x)[None]
         q = self._rotate((h @ p["wq"]).view(c.num_heads, c.head_dim), position)
-        cache.keys[i].append(self._rotate((h @ p["wk"]).view(c.num_kv_heads, c.head_dim), position))
-        cache.values[i].append((h @ p["wv"]).view(c.num_kv_heads, c.head_dim))
+        cache.append_kv(i, self._rotate((h @ p["wk"]).view(c.num_kv_heads, c.head_dim), position),
+                        (h @ p["wv"]).view(c.num_kv_heads, c.head_dim))
         # The positions this query reads: all (full), or those > position - window (swa).
         lo = max(0, position - c.window + 1) if i == 0 else 0
-        if lo < cache.first[i]:
-            raise RuntimeError(f"the {KINDS[i + 1]} layer needs position {lo}, the cache starts at {cache.first[i]}")
-        start = lo - cache.first[i]
-        keys = torch.stack(cache.keys[i][start:])
-        values = torch.stack(cache.values[i][start:])
+        keys, values = cache.kv_since(i, lo)
         group = c.num_heads // c.num_kv_heads
         k = keys.repeat_interleave(group, dim=1)
         v = values.repeat_interleave(group, dim=1)

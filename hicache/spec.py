@@ -11,6 +11,10 @@ that page, rank after rank::
     +--------------------------------------------------+------------+
       each component = page_size tokens x its per-token bytes
 
+A spec with sliding-window (SWA) layers puts every rank's SWA segments after all the
+full-attention ones, so that a page whose SWA part fell out of every window (see
+:mod:`hicache.tiers.windows`) is the page's first :attr:`KVSpec.kept_page_bytes`.
+
 Layers come in three kinds, after SGLang's KV pools:
 
 * :class:`MHALayer` — full attention, separate K ``[heads, head_dim]`` and V
@@ -322,16 +326,44 @@ class KVSpec:
         """Bytes of one request's recurrent state, all state layers, one rank."""
         return sum(c.nbytes for layer in self.layers for c in layer.state_components)
 
+    def is_swa(self, layer: int) -> bool:
+        """Is ``layer`` a sliding-window attention layer?"""
+        return bool(getattr(self.layers[layer], "sliding_window", 0))
+
+    @property
+    def swa_window(self) -> int:
+        """The widest sliding window of the spec's SWA layers, in tokens (0: none)."""
+        return max((getattr(layer, "sliding_window", 0) for layer in self.layers), default=0)
+
+    @property
+    def window_pages(self) -> int:
+        """Pages of SWA layers a hit needs before its end: the token after a prefix of
+        ``n`` pages attends back to position ``n * page_size - window + 1``."""
+        window = self.swa_window
+        return -(-(window - 1) // self.page_size) if window > 1 else 0
+
+    @property
+    def kept_page_bytes(self) -> int:
+        """Bytes of a host page without its SWA layers' segments: they come first (see
+        :meth:`host_page_layout`), so a page whose SWA part is dropped is this prefix."""
+        return self.tp_size * sum(self.page_bytes(i) for i in range(self.num_layers) if not self.is_swa(i))
+
     def host_page_layout(self) -> tuple[Segment, ...]:
-        """Every (rank, layer, component) segment of a host page, in address order."""
+        """Every (rank, layer, component) segment of a host page, in address order:
+        rank after rank, layer after layer — every rank's full-attention layers first,
+        then (a spec with SWA layers) every rank's SWA layers, so that a page without
+        its SWA part is a prefix of the page (:attr:`kept_page_bytes`)."""
         segments = []
         offset = 0
-        for rank in range(self.tp_size):
-            for index, layer in enumerate(self.layers):
-                for comp in layer.token_components:
-                    nbytes = self.page_size * comp.nbytes
-                    segments.append(Segment(rank, index, comp.name, offset, nbytes))
-                    offset += nbytes
+        for swa in (False, True):
+            for rank in range(self.tp_size):
+                for index, layer in enumerate(self.layers):
+                    if self.is_swa(index) != swa:
+                        continue
+                    for comp in layer.token_components:
+                        nbytes = self.page_size * comp.nbytes
+                        segments.append(Segment(rank, index, comp.name, offset, nbytes))
+                        offset += nbytes
         return tuple(segments)
 
     def to_dict(self) -> dict[str, Any]:

@@ -66,6 +66,10 @@ class PageMover:
         self.workers = workers
         layout = device_pool.layout
         self._backup = page_segments(layout, device_pool.rank)
+        spec = device_pool.spec
+        kept = [i for i, r in enumerate(layout.token_regions) if not spec.is_swa(r.layer)]
+        # A page whose SWA part is dropped (hicache.tiers.windows): the other layers only.
+        self._backup_kept = self._backup.select(kept) if kept else None
         restore = self._backup.reversed()
         self._restore = restore
         self._restore_layer = {layer: restore.select(r) for layer, r in layer_segment_ranges(layout).items()}
@@ -92,9 +96,12 @@ class PageMover:
         check_page_ids(host_src, host_dst, segments, src.numel(), dst.numel())
         return self._ids(host_src), self._ids(host_dst)
 
-    def backup(self, device_pages: PageList, host_pages: PageList) -> None:
-        """Device -> host, every layer: ``host_pages[i]`` receives ``device_pages[i]``."""
-        self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, self._backup)
+    def backup(self, device_pages: PageList, host_pages: PageList, *, without_swa: bool = False) -> None:
+        """Device -> host, every layer: ``host_pages[i]`` receives ``device_pages[i]``
+        (``without_swa``: all but the SWA layers' segments)."""
+        segments = self._backup_kept if without_swa else self._backup
+        if segments is not None:
+            self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, segments)
 
     def load(self, host_pages: PageList, device_pages: PageList, *,
              on_layer: Callable[[int], None] | None = None) -> None:

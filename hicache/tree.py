@@ -156,6 +156,10 @@ class Node:
     # The recurrent state after its last page (hicache.tiers.checkpoints), for specs with
     # state layers; stays with this node when it is split (the node keeps its end).
     checkpoint: object = None
+    # A spec with SWA layers (hicache.tiers.windows): per slot, the index of the first of
+    # the node's pages whose SWA layers' bytes that slot holds (the pages before it have
+    # the other layers only); a slot left out holds them all. None: every slot does.
+    swa: dict | None = None
 
     @property
     def is_root(self) -> bool:
@@ -874,6 +878,20 @@ class HiRadixTree:
         disk hold its tokens?"""
         return all(n.tokens for n in self.path(node) if DISK_SLOT not in n.residency)
 
+    def set_swa(self, node: Node, slot: Slot, first: int) -> None:
+        """Record that ``slot``'s copy of ``node`` holds SWA layers' bytes for its pages
+        ``first ..`` only (``0``: all of them)."""
+        if slot not in node.residency:
+            raise ResidencyError(f"node {node.node_id} is not resident in {_slot_name(slot)}")
+        if not 0 <= first <= node.num_pages:
+            raise InvalidArgument(f"first SWA page {first} outside node {node.node_id}'s {node.num_pages}")
+        if first:
+            if node.swa is None:
+                node.swa = {}
+            node.swa[slot] = first
+        elif node.swa and slot in node.swa:
+            del node.swa[slot]
+
     def is_live(self, node: Node) -> bool:
         return self._nodes.get(node.node_id) is node
 
@@ -993,6 +1011,9 @@ class HiRadixTree:
                 upper.residency[slot] = value[:ids_cut]
                 node.residency[slot] = value[ids_cut:]
             upper.resident_children[slot] = 1
+        if node.swa:  # (each part keeps the SWA bytes it had: the first index, cut)
+            upper.swa = {slot: min(first, num_pages) for slot, first in node.swa.items()}
+            node.swa = {slot: first - num_pages for slot, first in node.swa.items() if first > num_pages} or None
         upper.lock_ref.update(node.lock_ref)
         upper.lock_total = node.lock_total
         upper.hit_count = node.hit_count
@@ -1065,6 +1086,8 @@ class HiRadixTree:
         if slot < 0 and HOST_SLOT in node.residency and DISK_SLOT in node.residency and not node.lock_total:
             self._clean_host -= node.num_pages
         value = node.residency.pop(slot)
+        if node.swa and slot in node.swa:
+            del node.swa[slot]
         if self.observer is not None:
             self.observer.dropped(node, slot)
         if slot < 0:
@@ -1246,6 +1269,12 @@ class HiRadixTree:
                 leaves.setdefault(slot, set()).add(node)
         for slot, count in node.resident_children.items():
             assert count > 0 and slot in node.residency, (node, slot, count)
+
+
+def swa_first(node: Node, slot: Slot) -> int:
+    """The first of ``node``'s pages whose SWA layers' bytes ``slot``'s copy holds (see
+    :attr:`Node.swa`)."""
+    return node.swa.get(slot, 0) if node.swa else 0
 
 
 def _slot_name(slot: Slot) -> str:

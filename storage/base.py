@@ -59,8 +59,8 @@ class PageBatch(NamedTuple):
     Record ``i`` is page key ``keys[16i:16i+16]``, with namespace and parent page key
     from the same 16-byte slots of ``namespaces`` and ``parents``, the ``i``-th of the
     equal slices of ``tokens``, and the payload in row ``rows[i]`` of ``source`` — a 2-D
-    uint8 array, one payload per row (a host pool's pages), read by the writer before
-    the put's future completes."""
+    uint8 array, one payload per row (a host pool's pages, or their first bytes: each
+    row contiguous), read by the writer before the put's future completes."""
 
     keys: bytes
     namespaces: bytes
@@ -100,6 +100,9 @@ class StorageBackend(Protocol):
 
     def put_batch(self, batch: PageBatch, *, fingerprint: bytes) -> Future[PutResult]:
         """:meth:`put` of ``batch``'s records."""
+
+    def put_batches(self, batches: Sequence[PageBatch], *, fingerprint: bytes) -> Future[PutResult]:
+        """:meth:`put_batch` of several batches (payloads of different sizes) as one."""
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer;

@@ -491,6 +491,12 @@ class LmdbBackend:
         self._check_usable()
         return self._put_parts([batch], _require_fingerprint(fingerprint))
 
+    def put_batches(self, batches: Sequence[PageBatch], *, fingerprint: bytes) -> Future[PutResult]:
+        """:meth:`put_batch` of several batches as one committed batch (payloads of
+        different sizes: e.g. pages with and without their SWA layers)."""
+        self._check_usable()
+        return self._put_parts(list(batches), _require_fingerprint(fingerprint))
+
     def _put_parts(self, batches: list[PageBatch], fingerprint: bytes) -> Future[PutResult]:
         parts = [part for batch in batches if (part := self._part(batch, fingerprint)) is not None]
         if not parts:
@@ -518,8 +524,8 @@ class LmdbBackend:
         if len(tokens) % n or len(tokens) // n % TOKEN_BYTES:
             raise InvalidArgument(f"tokens must be packed int32 bytes, as many for each of the {n} records")
         if not (isinstance(source, np.ndarray) and source.dtype == np.uint8 and source.ndim == 2
-                and source.flags.c_contiguous):
-            raise InvalidArgument("source must be a C-contiguous 2-D uint8 array (one payload a row)")
+                and source.strides[1] == 1):
+            raise InvalidArgument("source must be a 2-D uint8 array of contiguous rows (one payload a row)")
         size = source.shape[1]
         if not size:
             raise InvalidArgument("empty payloads")

@@ -20,7 +20,7 @@ from hicache.tiers.devices import DevicePoolState, DevicePools
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.policies import DiskPolicy
 from hicache.tiers.transfers import Entry, Kind, Transfer, concat
-from hicache.tree import Node, Tier
+from hicache.tree import HOST_SLOT, Node, Tier, swa_first
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,14 @@ class Backups:
         self.deferred.pop(node.node_id, None)
         entries = []
         offset = 0
+        windows = core.windows
         for n in path:
             src = n.device_pages(pool.pool_id)
             if src is None:  # cannot happen: device residency is closed under ancestors
                 raise AssertionError(f"{n} has no pages in pool {pool.pool_id}")
-            entries.append(Entry(n, src.astype(np.int64), host_pages[offset : offset + n.num_pages].astype(np.int64)))
+            first = 0 if windows is None else windows.first_backed_up(n, swa_first(n, pool.pool_id))
+            entries.append(Entry(n, src.astype(np.int64), host_pages[offset : offset + n.num_pages].astype(np.int64),
+                                 first))
             offset += n.num_pages
         hold = path[-1]
         tree.lock(hold, pool.pool_id)
@@ -78,13 +81,24 @@ class Backups:
         core.inflight.add(transfer)
         core.stage(transfer, node.namespace, Tier.HOST, total)
         core.host_staging += total
-        src_all = concat(e.src for e in entries)
-        dst_all = concat(e.dst for e in entries)
         movers = pool.movers
+        if windows is None:
+            src_all = concat(e.src for e in entries)
+            dst_all = concat(e.dst for e in entries)
 
-        def enqueue() -> None:
-            for mover in movers:
-                mover.backup(src_all, dst_all)
+            def enqueue() -> None:
+                for mover in movers:
+                    mover.backup(src_all, dst_all)
+        else:  # the pages outside the window without their SWA layers
+            (dead_src, dead_dst), (live_src, live_dst) = _split_parts(entries)
+            transfer.nbytes = windows.nbytes(total, len(dead_src))
+
+            def enqueue() -> None:
+                for mover in movers:
+                    if len(live_src):
+                        mover.backup(live_src, live_dst)
+                    if len(dead_src):
+                        mover.backup(dead_src, dead_dst, without_swa=True)
 
         pool.copy.run(enqueue, lambda error: self._done(transfer, error))
         return True
@@ -134,6 +148,8 @@ class Backups:
                 core.host_alloc.free(entry.dst)
                 continue
             tree.add_host(node, entry.dst)
+            if entry.swa:
+                tree.set_swa(node, HOST_SLOT, entry.swa)
             added.append(node)
         if added and self.disk_policy.write_on_host:
             self.disk.write(added[-1])
@@ -144,3 +160,10 @@ class Backups:
             if (node.node_id in transfer.then_drop and tree.is_live(node)
                     and tree.is_evictable(node, Tier.DEVICE, pool.pool_id)):
                 pool.allocator.free(tree.drop(node, Tier.DEVICE, pool.pool_id))
+
+
+def _split_parts(entries: list[Entry]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """``(src, dst)`` of the entries' pages without SWA bytes, then of those with."""
+    parts = [e.parts() for e in entries]
+    return ((concat(p[0][0] for p in parts), concat(p[0][1] for p in parts)),
+            (concat(p[1][0] for p in parts), concat(p[1][1] for p in parts)))

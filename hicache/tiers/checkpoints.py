@@ -41,7 +41,8 @@ from hicache.pages import PageAllocator
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePoolState
-from hicache.tree import HOST_SLOT, MatchResult, Node
+from hicache.tiers.windows import cut_match
+from hicache.tree import MatchResult, Node
 
 logger = logging.getLogger(__name__)
 
@@ -107,31 +108,7 @@ class Checkpoints:
     def trim(self, result: MatchResult, pool_id: int) -> MatchResult:
         """``result`` cut back to its deepest node with a usable checkpoint (nothing
         matched when none has one)."""
-        node = result.node
-        if node is None or node.parent is None:
-            return result
-        end = node
-        while end.parent is not None and not self.usable(end):
-            end = end.parent
-        if end is node:
-            return result
-        root = self.core.tree.root(node.namespace)
-        if end is root:
-            return MatchResult(root, root, root, b"", 0, 0, result.page_size)
-        device: list[bytes] = []
-        host = disk = 0
-        last_device = last_host = root
-        for n in self.core.tree.path(end):
-            pages = n.residency.get(pool_id)
-            if pages is not None:
-                device.append(pages)
-                last_device = last_host = n
-            elif HOST_SLOT in n.residency:
-                host += n.num_pages
-                last_host = n
-            else:
-                disk += n.num_pages
-        return MatchResult(end, last_device, last_host, b"".join(device), host, disk, result.page_size)
+        return cut_match(self.core.tree, result, pool_id, self.usable)
 
     # -- offer (device -> host) ------------------------------------------------------
 

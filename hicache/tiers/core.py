@@ -49,9 +49,13 @@ class Core:
     # The remote tier (hicache.tiers.remote; set by the manager): told of pages an engine
     # computed as they reach host memory (its write-through).
     remote: object = None
+    # Sliding-window layers (hicache.tiers.windows; set by the manager): None without.
+    windows: object = None
     # Nodes a disk read brought to host that no load has taken yet: a load counts their
     # pages as disk hits (a match's prefetch reads them before the load asks).
     read_from_disk: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Bytes moved by finished transfers, by direction (the metrics' label): d2h, ...
+    moved: dict[str, int] = field(default_factory=dict)
 
     def room_for(self, namespace, tier: Tier, num_pages: int) -> bool:
         """May ``num_pages`` more pages of ``namespace`` go to ``tier`` (its space quota,
@@ -71,10 +75,14 @@ class Core:
             transfer.quota = None
 
     def report(self, transfer: Transfer, num_pages: int | None = None) -> None:
-        """A transfer's bytes and time, in the transfer metrics."""
-        pages = transfer.num_pages if num_pages is None else num_pages
+        """A transfer's bytes and time, in the transfer metrics (and :attr:`moved`)."""
+        if num_pages is None and transfer.nbytes is not None:
+            nbytes = transfer.nbytes
+        else:
+            nbytes = (transfer.num_pages if num_pages is None else num_pages) * self.spec.host_page_bytes
         seconds = time.perf_counter() - transfer.timing["submitted"]
-        self.metrics.transfer(transfer.kind.value, pages * self.spec.host_page_bytes, seconds)
+        self.metrics.transfer(transfer.kind.value, nbytes, seconds)
+        self.moved[transfer.kind.value] = self.moved.get(transfer.kind.value, 0) + nbytes
 
     def note_read(self, node: Node) -> None:
         self.read_from_disk[node.node_id] = None

@@ -12,7 +12,7 @@ import numpy as np
 from hicache.storage.base import StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import Node
+from hicache.tree import DISK_SLOT, HOST_SLOT, HiRadixTree, Node, swa_first
 
 if TYPE_CHECKING:
     from hicache.tiers.disk import LocalDisk
@@ -58,6 +58,13 @@ class DiskReader:
         core.host_staging += len(pages)
         keys = [k for n in fresh for k in n.page_key_list()]
         buffers = [core.host_pool.page_array(int(h)) for h in pages]
+        if core.windows is not None:  # records of pages outside the window: no SWA part
+            kept = core.windows.kept_bytes
+            offset = 0
+            for n in fresh:
+                for i in range(offset, offset + swa_first(n, DISK_SLOT)):
+                    buffers[i] = buffers[i][:kept]
+                offset += n.num_pages
         storage = self.storage
         fingerprint = core.spec.fingerprint
 
@@ -99,10 +106,19 @@ class DiskReader:
                 # The first good pages stay: cut the node there, forget the rest.
                 upper = tree.split(node, good)
                 tree.add_host(upper, entry.dst[:good])
+                _same_swa(tree, upper)
                 core.host_alloc.free(entry.dst[good:])
                 self.disk.drop_bad_records(node)
                 failed = True
                 continue
             tree.add_host(node, entry.dst)
+            _same_swa(tree, node)
             core.note_read(node)
         transfer.finished()
+
+
+def _same_swa(tree: HiRadixTree, node: Node) -> None:
+    """The host copy read from disk holds the SWA bytes the records did."""
+    first = swa_first(node, DISK_SLOT)
+    if first:
+        tree.set_swa(node, HOST_SLOT, first)

@@ -20,7 +20,7 @@ from hicache.keys import PAGE_KEY_BYTES
 from hicache.storage.base import PageBatch, StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import Node, Tier
+from hicache.tree import DISK_SLOT, HOST_SLOT, Node, Tier, swa_first
 
 if TYPE_CHECKING:
     from hicache.tiers.disk import LocalDisk
@@ -76,7 +76,7 @@ class DiskWriter:
         for n in path:
             host = n.host_pages.astype(np.int64)
             parts.append((n.namespace, n.parent.last_page_key, n.tokens, n.page_keys, n.num_pages, host))
-            entries.append(Entry(n, host, host))
+            entries.append(Entry(n, host, host, swa_first(n, HOST_SLOT)))  # (what the host copy holds)
         transfer = Transfer(Kind.DISK_WRITE, None, entries, hold)
         if then_drop_host:
             transfer.then_drop.add(node.node_id)
@@ -85,8 +85,19 @@ class DiskWriter:
         self.pending += total
         storage, fingerprint, host_pool = self.storage, core.spec.fingerprint, core.host_pool
 
-        def submit():
-            return storage.put_batch(path_batch(parts, host_pool), fingerprint=fingerprint)
+        windows = core.windows
+        dead = [e.swa for e in entries] if windows is not None and any(e.swa for e in entries) else None
+        if dead is None:
+            def submit():
+                return storage.put_batch(path_batch(parts, host_pool), fingerprint=fingerprint)
+        else:  # the pages outside the window without their SWA part: shorter records
+            transfer.nbytes = windows.nbytes(total, sum(dead))
+            kept = windows.kept_bytes
+
+            def submit():
+                mask = np.concatenate([np.arange(p[4]) < k for p, k in zip(parts, dead)])
+                return storage.put_batches(split_batch(path_batch(parts, host_pool), mask, kept),
+                                           fingerprint=fingerprint)
 
         core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
         return True
@@ -109,6 +120,8 @@ class DiskWriter:
                 continue
             if node.parent.is_root or node.parent.on_disk:
                 tree.add_disk(node)
+                if entry.swa:
+                    tree.set_swa(node, DISK_SLOT, entry.swa)
                 self.committed += node.num_pages
             else:
                 unknown.extend(node.page_key_list())
@@ -155,3 +168,18 @@ def path_batch(parts, host_pool) -> PageBatch:
     tokens = b"".join(p[2] for p in parts)
     rows = np.concatenate([p[5] for p in parts])
     return PageBatch(keys, namespaces, parents, tokens, host_pool.pages_array(), rows)
+
+
+def split_batch(batch: PageBatch, without_swa: np.ndarray, kept_bytes: int) -> list[PageBatch]:
+    """``batch`` as two: the records of the pages with their SWA bytes, then those
+    without (``without_swa[i]``), whose payloads are the first ``kept_bytes`` of each
+    row (hicache.tiers.windows)."""
+    n = batch.num_records
+    columns = [np.frombuffer(c, dtype=np.uint8).reshape(n, -1)
+               for c in (batch.keys, batch.namespaces, batch.parents, batch.tokens)]
+    out = []
+    for mask, source in ((~without_swa, batch.source), (without_swa, batch.source[:, :kept_bytes])):
+        if mask.any():
+            keys, namespaces, parents, tokens = (c[mask].tobytes() for c in columns)
+            out.append(PageBatch(keys, namespaces, parents, tokens, source, batch.rows[mask]))
+    return out

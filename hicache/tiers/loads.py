@@ -34,7 +34,7 @@ from hicache.tiers.devices import DevicePoolState, DevicePools
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.results import LoadResult, LoadTiming
 from hicache.tiers.transfers import Entry, Kind, Transfer, concat
-from hicache.tree import Node, Tier
+from hicache.tree import HOST_SLOT, Node, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +277,8 @@ class Loads:
             dst = pending.pages[offset : offset + n.num_pages]
             offset += n.num_pages
             tree.add_device(n, pool.pool_id, dst)
+            if n.swa and HOST_SLOT in n.swa:  # (the copy holds the SWA bytes the host copy does)
+                tree.set_swa(n, pool.pool_id, n.swa[HOST_SLOT])
             entries.append(Entry(n, n.host_pages.astype(np.int64), dst.astype(np.int64)))
         # The lock taken at load() covers the whole segment; the transfer keeps it.
         transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket,

@@ -44,6 +44,7 @@ from hicache.storage.base import StorageBackend
 from hicache.tiers.accounts import accounting, check_invariants
 from hicache.tiers.backups import Backups
 from hicache.tiers.checkpoints import Checkpoints
+from hicache.tiers.windows import Windows, cut_match
 from hicache.tiers.config import TierConfig
 from hicache.tiers.copying import CopyEngines
 from hicache.tiers.core import Core
@@ -116,6 +117,16 @@ class TierManager:
         if remote is not None and remote_settings.policy == "write_back" and not self.disk.enabled:
             raise InvalidArgument('the remote policy "write_back" writes pages the disk tier evicts: it needs a '
                                   'disk tier (without one, use "write_through")')
+        # Sliding-window layers: what of their pages is kept (None: a spec without them,
+        # or with nothing else: a page without its SWA part would be no bytes at all).
+        self.windows: Windows | None = None
+        if spec.swa_window and spec.kept_page_bytes:
+            self.windows = self._core.windows = Windows(spec)
+        if remote is not None and (checkpoint_slots or self.windows is not None):
+            # (the remote tier keeps whole pages and no checkpoints)
+            logger.warning("the remote tier is off for KV spec %s: it has state or sliding-window layers",
+                           spec.fingerprint_hex)
+            remote = None
         self.remote = RemoteTier(self._core, remote, remote_settings) if remote is not None else NoRemote()
         self._core.remote = self.remote
         # Recurrent-state checkpoints, for a spec with state layers (None otherwise).
@@ -295,12 +306,25 @@ class TierManager:
         """The answer to a match: what a load can deliver of ``result`` (and ``result``
         itself aside when that is less). For a spec with state layers both end at a
         node with a checkpoint."""
-        if self.checkpoints is not None:
-            result = self.checkpoints.trim(result, pool.pool_id)
-            clipped = self.checkpoints.trim(self._deliverable(result, pool), pool.pool_id)
+        usable = self._hit_end(pool.pool_id)
+        if usable is not None:
+            result = cut_match(self.tree, result, pool.pool_id, usable)
+            clipped = cut_match(self.tree, self._deliverable(result, pool), pool.pool_id, usable)
             return Hit(clipped, wait, None if clipped is result else result)
         clipped = self._deliverable(result, pool)
         return Hit(clipped, wait, None if clipped is result else result)
+
+    def _hit_end(self, pool_id: PoolId) -> Callable[[Node], bool] | None:
+        """What a node must have to end a hit (None: any node may): a usable checkpoint
+        (a spec with state layers), its window's SWA bytes (one with SWA layers)."""
+        checkpoints, windows = self.checkpoints, self.windows
+        if checkpoints is None and windows is None:
+            return None
+        if windows is None:
+            return checkpoints.usable
+        if checkpoints is None:
+            return lambda node: windows.usable(node, pool_id)
+        return lambda node: checkpoints.usable(node) and windows.usable(node, pool_id)
 
     def _deliverable(self, result: MatchResult, pool: DevicePoolState) -> MatchResult:
         """The part of ``result`` a load can deliver now, cut at a node boundary: its
@@ -359,10 +383,7 @@ class TierManager:
         pool = self.pools.get(pool_id)
         future: Future = Future()
         packed = pack_tokens(tokens)
-        # (the remote tier keeps no checkpoints: pages it brings would be no hit for a
-        # spec with state layers)
-        fetch = (self.remote.fetch(namespace, packed, hit.unclipped or hit.match)
-                 if self.remote.enabled and self.checkpoints is None else None)
+        fetch = self.remote.fetch(namespace, packed, hit.unclipped or hit.match) if self.remote.enabled else None
         if fetch is not None and not fetch.on_host:
             self.disk.prefetch(fetch.anchor)  # (the pages hang below it: its path goes to host first)
         waits_disk = self.prefetch.waits and hit.match.num_disk_pages and self.disk.enabled
@@ -779,3 +800,5 @@ class TierManager:
         check_invariants(self._core, self.pools, self.disk)
         if self.checkpoints is not None:
             self.checkpoints.check()
+        if self.windows is not None:
+            self.windows.check(self.tree)

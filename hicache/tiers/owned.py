@@ -36,7 +36,7 @@ from hicache.tiers.disk import DiskTier
 from hicache.tiers.loads import copy_layers, end_load
 from hicache.tiers.policies import DiskPolicy
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import Node, Tier
+from hicache.tree import HOST_SLOT, Node, Tier, swa_first
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,10 @@ class OwnedTransfers:
             node, duplicates = tree.add_host_path(namespace, end_tokens, skip, host_pages)
             if len(duplicates):
                 core.host_alloc.free(duplicates)
+            if core.windows is not None:  # (whole blocks came: their SWA bytes outside the window count as gone)
+                for n in _from_page(tree.path(node), skip):
+                    tree.set_swa(n, HOST_SLOT, max(swa_first(n, HOST_SLOT),
+                                                   core.windows.first_backed_up(n, 0)))
             if self.disk_policy.write_on_host:
                 self.disk.write(node)
             if count > len(duplicates):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from hicache.keys import ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId
 from hicache.spec import KVSpec
 from hicache.storage.base import StorageBackend
-from hicache.tree import HiRadixTree, Tier
+from hicache.tree import DISK_SLOT, HiRadixTree, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
                 stack.extend((child, depth + 1) for child in below)
             else:  # the end of a sequence: restore the whole path in one go
                 tree.restore(namespace, b"".join(path))
+    if spec.swa_window and spec.kept_page_bytes:
+        yield from _swa_from_sizes(tree, metas, spec.host_page_bytes, every)
     orphans = []
     for done, key in enumerate(metas, 1):
         if key not in reached:
@@ -84,3 +86,30 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
             if done % every == 0:
                 yield done
     return tree.sizes(Tier.DISK).cached
+
+
+def _swa_from_sizes(tree: HiRadixTree, metas: dict, full_bytes: int, every: int) -> Iterator[int]:
+    """A spec with SWA layers: which restored pages have their SWA bytes (a record of a
+    whole host page) and which not (a shorter one: hicache.tiers.windows). Nodes are cut
+    after each run of pages with them that a page without follows, so that in each node
+    those pages are a suffix, as they were when written."""
+    done = 0
+    for node in [n for n in tree.nodes() if n.on_disk]:
+        live = [metas[key].payload_size == full_bytes for key in node.page_key_list()]
+        done += len(live)
+        if done >= every:
+            done = 0
+            yield len(metas)
+        if all(live):
+            continue
+        start = 0
+        for i in range(len(live) - 1):
+            if live[i] and not live[i + 1]:
+                upper = tree.split(node, i + 1 - start)
+                tree.set_swa(upper, DISK_SLOT, _first_live(live[start : i + 1]))
+                start = i + 1
+        tree.set_swa(node, DISK_SLOT, _first_live(live[start:]))
+
+
+def _first_live(live: list[bool]) -> int:
+    return next((i for i, ok in enumerate(live) if ok), len(live))

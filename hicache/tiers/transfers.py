@@ -36,6 +36,14 @@ class Entry:
     node: Node
     src: np.ndarray  # per page of the node: source page id (or host page)
     dst: np.ndarray  # per page of the node: destination page id
+    # A spec with SWA layers: the first page whose SWA bytes move (the ones before move
+    # without them; hicache.tiers.windows).
+    swa: int = 0
+
+    def parts(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """``(src, dst)`` of the pages without SWA bytes, then of those with."""
+        k = self.swa
+        return (self.src[:k], self.dst[:k]), (self.src[k:], self.dst[k:])
 
 
 @dataclass(eq=False)
@@ -50,6 +58,7 @@ class Transfer:
     timing: dict[str, float] = field(default_factory=dict)
     from_disk: int = 0  # a load: how many of its pages were read from disk for it
     quota: "tuple[str, int] | None" = None  # (group, pages) staged against a space quota (hicache.tiers.quotas)
+    nbytes: int | None = None  # bytes it moves, when not whole host pages (SWA parts left out)
 
     @property
     def num_pages(self) -> int:
@@ -60,8 +69,8 @@ class Transfer:
             if entry.node is lower:
                 k = upper.num_pages
                 self.entries[i : i + 1] = [
-                    Entry(upper, entry.src[:k], entry.dst[:k]),
-                    Entry(lower, entry.src[k:], entry.dst[k:]),
+                    Entry(upper, entry.src[:k], entry.dst[:k], min(entry.swa, k)),
+                    Entry(lower, entry.src[k:], entry.dst[k:], max(0, entry.swa - k)),
                 ]
                 if lower.node_id in self.then_drop:
                     self.then_drop.add(upper.node_id)

@@ -1,0 +1,190 @@
+"""Sliding-window layers in the tier manager: SWA bytes outside a node's window are
+neither backed up nor written to disk, a hit ends where its window's SWA bytes are,
+and a restart finds which records have them."""
+
+import numpy as np
+import pytest
+
+from hicache.keys import namespace_id, page_keys
+from hicache.spec import KVSpec, MHALayer
+from hicache.storage.lmdb_backend import LmdbBackend
+from hicache.tiers import TierConfig, TierManager
+from hicache.tree import DISK_SLOT, HOST_SLOT, Tier, swa_first
+from tiers_util import Engine, expected_page
+
+WINDOW = 9  # tokens: the token after n pages reads back to page n - 2 (page size 4)
+SPEC = KVSpec(page_size=4, model="windows-test", layers=(
+    MHALayer(num_kv_heads=2, head_dim=8, sliding_window=WINDOW),
+    MHALayer(num_kv_heads=1, head_dim=8),
+    MHALayer(num_kv_heads=2, head_dim=4, dtype="float32", sliding_window=WINDOW)))
+FULL = KVSpec(page_size=4, model="windows-test", layers=tuple(
+    MHALayer(num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, dtype=layer.dtype) for layer in SPEC.layers))
+NS = namespace_id(SPEC.fingerprint, "windows")
+PS = SPEC.page_size
+W = SPEC.window_pages
+
+
+def test_the_spec_knows_its_window_and_puts_swa_segments_last():
+    assert W == 2 and SPEC.swa_window == WINDOW and FULL.window_pages == 0
+    layout = SPEC.host_page_layout()
+    assert [s.layer for s in layout] == [1, 1, 0, 0, 2, 2]
+    assert SPEC.kept_page_bytes == layout[2].offset == PS * 1 * 8 * 2 * 2
+    assert FULL.kept_page_bytes == FULL.host_page_bytes
+    assert [s.layer for s in FULL.host_page_layout()] == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.fixture
+def engine():
+    e = Engine(num_pages=32, spec=SPEC)
+    yield e
+    e.close()
+
+
+def make_tm(engine, *, storage=None, host_pages=32, **config):
+    tm = TierManager(SPEC, host_pages=host_pages, storage=storage, config=TierConfig(**config))
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+    return tm
+
+
+def tokens(start, pages):
+    return list(range(start, start + pages * PS))
+
+
+def prefill(tm, engine, toks):
+    hit = tm.match(NS, toks, 0).match
+    new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+    pages = np.concatenate((hit.device_pages, new))
+    engine.compute(NS, toks, pages)
+    result = tm.insert(NS, toks, 0, pages)
+    tm.flush()
+    tm.check_invariants()
+    return result
+
+
+def host_bytes(tm, page):
+    return tm.host_pool.page(int(page)).numpy().tobytes()
+
+
+def check_host_copy(tm, node, keys):
+    """The host copy holds every page's full-attention bytes, and SWA bytes exactly for
+    the pages the tree says it does."""
+    kept = SPEC.kept_page_bytes
+    first = swa_first(node, HOST_SLOT)
+    for i, (key, page) in enumerate(zip(keys, node.host_pages)):
+        want = reordered(key)
+        got = host_bytes(tm, page)
+        assert got[:kept] == want[:kept], i
+        if i >= first:
+            assert got == want, i
+
+
+def reordered(key):
+    """A page's bytes in host-page order (the engine writes them in layer order)."""
+    data = expected_page(key, SPEC)
+    by_layer = {}
+    offset = 0
+    for layer in range(SPEC.num_layers):
+        by_layer[layer] = data[offset : offset + SPEC.page_bytes(layer)]
+        offset += SPEC.page_bytes(layer)
+    order = sorted(range(SPEC.num_layers), key=lambda i: (SPEC.is_swa(i), i))
+    return b"".join(by_layer[i] for i in order)
+
+
+def test_a_backup_copies_swa_bytes_of_the_window_only(engine):
+    tm = make_tm(engine)
+    toks = tokens(100, 7)
+    node = prefill(tm, engine, toks).node
+    assert swa_first(node, HOST_SLOT) == 7 - W
+    check_host_copy(tm, node, page_keys(NS, toks, PS))
+    dead = SPEC.host_page_bytes - SPEC.kept_page_bytes
+    assert tm._core.moved["d2h"] == 7 * SPEC.host_page_bytes - (7 - W) * dead
+    # A longer prompt below it: its own node's window, nothing more of the parent.
+    child = prefill(tm, engine, toks + tokens(900, 3)).node
+    assert swa_first(child, HOST_SLOT) == 3 - W and swa_first(node, HOST_SLOT) == 7 - W
+    tm.close()
+
+
+def test_a_hit_ends_where_its_window_has_swa_bytes(engine):
+    tm = make_tm(engine)
+    toks = tokens(200, 7)
+    prefill(tm, engine, toks)
+    # On the device (whole pages): any page boundary ends a hit.
+    assert tm.match(NS, toks[: 4 * PS], 0).match.num_pages == 4
+    tm.evict(Tier.DEVICE, 32, 0)
+    tm.check_invariants()
+    # From host: the node's end keeps its window; an end cut inside the node (a branch
+    # found later) has lost its window's SWA bytes: the hit falls back to nothing.
+    assert tm.match(NS, toks, 0).match.num_pages == 7
+    assert tm.match(NS, toks[: 4 * PS] + tokens(700, 2), 0).match.node.parent is None
+    # A node end whose window reaches into its parent: the parent's last pages serve.
+    prefill(tm, engine, toks + tokens(800, 1))
+    tm.evict(Tier.DEVICE, 32, 0)
+    assert tm.match(NS, toks + tokens(800, 1), 0).match.num_pages == 8
+    tm.check_invariants()
+    tm.close()
+
+
+def test_loads_from_a_window_cut_host_copy_give_the_window_its_bytes(engine):
+    tm = make_tm(engine)
+    toks = tokens(300, 6)
+    prefill(tm, engine, toks)
+    tm.evict(Tier.DEVICE, 32, 0)
+    hit = tm.match(NS, toks, 0).match
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    keys = page_keys(NS, toks, PS)
+    for i in range(6 - W, 6):  # the window: every layer, every byte
+        assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC)
+    assert swa_first(hit.node, 0) == 6 - W
+    tm.unlock(hit.node, 0)
+    tm.check_invariants()
+    tm.close()
+
+
+def test_disk_records_outside_the_window_are_shorter_and_a_restart_knows_them(engine, tmp_path):
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    a = tokens(400, 6)
+    b = a[: 3 * PS] + tokens(600, 4)  # branches off a after page 3 (a device hit: whole pages)
+    prefill(tm, engine, a)
+    prefill(tm, engine, b)
+    keys_a, keys_b = page_keys(NS, a, PS), page_keys(NS, b, PS)
+    sizes = {}
+    for key in keys_a + keys_b:
+        meta = next(m for k, m in store.iter_metadata() if k == key)
+        sizes[key] = meta.payload_size
+    # a's first node (3 pages, cut by b's insert after its backup): no SWA bytes; a's
+    # second node and b's: the last W pages.
+    full, kept = SPEC.host_page_bytes, SPEC.kept_page_bytes
+    assert [sizes[k] for k in keys_a] == [kept, kept, kept, kept, full, full]
+    assert [sizes[k] for k in keys_b[3:]] == [kept, kept, full, full]
+    stored = tm._core.moved["host_to_disk"]
+    assert stored == 6 * kept + 4 * full
+    tm.close()
+    store.close()
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    assert tm.rebuild_from_storage() == 10
+    tm.check_invariants()
+    assert tm.match(NS, a, 0).match.num_pages == 6
+    assert tm.match(NS, b, 0).match.num_pages == 7
+    assert tm.match(NS, a[: 3 * PS] + tokens(999, 1), 0).match.node.parent is None  # (its window: no SWA)
+    for toks in (a, b):
+        hit = tm.match(NS, toks, 0).match
+        tm.lock(hit.node, 0)
+        loaded = tm.wait(tm.load(hit.node, 0))
+        engine.wait(tm.pools.get(0).counters, loaded.wait)
+        keys = page_keys(NS, toks, PS)
+        n = len(keys)
+        for i in range(n - W, n):
+            assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC)
+        tm.unlock(hit.node, 0)
+    for node in tm.tree.nodes():
+        if node.host_pages is not None:
+            assert swa_first(node, HOST_SLOT) == swa_first(node, DISK_SLOT)
+    tm.check_invariants()
+    tm.close()
+    store.close()

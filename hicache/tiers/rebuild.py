@@ -67,7 +67,7 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
             else:  # the end of a sequence: restore the whole path in one go
                 tree.restore(namespace, b"".join(path))
     if spec.swa_window and spec.kept_page_bytes:
-        yield from _swa_from_sizes(tree, metas, spec.host_page_bytes, every)
+        yield from _swa_from_sizes(tree, metas, spec.host_page_bytes, spec.window_pages, every)
     orphans = []
     for done, key in enumerate(metas, 1):
         if key not in reached:
@@ -88,11 +88,15 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     return tree.sizes(Tier.DISK).cached
 
 
-def _swa_from_sizes(tree: HiRadixTree, metas: dict, full_bytes: int, every: int) -> Iterator[int]:
+def _swa_from_sizes(tree: HiRadixTree, metas: dict, full_bytes: int, window_pages: int,
+                    every: int) -> Iterator[int]:
     """A spec with SWA layers: which restored pages have their SWA bytes (a record of a
-    whole host page) and which not (a shorter one: hicache.tiers.windows). Nodes are cut
-    after each run of pages with them that a page without follows, so that in each node
-    those pages are a suffix, as they were when written."""
+    whole host page) and which not (a shorter one: hicache.tiers.windows). A restored
+    node may join several that were written (a child shorter than the window joins its
+    parent's run of such pages), so nodes are cut where a run of pages with them ends
+    and, inside a run longer than the window, every ``window_pages`` pages before its
+    end: each node then holds those pages for its last ``window_pages`` at most, as
+    when they were written."""
     done = 0
     for node in [n for n in tree.nodes() if n.on_disk]:
         live = [metas[key].payload_size == full_bytes for key in node.page_key_list()]
@@ -100,16 +104,31 @@ def _swa_from_sizes(tree: HiRadixTree, metas: dict, full_bytes: int, every: int)
         if done >= every:
             done = 0
             yield len(metas)
-        if all(live):
+        if all(live) and len(live) <= window_pages:
             continue
+        ends = []  # where the pieces end (the node's own end last)
+        i = 0
+        while i < len(live):
+            if not live[i]:
+                i += 1
+                continue
+            j = i
+            while j < len(live) and live[j]:
+                j += 1
+            if window_pages:
+                ends.extend(range(j - window_pages, i, -window_pages))
+            ends.append(j)
+            i = j
         start = 0
-        for i in range(len(live) - 1):
-            if live[i] and not live[i + 1]:
-                upper = tree.split(node, i + 1 - start)
-                tree.set_swa(upper, DISK_SLOT, _first_live(live[start : i + 1]))
-                start = i + 1
-        tree.set_swa(node, DISK_SLOT, _first_live(live[start:]))
+        for end in sorted(set(ends) - {len(live)}):
+            upper = tree.split(node, end - start)
+            tree.set_swa(upper, DISK_SLOT, _first_kept(live[start:end], window_pages))
+            start = end
+        tree.set_swa(node, DISK_SLOT, _first_kept(live[start:], window_pages))
 
 
-def _first_live(live: list[bool]) -> int:
-    return next((i for i, ok in enumerate(live) if ok), len(live))
+def _first_kept(live: list[bool], window_pages: int) -> int:
+    """A piece's first page whose SWA bytes count (the first with them; never one
+    before its last ``window_pages``)."""
+    first = next((i for i, ok in enumerate(live) if ok), len(live))
+    return max(first, len(live) - window_pages)

@@ -188,3 +188,25 @@ def test_disk_records_outside_the_window_are_shorter_and_a_restart_knows_them(en
     tm.check_invariants()
     tm.close()
     store.close()
+
+
+def test_a_restart_cuts_a_run_of_swa_pages_longer_than_the_window(engine, tmp_path):
+    """A child shorter than the window joins its parent's SWA run into one restored
+    node: it is cut so that no node holds SWA bytes outside its window, and both old
+    ends still serve hits (the hypothesis machine found this)."""
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    parent = tokens(100, 4)
+    prefill(tm, engine, parent)
+    prefill(tm, engine, parent + tokens(900, 1))
+    tm.close()
+    store.close()
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    assert tm.rebuild_from_storage() == 5
+    tm.check_invariants()  # (the window's invariant included)
+    assert [n.num_pages for n in tm.tree.path(tm.match(NS, parent + tokens(900, 1), 0).match.node)] == [3, 2]
+    assert tm.match(NS, parent + tokens(900, 1), 0).match.num_pages == 5
+    tm.close()
+    store.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 from hicache import __version__
 from hicache import protocol as p
-from hicache.metrics import TIERS
+from hicache.metrics import CHECKPOINT_EVENTS, TIERS
 from hicache.tiers import TierAccount, TierManager
 
 SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
@@ -71,7 +71,7 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
                 total[1] = (total[1] or 0) + limit
     gpu = any(pool.device.type == "cuda" for manager in managers for pool in manager.device_pools())
     tenants = tenant_pages(managers)
-    return {
+    out = {
         "pages": pages, "sessions": sessions,
         "storage": storage.stats()._asdict() if storage is not None else None,
         "oldest_lock_s": oldest_lock_s,
@@ -79,3 +79,11 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
         "tenants": tenants,
         "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
     }
+    held = [m.checkpoints for m in managers if m.checkpoints is not None]
+    if held:
+        out["checkpoints"] = {
+            "host": sum(c.count()[0] for c in held), "disk": sum(c.count()[1] for c in held),
+            "host_slots": sum(c.num_slots for c in held),
+            **{event: sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS},
+        }
+    return out

@@ -21,7 +21,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
                prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
                copy_threads, io_threads, disk_write_backlog, eviction_log_slots,
-               capacity
+               capacity, host_checkpoints
     [remote]   enabled, master, metadata_server, protocol, device_names,
                local_hostname, segment_bytes, buffer_bytes, policy, lookup_pages,
                prefetch_policy, timeout_s, retry_s, write_backlog, miss_ttl_s

@@ -83,6 +83,13 @@ hicache_disk_corrupt_records_total              —
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
 hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
                                                   restarting its stream with a snapshot)
+hicache_checkpoints                    (gauge)  tier (host, disk): recurrent-state checkpoints
+                                                held (specs with state layers only)
+hicache_checkpoint_host_slots          (gauge)  — (host slots for them: ``host_checkpoints``)
+hicache_checkpoint_events_total                 event (offered: taken from an engine's
+                                                insert; restored: copied into a request's
+                                                state slot; lost: left host while on no
+                                                disk; refused: an offer found no free slot)
 hicache_build_info                     (gauge)  version, protocol_version, mode
 =============================================  ======================================
 """
@@ -122,6 +129,9 @@ OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
 _TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+CHECKPOINT_EVENTS = ("offered", "restored", "lost", "refused")
 
 
 class Metrics:
@@ -358,6 +368,8 @@ class StateCollector:
          "queues": {queue: [pages, limit or None]},  # every spec together
          "tenants": {tenant: [host pages, disk pages]},  # every spec together
          "events": {"events": n, "batches": n, "dropped": n} or absent (no [events]),
+         "checkpoints": {"host": n, "disk": n, "host_slots": n, "offered": n, ...} or absent
+                        (no spec with state layers),
          "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
 
     It is called from the HTTP thread, so it must only hand over that copy.
@@ -417,6 +429,19 @@ class StateCollector:
             yield CounterMetricFamily("hicache_kv_events_dropped",
                                       "KV events lost before the wire (each loss restarts its stream)",
                                       value=events["dropped"])
+        checkpoints = snap.get("checkpoints")
+        if checkpoints is not None:
+            held = GaugeMetricFamily("hicache_checkpoints", "Recurrent-state checkpoints held", labels=["tier"])
+            for tier in ("host", "disk"):
+                held.add_metric([tier], checkpoints[tier])
+            yield held
+            yield GaugeMetricFamily("hicache_checkpoint_host_slots", "Host slots for checkpoints",
+                                    value=checkpoints["host_slots"])
+            events = CounterMetricFamily("hicache_checkpoint_events", "Checkpoints offered, restored, lost, refused",
+                                         labels=["event"])
+            for event in CHECKPOINT_EVENTS:
+                events.add_metric([event], checkpoints[event])
+            yield events
         build = GaugeMetricFamily("hicache_build_info", "Build information",
                                   labels=["version", "protocol_version", "mode"])
         info = snap["build"]

@@ -1,0 +1,122 @@
+"""Checkpoints through the daemon's wire protocol: an insert offers them (its answer comes
+once they are copied), a load with a state slot brings one back; bad ones are
+INVALID_ARGUMENT (or undecodable) before anything changes; the metrics count them. A
+spec with a sliding window registers over the wire."""
+
+import numpy as np
+import pytest
+
+from hicache import protocol as p
+from hicache.config import DaemonConfig
+from hicache.daemon.service import Daemon
+from hicache.errors import ErrorCode
+from hicache.fdpass import FdExchange
+from hicache.keys import key_self_test
+from test_checkpoints import SPEC, STATE_SLOTS, StateEngine
+from tiers_util import SPEC as PLAIN
+from tiers_util import Engine, offered, wired
+
+PS = SPEC.page_size
+
+
+def value(metrics, name, **labels):
+    return metrics.registry.get_sample_value(name, labels) or 0
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    config = DaemonConfig.load(overrides={"server.socket": str(tmp_path / "s"), "host.ratio": 1.0,
+                                          "disk.path": str(tmp_path / "db"), "disk.capacity_bytes": 1 << 22})
+    d = Daemon(config, fds=FdExchange(tmp_path / "fds"))
+    yield d
+    d.close()
+
+
+def register(daemon, spec, exported):
+    sid = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)).session
+    reply = wired(daemon, p.Register(id=2, session=sid, spec=spec.to_dict(), fingerprint=spec.fingerprint,
+                                     key_check=key_self_test(spec.fingerprint, spec.page_size),
+                                     pools=[offered(daemon, exported)]))
+    assert isinstance(reply, p.RegisterReply), reply
+    return sid
+
+
+def settle(daemon, reply):
+    if isinstance(reply, p.Reply):
+        return reply
+    manager = next(iter(daemon.managers.values()))
+    manager.flush()
+    return reply.result()
+
+
+def test_checkpoints_over_the_wire(daemon):
+    engine = StateEngine()
+    try:
+        sid = register(daemon, SPEC, engine.exported)
+        tokens = np.arange(100, 100 + 4 * PS, dtype="<i4").tobytes()
+        pages = daemon.handle(p.Alloc(id=3, session=sid, num_pages=4)).pages
+        engine.set_state(1, 71)
+        engine.set_state(2, 72)
+        for bad in ([(0, 1)], [(5, 1)], [(2, 1), (1, 2)], [(2, 0)], [(2, STATE_SLOTS + 1)], [(2, -1)]):
+            reply = wired(daemon, p.Insert(id=4, session=sid, tokens=tokens, pages=pages, checkpoints=bad))
+            assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, (bad, reply)
+        # Refused before anything changed: the pages are still the session's own.
+        manager = next(iter(daemon.managers.values()))
+        assert manager.num_private(daemon.sessions[sid].pool_id) == 4
+        for bad in ([[1, 2, 3]], [["a", 1]], [[1.5, 1]], [1], [[[1], 1]], [None]):
+            reply = wired(daemon, p.Insert(id=5, session=sid, tokens=tokens, pages=pages, checkpoints=bad))
+            assert isinstance(reply, p.Error), (bad, reply)
+        inserted = settle(daemon, wired(daemon, p.Insert(id=6, session=sid, tokens=tokens, pages=pages,
+                                                         checkpoints=[(2, 1), (4, 2)])))
+        assert isinstance(inserted, p.InsertReply) and inserted.checkpoints == 2
+        match = daemon.handle(p.Match(id=7, session=sid, tokens=tokens[: 3 * PS * 4]))
+        assert len(match.device_pages) // 4 == 2  # the checkpoint after 2 pages ends the hit
+        daemon.handle(p.Lock(id=8, session=sid, node=match.node))
+        for bad in (STATE_SLOTS + 1, -1):
+            reply = wired(daemon, p.Load(id=9, session=sid, node=match.node, state_slot=bad))
+            assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
+        loaded = settle(daemon, wired(daemon, p.Load(id=10, session=sid, node=match.node, state_slot=3)))
+        assert loaded.state and engine.state_label(3, [71, 72]) == 71
+        plain = settle(daemon, wired(daemon, p.Load(id=11, session=sid, node=match.node)))
+        assert not plain.state
+        daemon.handle(p.Unlock(id=12, session=sid, node=match.node))
+        manager.flush()
+        daemon.refresh_snapshot()
+        metrics = daemon.metrics
+        assert value(metrics, "hicache_checkpoints", tier="host") == 2
+        assert value(metrics, "hicache_checkpoints", tier="disk") == 2
+        assert value(metrics, "hicache_checkpoint_events_total", event="offered") == 2
+        assert value(metrics, "hicache_checkpoint_events_total", event="restored") == 1
+        assert value(metrics, "hicache_checkpoint_host_slots") == manager.checkpoints.num_slots
+        manager.check_invariants()
+    finally:
+        engine.close()
+
+
+def test_a_spec_without_state_layers_refuses_checkpoints_and_state_slots(daemon):
+    engine = Engine(num_pages=8, spec=PLAIN)
+    try:
+        sid = register(daemon, PLAIN, engine.exported)
+        tokens = np.arange(0, 2 * PLAIN.page_size, dtype="<i4").tobytes()
+        pages = daemon.handle(p.Alloc(id=3, session=sid, num_pages=2)).pages
+        reply = wired(daemon, p.Insert(id=4, session=sid, tokens=tokens, pages=pages, checkpoints=[(1, 1)]))
+        assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
+        inserted = wired(daemon, p.Insert(id=5, session=sid, tokens=tokens, pages=pages))
+        daemon.handle(p.Lock(id=6, session=sid, node=inserted.node))
+        reply = wired(daemon, p.Load(id=7, session=sid, node=inserted.node, state_slot=1))
+        assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT
+        daemon.refresh_snapshot()
+        assert daemon.metrics.registry.get_sample_value("hicache_checkpoint_host_slots") is None
+    finally:
+        engine.close()
+
+
+def test_a_sliding_window_spec_registers_over_the_wire(daemon):
+    from test_windows import SPEC as SWA
+    engine = Engine(num_pages=8, spec=SWA)
+    try:
+        register(daemon, SWA, engine.exported)
+        (manager,) = daemon.managers.values()
+        assert manager.spec.fingerprint == SWA.fingerprint and manager.windows is not None
+    finally:
+        engine.close()

@@ -70,6 +70,8 @@ class PageMover:
         kept = [i for i, r in enumerate(layout.token_regions) if not spec.is_swa(r.layer)]
         # A page whose SWA part is dropped (hicache.tiers.windows): the other layers only.
         self._backup_kept = self._backup.select(kept) if kept else None
+        swa = [i for i, r in enumerate(layout.token_regions) if spec.is_swa(r.layer)]
+        self._backup_swa = self._backup.select(swa) if swa else None  # (the SWA layers only)
         restore = self._backup.reversed()
         self._restore = restore
         self._restore_layer = {layer: restore.select(r) for layer, r in layer_segment_ranges(layout).items()}
@@ -96,10 +98,11 @@ class PageMover:
         check_page_ids(host_src, host_dst, segments, src.numel(), dst.numel())
         return self._ids(host_src), self._ids(host_dst)
 
-    def backup(self, device_pages: PageList, host_pages: PageList, *, without_swa: bool = False) -> None:
+    def backup(self, device_pages: PageList, host_pages: PageList, *, without_swa: bool = False,
+               only_swa: bool = False) -> None:
         """Device -> host, every layer: ``host_pages[i]`` receives ``device_pages[i]``
-        (``without_swa``: all but the SWA layers' segments)."""
-        segments = self._backup_kept if without_swa else self._backup
+        (``without_swa``: all but the SWA layers' segments; ``only_swa``: those only)."""
+        segments = self._backup_kept if without_swa else self._backup_swa if only_swa else self._backup
         if segments is not None:
             self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, segments)
 

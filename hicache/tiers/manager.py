@@ -97,7 +97,8 @@ class TierManager:
         self.disk_policy = self.config.disk()
         self.prefetch = self.config.prefetch()
         inflight = InFlight()
-        self.tree = HiRadixTree(eviction=self.config.eviction, on_split=inflight.on_split)
+        self.windows: Windows | None = None  # (set below, for a spec with SWA layers)
+        self.tree = HiRadixTree(eviction=self.config.eviction, on_split=self._on_split)
         checkpoint_slots = self.config.checkpoint_slots(spec, host_pages)
         self.host_pool = HostPool(spec, host_pages, num_state_slots=checkpoint_slots, pinned=pinned_host,
                                   progress=progress)
@@ -117,12 +118,8 @@ class TierManager:
         if remote is not None and remote_settings.policy == "write_back" and not self.disk.enabled:
             raise InvalidArgument('the remote policy "write_back" writes pages the disk tier evicts: it needs a '
                                   'disk tier (without one, use "write_through")')
-        # Sliding-window layers: what of their pages is kept (None: a spec without them,
-        # or with nothing else: a page without its SWA part would be no bytes at all).
-        self.windows: Windows | None = None
-        if spec.swa_window and spec.kept_page_bytes:
-            self.windows = self._core.windows = Windows(spec)
-        if remote is not None and (checkpoint_slots or self.windows is not None):
+        swa = bool(spec.swa_window and spec.kept_page_bytes)
+        if remote is not None and (checkpoint_slots or swa):
             # (the remote tier keeps whole pages and no checkpoints)
             logger.warning("the remote tier is off for KV spec %s: it has state or sliding-window layers",
                            spec.fingerprint_hex)
@@ -136,6 +133,11 @@ class TierManager:
                                            lambda keys: self.disk.on_store_evicted(keys))
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
+        # Sliding-window layers: what of their pages is kept (None: a spec without them,
+        # or with nothing else: a page without its SWA part would be no bytes at all).
+        if swa:
+            self.windows = self._core.windows = Windows(spec, self._core, self.pools, self.disk.storage,
+                                                        lambda keys: self.disk.on_store_evicted(keys))
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
         self._loads = Loads(self._core, self.pools, self.disk, self._device_alloc)
         self._owned = OwnedTransfers(self._core, self.pools, self.disk, self.disk_policy)
@@ -313,6 +315,11 @@ class TierManager:
             return Hit(clipped, wait, None if clipped is result else result)
         clipped = self._deliverable(result, pool)
         return Hit(clipped, wait, None if clipped is result else result)
+
+    def _on_split(self, upper: Node, lower: Node) -> None:
+        self._inflight.on_split(upper, lower)
+        if self.windows is not None:
+            self.windows.note_split(upper)
 
     def _hit_end(self, pool_id: PoolId) -> Callable[[Node], bool] | None:
         """What a node must have to end a hit (None: any node may): a usable checkpoint
@@ -690,6 +697,8 @@ class TierManager:
             ran += self._retry_backups()
         if self._loads.parked:
             ran += self._loads.retry_parked()
+        if self.windows is not None and self.windows.split:
+            ran += self.windows.top_up()
         return ran + self._timers.run_due()
 
     def _retry_backups(self) -> int:
@@ -714,7 +723,8 @@ class TierManager:
 
     def idle(self) -> bool:
         return (not self._inflight and not self.disk.pending and not self._loads.parked
-                and not (self.checkpoints is not None and self.checkpoints.busy))
+                and not (self.checkpoints is not None and self.checkpoints.busy)
+                and not (self.windows is not None and (self.windows.busy or self.windows.split)))
 
     @property
     def deferred_backups(self) -> int:

@@ -18,6 +18,11 @@ where paths branch, where checkpoints are), so:
   from wherever a load would take each page (the pool, host, disk) — has its SWA bytes
   (:meth:`Windows.usable`): a mid-edge end found later (a branch after a backup) may
   have lost them, and the hit falls back to an earlier end;
+* a split makes a new node end (a branch found after the backup: two conversations
+  sharing a system prompt): while a device copy still holds the window's SWA bytes, they
+  are copied to the host copy (and its disk records rewritten whole) — a *top-up*
+  (:meth:`Windows.top_up`), so that the branch point keeps serving hits from host and
+  disk;
 * after a restart, each page's record size tells whether it has its SWA bytes; nodes
   are cut where a run of such pages ends, so that each node's holds a suffix again.
 
@@ -28,10 +33,17 @@ Device pages are the engine's: whole pages, all layers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from hicache.spec import KVSpec
+from hicache.storage.base import PageBatch
+from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
 from hicache.tree import DISK_SLOT, HOST_SLOT, HiRadixTree, MatchResult, Node, swa_first
+
+logger = logging.getLogger(__name__)
 
 
 def cut_match(tree: HiRadixTree, result: MatchResult, pool_id: int, usable: Callable[[Node], bool]) -> MatchResult:
@@ -67,10 +79,105 @@ def cut_match(tree: HiRadixTree, result: MatchResult, pool_id: int, usable: Call
 class Windows:
     """See the module docstring (a spec with SWA layers)."""
 
-    def __init__(self, spec: KVSpec) -> None:
+    def __init__(self, spec: KVSpec, core=None, pools=None, storage=None, on_store_evicted=None) -> None:
         self.pages = spec.window_pages  # W
         self.page_bytes = spec.host_page_bytes
         self.kept_bytes = spec.kept_page_bytes
+        self.core = core
+        self.pools = pools
+        self.storage = storage
+        self.on_store_evicted = on_store_evicted or (lambda keys: None)
+        self.split: list[Node] = []  # new node ends since the last top_up()
+        self.busy = 0  # top-up copies and rewrites in flight
+        self.topped_up = 0  # node ends whose window a top-up gave back its SWA bytes
+
+    # -- top-ups -------------------------------------------------------------------
+
+    def note_split(self, upper: Node) -> None:
+        """The tree cut a node: ``upper``'s end is new (looked at by :meth:`top_up`)."""
+        self.split.append(upper)
+
+    def top_up(self) -> int:
+        """Start the top-ups the node ends made since the last call need; returns how
+        many started (owner thread, between requests)."""
+        pending, self.split = self.split, []
+        return sum(self._top_up(node) for node in pending)
+
+    def _top_up(self, node: Node) -> bool:
+        core, tree = self.core, self.core.tree
+        if not tree.is_live(node) or HOST_SLOT not in node.residency:
+            return False
+        first = max(0, node.num_pages - self.pages)
+        if swa_first(node, HOST_SLOT) <= first:
+            return False
+        pool = next((self.pools[p] for p in node.device_pools
+                     if swa_first(node, p) <= first and not self.pools[p].retired and not self.pools[p].owned), None)
+        if pool is None:
+            return False
+        src = node.device_pages(pool.pool_id)[first:].astype(np.int64)
+        dst = node.host_pages[first:].astype(np.int64)
+        count = len(dst)
+        tree.lock(node, pool.pool_id)
+        self.busy += 1
+        movers = pool.movers
+
+        def copy() -> None:
+            for mover in movers:
+                mover.backup(src, dst, only_swa=True)
+
+        def done(error: BaseException | None) -> None:
+            self.busy -= 1
+            tree.unlock(node, pool.pool_id)
+            if error is not None:
+                logger.error("SWA top-up from pool %s failed: %s", pool.pool_id, error)
+                return
+            core.moved["d2h"] = core.moved.get("d2h", 0) + count * (self.page_bytes - self.kept_bytes)
+            if not tree.is_live(node) or node.host_pages is None:
+                return
+            # (a split meanwhile cut pages off its front: the copied ones are its last)
+            now = max(0, node.num_pages - min(count, self.pages))
+            if swa_first(node, HOST_SLOT) > now:
+                tree.set_swa(node, HOST_SLOT, now)
+                self.topped_up += 1
+            if node.on_disk and swa_first(node, DISK_SLOT) > now:
+                self._rewrite(node, now)
+
+        pool.copy.run(copy, done)
+        return True
+
+    def _rewrite(self, node: Node, first: int) -> None:
+        """Write ``node``'s pages ``first ..`` whole again (their records lacked SWA)."""
+        core, tree, storage = self.core, self.core.tree, self.storage
+        if storage is None or not node.tokens:
+            return
+        count = node.num_pages - first
+        keys = node.page_keys[first * PAGE_KEY_BYTES :]
+        before = node.page_keys[(first - 1) * PAGE_KEY_BYTES : first * PAGE_KEY_BYTES] if first else \
+            node.parent.last_page_key
+        page_tokens = len(node.tokens) // node.num_pages
+        batch = PageBatch(keys, node.namespace * count, before + keys[:-PAGE_KEY_BYTES],
+                          node.tokens[first * page_tokens :], core.host_pool.pages_array(),
+                          node.host_pages[first:].astype(np.int64))
+        fingerprint = core.spec.fingerprint
+        tree.pin(node)
+        self.busy += 1
+
+        def done(result, error: BaseException | None) -> None:
+            self.busy -= 1
+            tree.unpin(node)
+            if error is not None:
+                logger.error("SWA record rewrite failed: %s", error)
+            elif tree.is_live(node) and node.on_disk:
+                now = max(0, node.num_pages - count)
+                if swa_first(node, DISK_SLOT) > now:
+                    tree.set_swa(node, DISK_SLOT, now)
+                core.moved["host_to_disk"] = core.moved.get("host_to_disk", 0) + count * self.page_bytes
+            if result is not None and result.evicted:
+                self.on_store_evicted(result.evicted)
+
+        core.workers.write(lambda: storage.put_batch(batch, fingerprint=fingerprint), done)
+
+    # -- sizes and checks -------------------------------------------------------------
 
     def first_backed_up(self, node: Node, source_first: int) -> int:
         """The first of ``node``'s pages whose SWA bytes a copy from a source holding

@@ -156,13 +156,14 @@ def test_disk_records_outside_the_window_are_shorter_and_a_restart_knows_them(en
     for key in keys_a + keys_b:
         meta = next(m for k, m in store.iter_metadata() if k == key)
         sizes[key] = meta.payload_size
-    # a's first node (3 pages, cut by b's insert after its backup): no SWA bytes; a's
-    # second node and b's: the last W pages.
+    # Each node's last W pages whole: a's first node (3 pages, cut by b's insert after
+    # its backup: its window's records rewritten whole from the device copy), a's second
+    # and b's.
     full, kept = SPEC.host_page_bytes, SPEC.kept_page_bytes
-    assert [sizes[k] for k in keys_a] == [kept, kept, kept, kept, full, full]
+    assert [sizes[k] for k in keys_a] == [kept, full, full, kept, full, full]
     assert [sizes[k] for k in keys_b[3:]] == [kept, kept, full, full]
     stored = tm._core.moved["host_to_disk"]
-    assert stored == 6 * kept + 4 * full
+    assert stored == 6 * kept + 4 * full + 2 * full  # (the rewrite of the two)
     tm.close()
     store.close()
     store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
@@ -171,7 +172,8 @@ def test_disk_records_outside_the_window_are_shorter_and_a_restart_knows_them(en
     tm.check_invariants()
     assert tm.match(NS, a, 0).match.num_pages == 6
     assert tm.match(NS, b, 0).match.num_pages == 7
-    assert tm.match(NS, a[: 3 * PS] + tokens(999, 1), 0).match.node.parent is None  # (its window: no SWA)
+    assert tm.match(NS, a[: 3 * PS] + tokens(999, 1), 0).match.num_pages == 3  # (the branch point)
+    assert tm.match(NS, a[: 2 * PS] + tokens(999, 1), 0).match.node.parent is None  # (no window there)
     for toks in (a, b):
         hit = tm.match(NS, toks, 0).match
         tm.lock(hit.node, 0)
@@ -208,5 +210,50 @@ def test_a_restart_cuts_a_run_of_swa_pages_longer_than_the_window(engine, tmp_pa
     tm.check_invariants()  # (the window's invariant included)
     assert [n.num_pages for n in tm.tree.path(tm.match(NS, parent + tokens(900, 1), 0).match.node)] == [3, 2]
     assert tm.match(NS, parent + tokens(900, 1), 0).match.num_pages == 5
+    tm.close()
+    store.close()
+
+
+def test_a_branch_found_while_on_device_keeps_its_window_on_host_and_disk(engine, tmp_path):
+    """Two prompts sharing a prefix: the second splits the first's node after its backup
+    and disk write. The new end's window gets its SWA bytes from the device copy (host
+    copy topped up, records rewritten whole), so the shared prefix stays a hit from host,
+    from disk and after a restart."""
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    shared = tokens(100, 5)
+    first = shared + tokens(500, 3)
+    prefill(tm, engine, first)
+    node = tm.match(NS, first, 0).match.node
+    assert swa_first(node, HOST_SLOT) == 8 - W and swa_first(node, DISK_SLOT) == 8 - W
+    prefill(tm, engine, shared + tokens(700, 2))  # splits after page 5: a top-up follows
+    upper = tm.match(NS, shared, 0).match.node
+    assert upper.num_pages == 5
+    assert swa_first(upper, HOST_SLOT) == 5 - W and swa_first(upper, DISK_SLOT) == 5 - W
+    keys = page_keys(NS, shared, PS)
+    check_host_copy(tm, upper, keys)
+    sizes = {k: m.payload_size for k, m in store.iter_metadata()}
+    assert [sizes[k] for k in keys] == [SPEC.kept_page_bytes] * (5 - W) + [SPEC.host_page_bytes] * W
+    tm.evict(Tier.DEVICE, 32, 0)
+    assert tm.match(NS, shared + tokens(900, 1), 0).match.num_pages == 5  # from host
+    tm.evict(Tier.HOST, 32)
+    tm.flush()
+    assert tm.match(NS, shared + tokens(900, 1), 0).match.num_pages == 5  # from disk
+    tm.check_invariants()
+    tm.close()
+    store.close()
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    tm.rebuild_from_storage()
+    tm.check_invariants()
+    assert tm.match(NS, shared + tokens(900, 1), 0).match.num_pages == 5  # after a restart
+    hit = tm.match(NS, shared, 0).match
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    for i in range(5 - W, 5):
+        assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC)
+    tm.unlock(hit.node, 0)
     tm.close()
     store.close()

@@ -208,8 +208,10 @@ class CacheOps:
         if len(pages) != len(tokens) // TOKEN_BYTES // manager.spec.page_size:
             raise InvalidArgument("one page id per whole page of tokens")
         manager.check_checkpoints(session.pool_id, len(pages), m.checkpoints)  # (before anything changes)
+        manager.check_ends(len(pages), m.ends)
+        ends = sorted(set(m.ends) | {n for n, _ in m.checkpoints}) if m.checkpoints else m.ends
         namespace = self._namespace(session, m.extra_key, m.tenant)
-        result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages)
+        result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages, ends)
         if result is None:  # not stored: the pages went back to the pool
             return p.InsertReply(id=m.id, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
         reply = p.InsertReply(id=m.id, node=self.sessions.handle_for(session, result.node),

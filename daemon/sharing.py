@@ -21,9 +21,9 @@ class SharingPolicy(Protocol):
         or ``None``: nothing is shared."""
 
     def insert(self, manager: TierManager, pool_id: PoolId, namespace: NamespaceId, tokens: bytes,
-               pages: PageIds) -> InsertResult | None:
-        """Store the whole pages of ``tokens``; ``None``: not stored, the pages went back
-        to the pool."""
+               pages: PageIds, ends=()) -> InsertResult | None:
+        """Store the whole pages of ``tokens`` (node boundaries kept after ``ends``
+        pages); ``None``: not stored, the pages went back to the pool."""
 
 
 class RadixSharing:
@@ -32,9 +32,9 @@ class RadixSharing:
     def match(self, manager, namespace, tokens, pool_id):
         return manager.lookup(namespace, tokens, pool_id)
 
-    def insert(self, manager, pool_id, namespace, tokens, pages):
+    def insert(self, manager, pool_id, namespace, tokens, pages, ends=()):
         manager.add_namespace(namespace)
-        return manager.insert(namespace, tokens, pool_id, pages)
+        return manager.insert(namespace, tokens, pool_id, pages, ends=ends)
 
 
 class NoSharing:
@@ -44,6 +44,6 @@ class NoSharing:
     def match(self, manager, namespace, tokens, pool_id):
         return None
 
-    def insert(self, manager, pool_id, namespace, tokens, pages):
+    def insert(self, manager, pool_id, namespace, tokens, pages, ends=()):
         manager.release(pool_id, pages)
         return None

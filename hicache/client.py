@@ -671,15 +671,20 @@ class CacheClient:
         return pages
 
     def insert(self, tokens: Tokens, pages: PageIdsLike, extra_key: str = "", *,
-               tenant: str | None = None, checkpoints: Sequence[tuple[int, int]] = ()) -> Inserted:
+               tenant: str | None = None, checkpoints: Sequence[tuple[int, int]] = (),
+               ends: Sequence[int] = ()) -> Inserted:
         """Give the tree the whole pages of ``tokens`` (one page id per whole page).
         ``checkpoints`` (a spec with state layers): ``(pages before it, device state
         slot)`` for each state the engine offers, page counts ascending; the answer
-        comes once they are copied, and then the slots are the engine's again."""
+        comes once they are copied, and then the slots are the engine's again.
+        ``ends``: page counts where a later prompt may well branch off (the system
+        prompt's end, each turn's), ascending — a model with sliding-window layers
+        keeps its window's bytes there (see ``hicache.tiers.windows``)."""
         ids = as_page_ids(pages)
         reply = self._request(p.Insert(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
                                        extra_key=extra_key, tenant=self._tenant(tenant),
-                                       checkpoints=[(int(n), int(s)) for n, s in checkpoints]))
+                                       checkpoints=[(int(n), int(s)) for n, s in checkpoints],
+                                       ends=[int(n) for n in ends]))
         if reply is None:
             return Inserted(None, ids, _NO_PAGES, 0)  # degraded: the pages stay ours
         taken = ids.tolist()

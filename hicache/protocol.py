@@ -233,6 +233,9 @@ class Insert(_Request, tag="insert"):
     # A spec with state layers: [pages before it, device state slot] per checkpoint
     # offered, page counts ascending; the reply comes once the states are copied.
     checkpoints: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_CHECKPOINTS)] = []
+    # Page counts where a later match may well end (a system prompt's, a turn's end),
+    # ascending: kept as node boundaries (an SWA spec keeps the window before each).
+    ends: Annotated[list[int], msgspec.Meta(max_length=MAX_CHECKPOINTS)] = []
 
 
 class Release(_Request, tag="release"):

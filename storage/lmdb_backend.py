@@ -1208,7 +1208,11 @@ class LmdbBackend:
         header = bytearray(HEADER_BYTES)
         _HEADER.pack_into(header, 0, PAYLOAD_MAGIC, PAYLOAD_VERSION, HEADER_BYTES, fingerprint, size, 0)
         values[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-        np.take(source, rows, axis=0, out=values[:, HEADER_BYTES:], mode="clip")  # (rows checked on put)
+        if source.flags.c_contiguous:
+            np.take(source, rows, axis=0, out=values[:, HEADER_BYTES:], mode="clip")  # (rows checked on put)
+        else:  # (rows that are the first bytes of longer ones: np.take would go byte by byte, 35x slower)
+            for i, row in enumerate(rows.tolist()):
+                values[i, HEADER_BYTES:] = source[row]
         prefix = xxhash.xxh3_64(bytes(header[:_CHECKSUM_OFFSET]))
         sums = np.empty(n, dtype="<u8")
         for i, payload in enumerate(values[:, HEADER_BYTES:]):

@@ -422,12 +422,17 @@ class TierManager:
         self.pools.get(pool_id)
         self.tree.unlock(node, pool_id)
 
-    def insert(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, pages: PageIdsLike) -> InsertResult:
+    def insert(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, pages: PageIdsLike, *,
+               ends: Sequence[int] = ()) -> InsertResult:
         """The tree takes the whole pages of ``tokens``. Each page is either one of the
         session's private pages or the pool's cached page for that position (from a
-        match); private pages that duplicate cached ones are freed."""
+        match); private pages that duplicate cached ones are freed. ``ends``: page
+        counts where a later match may well end (a system prompt's end, a turn's, a
+        checkpoint's), ascending: the tree keeps a node boundary there — for a spec
+        with SWA layers, the window before it keeps its SWA bytes on host and disk."""
         pool = self._native(pool_id)
         ids = pool.checked_ids(pages)
+        self.check_ends(len(ids), ends)
         packed = pack_tokens(tokens)
         private = pool.private[ids]
         if not private.all():
@@ -439,6 +444,8 @@ class TierManager:
         result = self.tree.insert(namespace, packed, pool_id, ids)
         pool.unmake_private(ids[private])
         pool.allocator.free(result.duplicate_pages)
+        if ends:
+            self._cut_at(result.node, ends)  # (before the backup below: it keeps each end's window)
         node = self.writes.after_insert(result.node)
         if node is not None:
             self._backups.backup(pool, node)
@@ -478,19 +485,33 @@ class TierManager:
             done: Future = Future()
             done.set_result(0)
             return done
-        offers = []
-        wanted = iter(checkpoints)
-        pages, slot = next(wanted)
+        holders = self._cut_at(node, [pages for pages, _ in checkpoints])
+        return self.checkpoints.offer(self._native(pool_id), list(zip(holders, (slot for _, slot in checkpoints))))
+
+    @staticmethod
+    def check_ends(num_pages: int, ends: Sequence[int]) -> None:
+        """Raise ``InvalidArgument`` unless ``ends`` ascend within ``1 .. num_pages``."""
+        last = 0
+        for end in ends:
+            if type(end) is not int or not last < end <= num_pages:
+                raise InvalidArgument(f"ends must be ints ascending within 1 .. {num_pages}; got {end!r} after {last}")
+            last = end
+
+    def _cut_at(self, node: Node, ends: Sequence[int]) -> list[Node]:
+        """The nodes of ``node``'s path that end after each of ``ends`` pages (ascending),
+        splitting nodes so that they do."""
+        out = []
+        wanted = iter(ends)
+        pages = next(wanted, None)
         start = 0
         for n in self.tree.path(node):
             end = start + n.num_pages
             while pages is not None and pages <= end:
-                holder = n if pages == end else self.tree.split(n, pages - start)
-                offers.append((holder, slot))
+                out.append(n if pages == end else self.tree.split(n, pages - start))
                 start = pages
-                pages, slot = next(wanted, (None, None))
+                pages = next(wanted, None)
             start = end
-        return self.checkpoints.offer(self._native(pool_id), offers)
+        return out
 
     def load(self, node: Node, pool_id: PoolId, state_slot: int | None = None) -> Future:
         """Bring the host / disk part of ``node``'s path into the pool; a future of

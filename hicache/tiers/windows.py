@@ -41,6 +41,7 @@ import numpy as np
 from hicache.spec import KVSpec
 from hicache.storage.base import PageBatch
 from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
+from hicache.tiers.transfers import Kind
 from hicache.tree import DISK_SLOT, HOST_SLOT, HiRadixTree, MatchResult, Node, swa_first
 
 logger = logging.getLogger(__name__)
@@ -99,17 +100,35 @@ class Windows:
 
     def top_up(self) -> int:
         """Start the top-ups the node ends made since the last call need; returns how
-        many started (owner thread, between requests)."""
+        many started (owner thread, between requests). An end whose backup or disk write
+        is still in flight is looked at again later: what that transfer lands was cut
+        to the node as it was when it started."""
         pending, self.split = self.split, []
-        return sum(self._top_up(node) for node in pending)
+        started = 0
+        for node in pending:
+            outcome = self._top_up(node)
+            if outcome is None:
+                self.split.append(node)
+            else:
+                started += outcome
+        return started
 
-    def _top_up(self, node: Node) -> bool:
+    def _top_up(self, node: Node) -> bool | None:
+        """Start what ``node``'s window needs: True (started), False (nothing to do), or
+        None (a transfer of it is in flight: ask again later)."""
         core, tree = self.core, self.core.tree
-        if not tree.is_live(node) or HOST_SLOT not in node.residency:
+        if not tree.is_live(node):
             return False
         first = max(0, node.num_pages - self.pages)
-        if swa_first(node, HOST_SLOT) <= first:
-            return False
+        inflight = core.inflight
+        if HOST_SLOT in node.residency and swa_first(node, HOST_SLOT) <= first:
+            if node.on_disk and swa_first(node, DISK_SLOT) > first:
+                return self._rewrite(node, first)
+            return None if inflight.busy(node, Kind.DISK_WRITE) else False
+        if inflight.busy(node, Kind.BACKUP) or inflight.busy(node, Kind.DISK_WRITE):
+            return None
+        if HOST_SLOT not in node.residency:
+            return False  # (a backup from now on keeps the window by itself)
         pool = next((self.pools[p] for p in node.device_pools
                      if swa_first(node, p) <= first and not self.pools[p].retired and not self.pools[p].owned), None)
         if pool is None:
@@ -139,17 +158,16 @@ class Windows:
             if swa_first(node, HOST_SLOT) > now:
                 tree.set_swa(node, HOST_SLOT, now)
                 self.topped_up += 1
-            if node.on_disk and swa_first(node, DISK_SLOT) > now:
-                self._rewrite(node, now)
+            self.split.append(node)  # (its disk records next)
 
         pool.copy.run(copy, done)
         return True
 
-    def _rewrite(self, node: Node, first: int) -> None:
+    def _rewrite(self, node: Node, first: int) -> bool:
         """Write ``node``'s pages ``first ..`` whole again (their records lacked SWA)."""
         core, tree, storage = self.core, self.core.tree, self.storage
-        if storage is None or not node.tokens:
-            return
+        if storage is None or not node.tokens or core.inflight.busy(node, Kind.DISK_WRITE):
+            return False
         count = node.num_pages - first
         keys = node.page_keys[first * PAGE_KEY_BYTES :]
         before = node.page_keys[(first - 1) * PAGE_KEY_BYTES : first * PAGE_KEY_BYTES] if first else \
@@ -176,6 +194,7 @@ class Windows:
                 self.on_store_evicted(result.evicted)
 
         core.workers.write(lambda: storage.put_batch(batch, fingerprint=fingerprint), done)
+        return True
 
     # -- sizes and checks -------------------------------------------------------------
 

@@ -120,3 +120,27 @@ def test_a_sliding_window_spec_registers_over_the_wire(daemon):
         assert manager.spec.fingerprint == SWA.fingerprint and manager.windows is not None
     finally:
         engine.close()
+
+
+def test_ends_over_the_wire(daemon):
+    from test_windows import SPEC as SWA
+    engine = Engine(num_pages=16, spec=SWA)
+    try:
+        sid = register(daemon, SWA, engine.exported)
+        tokens = np.arange(0, 6 * SWA.page_size, dtype="<i4").tobytes()
+        pages = daemon.handle(p.Alloc(id=3, session=sid, num_pages=6)).pages
+        for bad in ([0], [7], [3, 2], [2, 2]):
+            reply = wired(daemon, p.Insert(id=4, session=sid, tokens=tokens, pages=pages, ends=bad))
+            assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, bad
+        for bad in (["2"], [[2]], [2.5], 3):
+            assert isinstance(wired(daemon, p.Insert(id=5, session=sid, tokens=tokens, pages=pages, ends=bad)),
+                              p.Error)
+        assert isinstance(wired(daemon, p.Insert(id=6, session=sid, tokens=tokens, pages=pages, ends=[2, 5])),
+                          p.InsertReply)
+        (manager,) = daemon.managers.values()
+        node = manager.match(next(iter(manager.tree.namespaces())), tokens, daemon.sessions[sid].pool_id).match.node
+        assert [n.num_pages for n in manager.tree.path(node)] == [2, 3, 1]
+        manager.flush()
+        manager.check_invariants()
+    finally:
+        engine.close()

@@ -3,6 +3,7 @@ neither backed up nor written to disk, a hit ends where its window's SWA bytes a
 and a restart finds which records have them."""
 
 import numpy as np
+from hicache.errors import InvalidArgument
 import pytest
 
 from hicache.keys import namespace_id, page_keys
@@ -257,3 +258,25 @@ def test_a_branch_found_while_on_device_keeps_its_window_on_host_and_disk(engine
     tm.unlock(hit.node, 0)
     tm.close()
     store.close()
+
+
+def test_ends_an_engine_offers_keep_their_windows_for_branches_found_later(engine):
+    tm = make_tm(engine)
+    system = tokens(100, 4)
+    first = system + tokens(500, 5)
+    hit = tm.match(NS, first, 0).match
+    pages = tm.alloc(0, 9)
+    engine.compute(NS, first, pages)
+    for bad in ([0], [10], [4, 4], [5, 2], ["4"], [4.0]):
+        with pytest.raises(InvalidArgument):
+            tm.insert(NS, first, 0, pages, ends=bad)
+    assert hit.node.parent is None and tm.num_private(0) == 9  # (refused before anything changed)
+    tm.insert(NS, first, 0, pages, ends=[4])
+    tm.flush()
+    upper = tm.match(NS, system, 0).match.node
+    assert upper.num_pages == 4 and swa_first(upper, HOST_SLOT) == 4 - W
+    tm.evict(Tier.DEVICE, 32, 0)
+    # A branch at the system prompt's end, found once the pages left the device: a hit.
+    assert tm.match(NS, system + tokens(900, 2), 0).match.num_pages == 4
+    tm.check_invariants()
+    tm.close()

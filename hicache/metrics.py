@@ -83,8 +83,10 @@ hicache_disk_corrupt_records_total              —
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
 hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
                                                   restarting its stream with a snapshot)
-hicache_checkpoints                    (gauge)  tier (host, disk): recurrent-state checkpoints
-                                                held (specs with state layers only)
+hicache_checkpoints                    (gauge)  tier (device, host, disk): recurrent-state
+                                                checkpoints held (specs with state layers
+                                                only; device: copies in the state slots
+                                                engines lend, every pool together)
 hicache_checkpoint_host_slots          (gauge)  — (host slots for them: ``host_checkpoints``)
 hicache_checkpoint_events_total                 event (offered: taken from an engine's
                                                 insert; restored: copied into a request's
@@ -432,7 +434,7 @@ class StateCollector:
         checkpoints = snap.get("checkpoints")
         if checkpoints is not None:
             held = GaugeMetricFamily("hicache_checkpoints", "Recurrent-state checkpoints held", labels=["tier"])
-            for tier in ("host", "disk"):
+            for tier in ("device", "host", "disk"):
                 held.add_metric([tier], checkpoints[tier])
             yield held
             yield GaugeMetricFamily("hicache_checkpoint_host_slots", "Host slots for checkpoints",

@@ -72,15 +72,22 @@ class DeviceLayout:
     token_regions: tuple[Region, ...]
     state_regions: tuple[Region, ...]
     nbytes: int
+    # State slots after the engine's, lent to hicache for checkpoints on the device
+    # (slots num_state_slots + 1 .. num_state_slots + checkpoint_slots).
+    checkpoint_slots: int = 0
 
     @classmethod
-    def build(cls, spec: KVSpec, num_pages: int, num_state_slots: int = 0) -> "DeviceLayout":
+    def build(cls, spec: KVSpec, num_pages: int, num_state_slots: int = 0,
+              checkpoint_slots: int = 0) -> "DeviceLayout":
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise InvalidArgument(f"num_pages must be a positive int, got {num_pages!r}")
-        if not isinstance(num_state_slots, int) or num_state_slots < 0:
-            raise InvalidArgument(f"num_state_slots must be a non-negative int, got {num_state_slots!r}")
+        for name, value in (("num_state_slots", num_state_slots), ("checkpoint_slots", checkpoint_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
         if spec.state_bytes and not num_state_slots:
             raise InvalidArgument("this spec has state layers: num_state_slots must be positive")
+        if checkpoint_slots and not spec.state_bytes:
+            raise InvalidArgument("checkpoint_slots are for specs with state layers")
         num_slots = (num_pages + 1) * spec.page_size
         offset = 0
         token_regions = []
@@ -91,26 +98,33 @@ class DeviceLayout:
                 token_regions.append(Region(index, comp.name, offset, (num_slots, *comp.shape), comp.dtype,
                                             spec.page_size * comp.nbytes, nbytes))
                 offset = _align(offset + nbytes)
+        slots = num_state_slots + checkpoint_slots + 1  # (slot 0: padding)
         for index, layer in enumerate(spec.layers):
             for comp in layer.state_components:
-                nbytes = (num_state_slots + 1) * comp.nbytes
-                state_regions.append(Region(index, comp.name, offset, (num_state_slots + 1, *comp.shape),
+                nbytes = slots * comp.nbytes
+                state_regions.append(Region(index, comp.name, offset, (slots, *comp.shape),
                                             comp.dtype, comp.nbytes, nbytes))
                 offset = _align(offset + nbytes)
-        return cls(spec, num_pages, num_state_slots, tuple(token_regions), tuple(state_regions), offset)
+        return cls(spec, num_pages, num_state_slots, tuple(token_regions), tuple(state_regions), offset,
+                   checkpoint_slots)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec.to_dict(), "num_pages": self.num_pages, "num_state_slots": self.num_state_slots}
+        out = {"spec": self.spec.to_dict(), "num_pages": self.num_pages, "num_state_slots": self.num_state_slots}
+        if self.checkpoint_slots:
+            out["checkpoint_slots"] = self.checkpoint_slots
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> "DeviceLayout":
-        if not isinstance(data, dict) or set(data) - {"spec", "num_pages", "num_state_slots"}:
-            raise InvalidArgument("a pool layout is a mapping of spec, num_pages, num_state_slots")
+        if not isinstance(data, dict) or set(data) - {"spec", "num_pages", "num_state_slots", "checkpoint_slots"}:
+            raise InvalidArgument("a pool layout is a mapping of spec, num_pages, num_state_slots, checkpoint_slots")
         num_pages, num_state_slots = data.get("num_pages"), data.get("num_state_slots", 0)
-        for name, value in (("num_pages", num_pages), ("num_state_slots", num_state_slots)):
+        checkpoint_slots = data.get("checkpoint_slots", 0)
+        for name, value in (("num_pages", num_pages), ("num_state_slots", num_state_slots),
+                            ("checkpoint_slots", checkpoint_slots)):
             if type(value) is not int or not 0 <= value <= MAX_POOL_PAGES:
                 raise InvalidArgument(f"layout.{name} must be an int in [0, {MAX_POOL_PAGES}]")
-        return cls.build(KVSpec.from_dict(data.get("spec")), num_pages, num_state_slots)
+        return cls.build(KVSpec.from_dict(data.get("spec")), num_pages, num_state_slots, checkpoint_slots)
 
 
 def page_segments(layout: DeviceLayout, rank: int = 0) -> Segments:
@@ -134,6 +148,14 @@ def layer_segment_ranges(layout: DeviceLayout) -> dict[int, range]:
         first = ranges.get(region.layer)
         ranges[region.layer] = range(first.start if first else i, i + 1)
     return ranges
+
+
+def device_state_segments(layout: DeviceLayout) -> Segments:
+    """A recurrent-state slot to another slot of the same pool, every state layer."""
+    if not layout.state_regions:
+        raise InvalidArgument("this pool has no state layers")
+    rows = [(r.offset, r.unit_bytes, r.offset, r.unit_bytes, r.unit_bytes) for r in layout.state_regions]
+    return Segments(*map(tuple, zip(*rows)))
 
 
 def state_segments(layout: DeviceLayout, rank: int = 0) -> Segments:

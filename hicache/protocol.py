@@ -90,6 +90,7 @@ class PoolLayoutMsg(_Part):
     spec: KVSpecMsg
     num_pages: int
     num_state_slots: int | UnsetType = UNSET
+    checkpoint_slots: int | UnsetType = UNSET
 
 
 class CudaIpcMsg(_Part):

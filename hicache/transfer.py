@@ -20,7 +20,14 @@ import torch
 from hicache.errors import InvalidArgument, SpecMismatch
 from hicache.kernels.copy_plan import CpuCopyWorkers, check_page_ids
 from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
-from hicache.pools import DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
+from hicache.pools import (
+    DevicePool,
+    HostPool,
+    device_state_segments,
+    layer_segment_ranges,
+    page_segments,
+    state_segments,
+)
 
 PageList = Sequence[int] | torch.Tensor
 
@@ -76,6 +83,7 @@ class PageMover:
         self._restore = restore
         self._restore_layer = {layer: restore.select(r) for layer, r in layer_segment_ranges(layout).items()}
         self._states = state_segments(layout, device_pool.rank) if layout.state_regions else None
+        self._device_states = device_state_segments(layout) if layout.state_regions else None
         self.num_layers = device_pool.spec.num_layers
 
     @property
@@ -152,6 +160,13 @@ class PageMover:
     def load_states(self, host_slots: PageList, device_slots: PageList) -> None:
         self._copy(self.host_pool.states, self.device_pool.buffer, host_slots, device_slots,
                    self._state_segments().reversed())
+
+    def copy_states(self, src_slots: PageList, dst_slots: PageList) -> None:
+        """Recurrent-state slots to other slots of the same pool (every state layer)."""
+        if self._device_states is None:
+            raise InvalidArgument("this pool has no state layers")
+        buffer = self.device_pool.buffer
+        self._copy(buffer, buffer, src_slots, dst_slots, self._device_states)
 
     def _state_segments(self):
         if self._states is None or not self.host_pool.num_state_slots:

@@ -81,11 +81,14 @@ class HybridReferenceEngine:
     """See the module docstring. One request at a time."""
 
     def __init__(self, model: HybridTransformer, *, num_pages: int = 256, max_requests: int = 4,
-                 max_context: int = 4096, scratch_slots: int = 16, client=None) -> None:
+                 max_context: int = 4096, scratch_slots: int = 16, checkpoint_slots: int = 8, client=None) -> None:
+        """``checkpoint_slots``: state slots lent to hicache for checkpoints kept on the
+        device (after the rows' and the scratch slots)."""
         self.model = model
         c = model.config
         self.page_size = c.page_size
-        self.kv = export_kv_pool(c.spec, num_pages, num_state_slots=max_requests + scratch_slots)
+        self.kv = export_kv_pool(c.spec, num_pages, num_state_slots=max_requests + scratch_slots,
+                                 checkpoint_slots=checkpoint_slots if client is not None else 0)
         self.req_to_token = HybridReqToTokenPool(max_requests, max_context, num_state_slots=max_requests)
         self.scratch = list(range(max_requests + 1, max_requests + scratch_slots + 1))
         self.client = client

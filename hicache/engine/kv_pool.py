@@ -39,12 +39,15 @@ def export_kv_pool(
     num_pages: int,
     *,
     num_state_slots: int = 0,
+    checkpoint_slots: int = 0,
     device: str | torch.device = "cpu",
     rank: int = 0,
 ) -> ExportedKVPool:
     """Allocate a zeroed KV pool of ``num_pages`` pages (plus the padding page) and
-    describe it for the daemon."""
-    layout = DeviceLayout.build(spec, num_pages, num_state_slots)
+    describe it for the daemon. A spec with state layers: ``num_state_slots`` are the
+    engine's (its request rows'), ``checkpoint_slots`` more are lent to hicache for
+    checkpoints kept on the device."""
+    layout = DeviceLayout.build(spec, num_pages, num_state_slots, checkpoint_slots)
     device = torch.device(device)
     if device.type == "cpu":
         shared = SharedBuffer.create(layout.nbytes, name=f"hicache-kv-rank{rank}")

@@ -21,9 +21,12 @@ tree node that ends at that boundary (the tree is split there). Then:
 * a checkpoint never outlives its node: the tree calls :meth:`Checkpoints.forget` as it
   removes a node, which frees the host slot and deletes the disk record.
 
-The device tier keeps no checkpoint of its own: a request's state slot is its engine's,
-and the state of a device hit comes from host (one small copy; an engine's prefix pages
-are many).
+* on the device, a pool whose engine lends state slots for it (its layout's
+  ``checkpoint_slots``, after the slots of its request rows) keeps copies there too: an
+  offer copies the state into one as well (evicting the least recently used unpinned
+  device copy when none is free), and a restore into that pool is then a copy between
+  two slots of the pool. A device copy is a cache of the host / disk one: it may be the
+  last copy only after the host slot went and there is no disk tier.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +44,7 @@ from hicache.pages import PageAllocator
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePoolState
+from hicache.tiers.transfers import Kind, Transfer
 from hicache.tiers.windows import cut_match
 from hicache.tree import MatchResult, Node
 
@@ -66,20 +70,23 @@ class Checkpoint:
     writing: bool = False
     pins: int = 0
     dead: bool = False
+    device: dict[int, int] = field(default_factory=dict)  # pool id -> that pool's checkpoint slot
 
 
 class Checkpoints:
     """See the module docstring. Owner thread only."""
 
-    def __init__(self, core: Core, num_slots: int, storage=None, on_store_evicted=None) -> None:
+    def __init__(self, core: Core, num_slots: int, storage=None, on_store_evicted=None, pools=None) -> None:
         if num_slots <= 0:
             raise InvalidArgument(f"a spec with state layers needs host checkpoint slots, got {num_slots}")
         self.core = core
+        self.core_pools = pools  # the device pools (their checkpoint slots)
         self.storage = storage
         self.num_slots = num_slots
         self.alloc = PageAllocator.for_host(num_slots)
         self.on_host: dict[int, Checkpoint] = {}  # host slot -> checkpoint
         self.by_key: dict[bytes, Checkpoint] = {}  # disk record key -> checkpoint on disk
+        self.on_device: dict[tuple[int, int], Checkpoint] = {}  # (pool id, slot) -> checkpoint
         self.on_store_evicted = on_store_evicted or (lambda keys: None)
         self.lost = 0  # checkpoints dropped from host that were nowhere else
         self.offered = 0
@@ -91,13 +98,15 @@ class Checkpoints:
     # -- state ---------------------------------------------------------------------
 
     @staticmethod
-    def usable(node: Node) -> bool:
+    def usable(node: Node, pool_id: int | None = None) -> bool:
+        """Can ``node``'s checkpoint be restored (into ``pool_id``, or any pool)?"""
         cp = node.checkpoint
-        return cp is not None and cp.ready and (cp.host >= 0 or cp.on_disk)
+        return (cp is not None and cp.ready
+                and (cp.host >= 0 or cp.on_disk or (pool_id in cp.device if pool_id is not None else bool(cp.device))))
 
-    def count(self) -> tuple[int, int]:
-        """(checkpoints with a host copy, checkpoints on disk)."""
-        return len(self.on_host), len(self.by_key)
+    def count(self) -> tuple[int, int, int]:
+        """(checkpoints with a host copy, on disk, device copies)."""
+        return len(self.on_host), len(self.by_key), len(self.on_device)
 
     def _view(self, slot: int) -> np.ndarray:
         size = self.core.host_pool.state_slot_bytes
@@ -108,7 +117,7 @@ class Checkpoints:
     def trim(self, result: MatchResult, pool_id: int) -> MatchResult:
         """``result`` cut back to its deepest node with a usable checkpoint (nothing
         matched when none has one)."""
-        return cut_match(self.core.tree, result, pool_id, self.usable)
+        return cut_match(self.core.tree, result, pool_id, lambda node: self.usable(node, pool_id))
 
     # -- offer (device -> host) ------------------------------------------------------
 
@@ -130,6 +139,9 @@ class Checkpoints:
             cp = Checkpoint(node, checkpoint_key(node.last_page_key), host=host)
             node.checkpoint = cp
             self.on_host[host] = cp
+            device = self._alloc_device(pool)
+            if device is not None:
+                self._add_device(cp, pool.pool_id, device)
             tree.pin(node)
             taken.append(cp)
             src.append(slot)
@@ -138,14 +150,18 @@ class Checkpoints:
             return future
         dst = np.array([cp.host for cp in taken], dtype=np.int64)
         src_ids = np.array(src, dtype=np.int64)
+        on_device = [(s, cp.device[pool.pool_id]) for s, cp in zip(src, taken) if pool.pool_id in cp.device]
+        device_src = np.array([s for s, _ in on_device], dtype=np.int64)
+        device_dst = np.array([d for _, d in on_device], dtype=np.int64)
         movers = pool.movers
 
         def copy() -> None:
             for mover in movers:
                 mover.backup_states(src_ids, dst)
+                if len(device_dst):
+                    mover.copy_states(device_src, device_dst)
 
         def done(error: BaseException | None) -> None:
-            self.busy -= 1
             for cp in taken:
                 tree.unpin(cp.node)
             if error is not None:
@@ -160,9 +176,24 @@ class Checkpoints:
             self.offered += len(taken)
             future.set_result(len(taken))
 
-        self.busy += 1
-        pool.copy.run(copy, done)
+        self._run(pool, taken[0].node, copy, done)
         return future
+
+    def _run(self, pool: DevicePoolState, node: Node, copy, done) -> None:
+        """``copy`` (of ``node``'s checkpoint) on the pool's copy engine, then
+        ``done(error)``; the pool is not reaped meanwhile (a detached transfer of it is
+        in flight)."""
+        inflight = self.core.inflight
+        transfer = Transfer(Kind.BACKUP, pool.pool_id, [], node)
+        inflight.add_detached(transfer)
+        self.busy += 1
+
+        def finished(error: BaseException | None) -> None:
+            self.busy -= 1
+            inflight.remove_detached(transfer)
+            done(error)
+
+        pool.copy.run(copy, finished)
 
     # -- restore (host / disk -> device) ----------------------------------------------
 
@@ -176,7 +207,7 @@ class Checkpoints:
             future.set_result(False)
             return future
         cp.pins += 1
-        if cp.host >= 0:
+        if pool.pool_id in cp.device or cp.host >= 0:
             self._to_device(cp, pool, slot, future)
             return future
         host = self._alloc_slot()
@@ -212,16 +243,24 @@ class Checkpoints:
         return future
 
     def _to_device(self, cp: Checkpoint, pool: DevicePoolState, slot: int, future: Future) -> None:
-        src = np.array([cp.host], dtype=np.int64)
+        """The pool's own copy of ``cp`` (slot to slot), or the host one, into ``slot``."""
         dst = np.array([slot], dtype=np.int64)
         movers = pool.movers
+        own = cp.device.get(pool.pool_id)
+        if own is not None:
+            src = np.array([own], dtype=np.int64)
 
-        def copy() -> None:
-            for mover in movers:
-                mover.load_states(src, dst)
+            def copy() -> None:
+                for mover in movers:
+                    mover.copy_states(src, dst)
+        else:
+            src = np.array([cp.host], dtype=np.int64)
+
+            def copy() -> None:
+                for mover in movers:
+                    mover.load_states(src, dst)
 
         def done(error: BaseException | None) -> None:
-            self.busy -= 1
             self._unpin(cp)
             if error is not None:
                 logger.error("checkpoint copy into pool %s failed: %s", pool.pool_id, error)
@@ -230,8 +269,7 @@ class Checkpoints:
             self.restored += 1
             future.set_result(True)
 
-        self.busy += 1
-        pool.copy.run(copy, done)
+        self._run(pool, cp.node, copy, done)
 
     # -- disk ----------------------------------------------------------------------
 
@@ -279,9 +317,8 @@ class Checkpoints:
         if self.by_key.get(cp.key) is cp:
             del self.by_key[cp.key]
         cp.on_disk = False
-        if cp.host < 0 and not cp.dead and cp.node.checkpoint is cp:
-            cp.node.checkpoint = None
-            cp.dead = True
+        if cp.host < 0 and not cp.device and not cp.dead:
+            self._drop(cp)
 
     def attach_restored(self, records: list[tuple[bytes, bytes]]) -> int:
         """After a rebuild: put the checkpoint records ``(key, boundary page key)``
@@ -328,17 +365,62 @@ class Checkpoints:
         for cp in self.on_host.values():
             if cp.pins or not cp.ready:
                 continue
-            rank = (not cp.on_disk, cp.node.last_access)
+            rank = (not (cp.on_disk or cp.device), cp.node.last_access)
             if best is None or rank < best[0]:
                 best = (rank, cp)
         if best is None:
             return
         cp = best[1]
-        if not cp.on_disk:
+        if not (cp.on_disk or cp.device):
             self.lost += 1
             self._drop(cp)
         else:
             self._free_host(cp)
+
+    def _alloc_device(self, pool: DevicePoolState) -> int | None:
+        """A free checkpoint slot of the pool (the least recently used unpinned device
+        copy there makes room); None: it lends none, or all are being read."""
+        slots = pool.checkpoint_slots
+        if slots is None:
+            return None
+        got = slots.alloc(1)
+        if got is None:
+            best = None
+            for (pool_id, _), cp in self.on_device.items():
+                if pool_id == pool.pool_id and not cp.pins and cp.ready:
+                    if best is None or cp.node.last_access < best.node.last_access:
+                        best = cp
+            if best is None:
+                return None
+            self._free_device(best, pool.pool_id)
+            if not (best.host >= 0 or best.on_disk or best.device):
+                self.lost += 1
+                self._drop(best)
+            got = slots.alloc(1)
+        return int(got[0])
+
+    def _add_device(self, cp: Checkpoint, pool_id: int, slot: int) -> None:
+        cp.device[pool_id] = slot
+        self.on_device[(pool_id, slot)] = cp
+
+    def _free_device(self, cp: Checkpoint, pool_id: int) -> None:
+        slot = cp.device.pop(pool_id)
+        del self.on_device[(pool_id, slot)]
+        try:
+            pool = self.core_pools[pool_id] if self.core_pools is not None else None
+        except KeyError:  # (reaped: its slots went with it)
+            pool = None
+        if pool is not None and pool.checkpoint_slots is not None:
+            pool.checkpoint_slots.free(np.array([slot], dtype=np.int32))
+
+    def discard_pool(self, pool_id: int) -> None:
+        """The pool's engine is gone: its device copies with it (the rest stays)."""
+        for (owner, _), cp in list(self.on_device.items()):
+            if owner == pool_id:
+                self._free_device(cp, pool_id)
+                if not (cp.host >= 0 or cp.on_disk or cp.device) and not cp.dead:
+                    self.lost += 1
+                    self._drop(cp)
 
     def _free_host(self, cp: Checkpoint) -> None:
         if cp.host >= 0:
@@ -350,6 +432,8 @@ class Checkpoints:
         cp.pins -= 1
         if cp.dead and not cp.pins:
             self._free_host(cp)
+            for pool_id in list(cp.device):
+                self._free_device(cp, pool_id)
 
     def _drop(self, cp: Checkpoint) -> None:
         """``cp`` goes from every tier and from its node."""
@@ -358,6 +442,8 @@ class Checkpoints:
         cp.dead = True
         if not cp.pins:
             self._free_host(cp)
+            for pool_id in list(cp.device):
+                self._free_device(cp, pool_id)
         if cp.on_disk:
             if self.by_key.get(cp.key) is cp:
                 del self.by_key[cp.key]
@@ -383,7 +469,7 @@ class Checkpoints:
             cp = node.checkpoint
             assert cp.node is node and not cp.dead, (node, cp)
             assert cp.key == checkpoint_key(node.last_page_key), node
-            assert cp.host >= 0 or cp.on_disk or not cp.ready, f"checkpoint of {node!r} lives nowhere"
+            assert cp.host >= 0 or cp.on_disk or cp.device or not cp.ready, f"checkpoint of {node!r} lives nowhere"
         live_host = {cp.host for cp in self.on_host.values()}
         assert len(live_host) == len(self.on_host)
         for slot, cp in self.on_host.items():
@@ -392,6 +478,18 @@ class Checkpoints:
         assert self.alloc.num_allocated == len(self.on_host), (self.alloc.num_allocated, len(self.on_host))
         for key, cp in self.by_key.items():
             assert cp.key == key and cp.on_disk and not cp.dead and cp.node.checkpoint is cp, cp
+        per_pool: dict[int, int] = {}
+        for (pool_id, slot), cp in self.on_device.items():
+            assert cp.device.get(pool_id) == slot, cp
+            assert cp.dead or (tree.is_live(cp.node) and cp.node.checkpoint is cp), cp
+            per_pool[pool_id] = per_pool.get(pool_id, 0) + 1
+        for node in holders:
+            for pool_id, slot in node.checkpoint.device.items():
+                assert self.on_device.get((pool_id, slot)) is node.checkpoint
+        if self.core_pools is not None:
+            for pool in self.core_pools:
+                if pool.checkpoint_slots is not None:
+                    assert pool.checkpoint_slots.num_allocated == per_pool.get(pool.pool_id, 0), pool.pool_id
 
 
 def _holder(node: Node | None, page_key: bytes) -> tuple[Node | None, int]:

@@ -46,6 +46,8 @@ class DevicePoolState:
     retired: bool = False
     owned: bool = False  # engine-owned: see the module docstring
     name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
+    # The state slots its engine lent for checkpoints (hicache.tiers.checkpoints), if any.
+    checkpoint_slots: PageAllocator | None = None
 
     def checked_ids(self, pages: PageIdsLike) -> PageIds:
         """``pages`` as ids, checked: in the pool's range, none repeated."""
@@ -104,6 +106,9 @@ class DevicePools:
                 raise SpecMismatch(f"rank {rank}'s pool has another KV spec")
             if pool.rank != rank or pool.num_pages != num_pages:
                 raise InvalidArgument("rank pools must be given in rank order with equal page counts")
+        layouts = {(pool.layout.num_state_slots, pool.layout.checkpoint_slots) for pool in ranks}
+        if len(layouts) != 1:
+            raise InvalidArgument("rank pools must have equal state regions")
         movers = [PageMover(pool, self._host_pool, workers=self._copy_workers) for pool in ranks]
         device = ranks[0].device
         counters = LayerCounters(
@@ -112,6 +117,9 @@ class DevicePools:
         )
         state = DevicePoolState(pool_id, ranks, movers, PageAllocator.for_device(num_pages),
                                 np.zeros(num_pages + 1, dtype=bool), counters, self._engines.for_device(device))
+        layout = ranks[0].layout
+        if layout.checkpoint_slots:
+            state.checkpoint_slots = PageAllocator(layout.checkpoint_slots, first_page_id=layout.num_state_slots + 1)
         self._pools[pool_id] = state
         return state
 

@@ -133,6 +133,8 @@ class TierManager:
                                            lambda keys: self.disk.on_store_evicted(keys))
         self.pools = DevicePools(spec, self.host_pool, CopyEngines(self.workers, self.completions),
                                  counter_slots=self.config.counter_slots, copy_workers=self._copy_workers)
+        if self.checkpoints is not None:
+            self.checkpoints.core_pools = self.pools
         # Sliding-window layers: what of their pages is kept (None: a spec without them,
         # or with nothing else: a page without its SWA part would be no bytes at all).
         if swa:
@@ -244,6 +246,8 @@ class TierManager:
         :meth:`poll`). The caller has released the session's locks."""
         pool = self.pools.get(pool_id)
         pool.retired = True
+        if self.checkpoints is not None:
+            self.checkpoints.discard_pool(pool_id)
         self._loads.cancel_parked(pool)
         self.pools.reap(self._inflight.pools(), self.tree)
 

@@ -8,8 +8,8 @@ rest, insert with checkpoints at drawn page counts), evictions from every tier, 
 and restarts run against a tier manager over LMDB. After every step:
 
 * the manager's invariants hold — among them no checkpoint without its live node, no
-  host slot or disk record without its checkpoint, no SWA bytes on host or disk for a
-  page outside its node's window;
+  host slot, device slot (a pool that lends some) or disk record without its
+  checkpoint, no SWA bytes on host or disk for a page outside its node's window;
 * every hit ends at a node with a checkpoint (or is empty), and every load that
   reports its state delivered exactly the state after the hit and, for every page of
   the hit, the full-attention layer's bytes, and the SWA layer's bytes of the window.
@@ -53,8 +53,9 @@ def _bytes(seed: bytes, n: int) -> bytes:
 
 
 class HybridEngine:
-    def __init__(self) -> None:
-        self.exported = export_kv_pool(SPEC, DEVICE_PAGES, num_state_slots=ROWS + SCRATCH)
+    def __init__(self, checkpoint_slots: int = 0) -> None:
+        self.exported = export_kv_pool(SPEC, DEVICE_PAGES, num_state_slots=ROWS + SCRATCH,
+                                       checkpoint_slots=checkpoint_slots)
         self.pool = self.exported.pool
         self.buf = self.pool.buffer.numpy()
         self.tokens = self.pool.layout.token_regions
@@ -97,12 +98,12 @@ class HybridEngine:
 class HybridMachine(RuleBasedStateMachine):
     @initialize(write_policy=st.sampled_from(["write_through", "write_back"]),
                 disk_policy=st.sampled_from(["write_through", "write_back"]),
-                host_checkpoints=st.sampled_from([1, 3, 16]))
-    def setup(self, write_policy, disk_policy, host_checkpoints):
+                host_checkpoints=st.sampled_from([1, 3, 16]), device_checkpoints=st.sampled_from([0, 2]))
+    def setup(self, write_policy, disk_policy, host_checkpoints, device_checkpoints):
         self.dir = tempfile.mkdtemp(prefix="hicache-hybrid-")
         self.config = TierConfig(write_policy=write_policy, disk_policy=disk_policy,
                                  host_checkpoints=host_checkpoints)
-        self.engine = HybridEngine()
+        self.engine = HybridEngine(device_checkpoints)
         self.hits = 0
         self.seen: list[list[int]] = []  # every prompt prefilled (whatever came of it)
         self.start()

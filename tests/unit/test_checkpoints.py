@@ -25,10 +25,10 @@ STATE_SLOTS = 6
 class StateEngine(Engine):
     """An engine whose pool has state slots: states are bytes derived from a label."""
 
-    def __init__(self, num_pages: int = 32) -> None:
+    def __init__(self, num_pages: int = 32, checkpoint_slots: int = 0) -> None:
         from hicache.engine.kv_pool import export_kv_pool
         self.spec = SPEC
-        self.exported = export_kv_pool(SPEC, num_pages, num_state_slots=STATE_SLOTS)
+        self.exported = export_kv_pool(SPEC, num_pages, num_state_slots=STATE_SLOTS, checkpoint_slots=checkpoint_slots)
         self.pool = self.exported.pool
         self.waiters = {}
         self._regions = self.pool.layout.token_regions
@@ -170,7 +170,7 @@ def test_checkpoints_are_written_through_and_come_back_from_disk(engine, store):
         prefill(tm, engine, toks, [(3, label)])
         tm.flush()  # (a host slot whose checkpoint is being written cannot be taken)
     # Four checkpoints, two host slots: the older two live on disk only.
-    on_host, on_disk = tm.checkpoints.count()
+    on_host, on_disk, _ = tm.checkpoints.count()
     assert (on_host, on_disk) == (2, 4)
     tm.evict(Tier.DEVICE, 32, 0)
     tm.evict(Tier.HOST, 16)
@@ -197,7 +197,7 @@ def test_a_restarted_manager_gets_its_checkpoints_back(engine, tmp_path):
     tm = make_tm(engine, storage=store)
     assert tm.rebuild_from_storage() == 8
     tm.check_invariants()
-    assert tm.checkpoints.count() == (0, 3)
+    assert tm.checkpoints.count() == (0, 3, 0)
     for toks, want_pages, label in ((a, 5, 22), (a[: 4 * PS], 2, 21), (b, 4, 23), (b[: 3 * PS], 2, 21)):
         pages, state, _ = load_state(tm, engine, toks)
         assert (pages, state) == (want_pages, True)
@@ -213,13 +213,13 @@ def test_a_checkpoint_goes_with_its_node_from_every_tier(engine, store):
     tm.flush()
     node = result.node
     key = checkpoint_key(node.last_page_key)
-    assert tm.checkpoints.count() == (1, 1)
+    assert tm.checkpoints.count() == (1, 1, 0)
     tm.evict(Tier.DEVICE, 32, 0)
     tm.evict(Tier.HOST, 16)
     tm.evict(Tier.DISK, 16)
     tm.flush()
     assert not tm.tree.is_live(node)
-    assert tm.checkpoints.count() == (0, 0)
+    assert tm.checkpoints.count() == (0, 0, 0)
     assert tm.checkpoints.alloc.num_allocated == 0
     assert store.get([key], [bytearray(tm.host_pool.state_slot_bytes)], fingerprint=SPEC.fingerprint) == [False]
     tm.check_invariants()
@@ -233,7 +233,7 @@ def test_a_lost_checkpoint_record_makes_the_hit_shorter_not_wrong(engine, store)
     tm.flush()
     prefill(tm, engine, toks, [(4, 42)])  # one host slot: the first goes to disk only
     tm.flush()
-    assert tm.checkpoints.count() == (1, 2)
+    assert tm.checkpoints.count() == (1, 2, 0)
     deep = tm.match(NS, toks, 0).match.node
     shallow = deep.parent
     store.delete([checkpoint_key(shallow.last_page_key)]).result()
@@ -248,3 +248,51 @@ def test_a_lost_checkpoint_record_makes_the_hit_shorter_not_wrong(engine, store)
     pages, state, _ = load_state(tm, engine, toks)
     assert (pages, state) == (4, True) and engine.state_label(1, [41, 42]) == 42
     tm.close()
+
+
+def test_a_pool_that_lends_state_slots_keeps_device_copies_and_restores_from_them(tmp_path):
+    engine = StateEngine(checkpoint_slots=2)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    try:
+        tm = make_tm(engine, storage=store, host_checkpoints=1)
+        prompts = [tokens(1000 * i, 2) for i in range(1, 4)]
+        for label, toks in enumerate(prompts, 1):
+            prefill(tm, engine, toks, [(2, label)])
+            tm.flush()
+        # Three checkpoints, two device slots (the first's device copy made room for the
+        # third's), one host slot (the newest), all three on disk.
+        assert tm.checkpoints.count() == (1, 3, 2)
+        slots = tm.pools.get(0).checkpoint_slots
+        assert slots.num_free == 0
+        first, second, third = (tm.match(NS, toks, 0).match.node.checkpoint for toks in prompts)
+        assert not first.device and set(second.device.values()) | set(third.device.values()) == {7, 8}
+        # The second: from its device copy (slot to slot), whatever the host holds.
+        tm.evict(Tier.HOST, 16)
+        for label, toks in enumerate(prompts, 1):
+            pages, state, _ = load_state(tm, engine, toks, slot=2)
+            assert (pages, state) == (2, True) and engine.state_label(2, [1, 2, 3]) == label
+        assert tm.checkpoints.restored == 3
+        # Its engine gone, the pool's device copies go; the disk ones stay.
+        tm.retire_pool(0)
+        tm.flush()
+        assert tm.checkpoints.count()[2] == 0
+        tm.check_invariants()
+        tm.close()
+    finally:
+        store.close()
+        engine.close()
+
+
+def test_without_a_disk_tier_a_device_copy_keeps_a_checkpoint_the_host_lets_go():
+    lending = StateEngine(checkpoint_slots=2)
+    try:
+        tm = make_tm(lending, host_checkpoints=1)
+        a, b = tokens(100, 2), tokens(500, 2)
+        prefill(tm, lending, a, [(2, 51)])
+        prefill(tm, lending, b, [(2, 52)])  # the host slot goes to b's: a's lives on the device
+        assert tm.checkpoints.lost == 0 and tm.checkpoints.count() == (1, 0, 2)
+        pages, state, _ = load_state(tm, lending, a, slot=2)
+        assert (pages, state) == (2, True) and lending.state_label(2, [51, 52]) == 51
+        tm.close()
+    finally:
+        lending.close()

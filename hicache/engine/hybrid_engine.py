@@ -29,7 +29,7 @@ import torch
 
 from hicache.engine.hybrid_reference import HybridTransformer
 from hicache.engine.kv_pool import export_kv_pool
-from hicache.engine.reference import Generation, _LocalPages
+from hicache.engine.reference import Generation, page_source
 from hicache.engine.req_to_token import HybridReqToTokenPool
 
 STATE_LAYER, SWA_LAYER, FULL_LAYER = 0, 1, 2  # the spec's layers (HybridConfig.spec)
@@ -92,11 +92,7 @@ class HybridReferenceEngine:
         self.req_to_token = HybridReqToTokenPool(max_requests, max_context, num_state_slots=max_requests)
         self.scratch = list(range(max_requests + 1, max_requests + scratch_slots + 1))
         self.client = client
-        if client is not None:
-            client.register(c.spec, [self.kv.handle])
-            self.pages = client
-        else:
-            self.pages = _LocalPages(num_pages)
+        self.pages = page_source(client, c.spec, self.kv, num_pages)
         pool = self.kv.pool
         self.k = [pool.k_buffer(layer) for layer in ATTENTION_LAYERS]
         self.v = [pool.v_buffer(layer) for layer in ATTENTION_LAYERS]

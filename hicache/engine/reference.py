@@ -128,6 +128,15 @@ class TinyTransformer:
         return (self._norm(x)[None] @ self.lm_head)[0]
 
 
+def page_source(client, spec: KVSpec, kv, num_pages: int):
+    """Where an engine's pages come from: hicache through ``client`` (the pool ``kv``
+    registered with it), or with caching disabled (``client`` None) a private allocator."""
+    if client is None:
+        return _LocalPages(num_pages)
+    client.register(spec, [kv.handle])
+    return client
+
+
 class _LocalPages:
     """Caching disabled: pages from a private allocator, nothing shared."""
 
@@ -161,11 +170,7 @@ class ReferenceEngine:
         self.kv = export_kv_pool(c.spec, num_pages)
         self.req_to_token = ReqToTokenPool(max_requests, max_context)
         self.client = client
-        if client is not None:
-            client.register(c.spec, [self.kv.handle])
-            self.pages = client
-        else:
-            self.pages = _LocalPages(num_pages)
+        self.pages = page_source(client, c.spec, self.kv, num_pages)
         self.k = [self.kv.pool.k_buffer(i) for i in range(c.num_layers)]
         self.v = [self.kv.pool.v_buffer(i) for i in range(c.num_layers)]
 

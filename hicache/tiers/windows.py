@@ -38,9 +38,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hicache.keys import PAGE_KEY_BYTES
 from hicache.spec import KVSpec
 from hicache.storage.base import PageBatch
-from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
 from hicache.tiers.transfers import Kind
 from hicache.tree import DISK_SLOT, HOST_SLOT, HiRadixTree, MatchResult, Node, swa_first
 

@@ -144,3 +144,48 @@ def test_ends_over_the_wire(daemon):
         manager.check_invariants()
     finally:
         engine.close()
+
+
+def test_hostile_checkpoints_ends_and_state_slots_get_errors_and_change_nothing(daemon):
+    engine = StateEngine()
+    try:
+        sid = register(daemon, SPEC, engine.exported)
+        tokens = np.arange(7, 7 + 2 * PS, dtype="<i4").tobytes()
+        pages = daemon.handle(p.Alloc(id=3, session=sid, num_pages=2)).pages
+        base = {"op": "insert", "id": 9, "session": sid, "tokens": tokens, "pages": pages}
+        hostile = [
+            {"checkpoints": [[2**62, 1]]}, {"checkpoints": [[1, 2**63 - 1]]}, {"checkpoints": [[-(2**63), 1]]},
+            {"checkpoints": [[1, 1]] * (p.MAX_CHECKPOINTS + 1)}, {"ends": list(range(1, p.MAX_CHECKPOINTS + 2))},
+            {"checkpoints": [[[[[[1]]]]], 1]}, {"checkpoints": {"1": 1}}, {"ends": [2**64 - 1]}, {"ends": [None]},
+            {"ends": "12"}, {"checkpoints": [b"\x00" * 8]}, {"ends": [1, 1]}, {"ends": [-1]},
+        ]
+        for extra in hostile:
+            assert isinstance(_raw(daemon, {**base, **extra}), p.Error), extra
+        manager = next(iter(daemon.managers.values()))
+        assert manager.num_private(daemon.sessions[sid].pool_id) == 2 and manager.num_nodes == 0
+        inserted = settle(daemon, wired(daemon, p.Insert(id=10, session=sid, tokens=tokens, pages=pages,
+                                                         checkpoints=[(2, 1)])))
+        daemon.handle(p.Lock(id=11, session=sid, node=inserted.node))
+        for slot in (2**62, -(2**62), STATE_SLOTS + 1):
+            assert isinstance(_raw(daemon, {"op": "load", "id": 12, "session": sid, "node": inserted.node,
+                                            "state_slot": slot}), p.Error)
+        for slot in (2**64 - 1, "1", [1], None, 1.0):
+            assert isinstance(_raw(daemon, {"op": "load", "id": 13, "session": sid, "node": inserted.node,
+                                            "state_slot": slot}), p.Error)
+        assert settle(daemon, wired(daemon, p.Load(id=14, session=sid, node=inserted.node, state_slot=2))).state
+        manager.check_invariants()
+    finally:
+        engine.close()
+
+
+def _raw(daemon, message: dict):
+    """A message as raw msgpack, decoded as the server does (an undecodable one is
+    answered with the decoder's error)."""
+    import msgspec
+
+    payload = msgspec.msgpack.encode(message)
+    try:
+        decoded = p.decode_request(payload)
+    except p.ProtocolError as exc:
+        return daemon.undecodable(payload, exc)
+    return daemon.handle(decoded)

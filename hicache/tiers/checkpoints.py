@@ -8,7 +8,8 @@ state in one of its device state slots is copied into a host state slot and kept
 tree node that ends at that boundary (the tree is split there). Then:
 
 * a match on a state spec ends at the deepest matched node with a usable checkpoint
-  (:meth:`Checkpoints.trim`): a node without one is never a hit end;
+  (:meth:`Checkpoints.usable`; the tier manager cuts matches with it): a node without one
+  is never a hit end;
 * a load with a state slot copies the checkpoint there before any layer's pages
   (:meth:`Checkpoints.restore`), reading it from disk first if it has no host copy;
 * with a disk tier, every checkpoint is written through to disk (one record, keyed by
@@ -45,8 +46,7 @@ from hicache.storage.base import PageMeta, PageRecord
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePoolState
 from hicache.tiers.transfers import Kind, Transfer
-from hicache.tiers.windows import cut_match
-from hicache.tree import MatchResult, Node
+from hicache.tree import Node
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +111,6 @@ class Checkpoints:
     def _view(self, slot: int) -> np.ndarray:
         size = self.core.host_pool.state_slot_bytes
         return self.core.host_pool.states[slot * size : (slot + 1) * size].numpy()
-
-    # -- match ---------------------------------------------------------------------
-
-    def trim(self, result: MatchResult, pool_id: int) -> MatchResult:
-        """``result`` cut back to its deepest node with a usable checkpoint (nothing
-        matched when none has one)."""
-        return cut_match(self.core.tree, result, pool_id, lambda node: self.usable(node, pool_id))
 
     # -- offer (device -> host) ------------------------------------------------------
 

@@ -44,7 +44,6 @@ from hicache.storage.base import StorageBackend
 from hicache.tiers.accounts import accounting, check_invariants
 from hicache.tiers.backups import Backups
 from hicache.tiers.checkpoints import Checkpoints
-from hicache.tiers.windows import Windows, cut_match
 from hicache.tiers.config import TierConfig
 from hicache.tiers.copying import CopyEngines
 from hicache.tiers.core import Core
@@ -61,6 +60,7 @@ from hicache.tiers.remote import NoRemote, RemoteSettings, RemoteTier
 from hicache.tiers.results import Hit, LoadTiming, TierAccount
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import InFlight, Kind
+from hicache.tiers.windows import Windows, cut_match
 from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Place, PoolId, Tier
 
 logger = logging.getLogger(__name__)
@@ -332,10 +332,10 @@ class TierManager:
         if checkpoints is None and windows is None:
             return None
         if windows is None:
-            return checkpoints.usable
+            return lambda node: checkpoints.usable(node, pool_id)
         if checkpoints is None:
             return lambda node: windows.usable(node, pool_id)
-        return lambda node: checkpoints.usable(node) and windows.usable(node, pool_id)
+        return lambda node: checkpoints.usable(node, pool_id) and windows.usable(node, pool_id)
 
     def _deliverable(self, result: MatchResult, pool: DevicePoolState) -> MatchResult:
         """The part of ``result`` a load can deliver now, cut at a node boundary: its

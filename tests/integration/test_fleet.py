@@ -15,9 +15,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 
 from daemon_util import DaemonProcess
+from engine_util import same_generation
 from hicache.client import CacheClient
 from hicache.engine.reference import ModelConfig, ReferenceEngine, TinyTransformer
 from hicache.storage.mooncake_local import free_port
@@ -69,10 +69,6 @@ class Node:
         return total
 
 
-def same(a, b):
-    assert a.tokens == b.tokens
-    for x, y in zip(a.logits, b.logits, strict=True):
-        assert torch.equal(x, y), "logits differ"
 
 
 def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, mooncake_store, model):
@@ -83,7 +79,7 @@ def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, mooncake_s
     try:
         def run(node, prompt):
             got = node.engine.generate(prompt, 6)
-            same(got, plain.generate(prompt, 6))
+            same_generation(got, plain.generate(prompt, 6))
             return got
 
         shared = rng.integers(0, CONFIG.vocab, 130).tolist()
@@ -168,7 +164,7 @@ def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_stor
         blob[-5] ^= 0x40
         assert raw.upsert(name, bytes(blob)) == 0
         got = b.engine.generate(prompt, 6)
-        same(got, plain.generate(prompt, 6))
+        same_generation(got, plain.generate(prompt, 6))
         assert got.from_tier["remote"] == 2 * ps, got.from_tier  # the pages before the bad one
         assert b.metric("hicache_remote_pages_total", op="get", result="corrupt") == 1
     finally:

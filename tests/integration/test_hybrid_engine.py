@@ -11,9 +11,9 @@ restarts. Every request is generated twice — through hicache and with caching 
 
 import numpy as np
 import pytest
-import torch
 
 from daemon_util import DaemonProcess
+from engine_util import same_generation
 from hicache.client import CacheClient
 from hicache.engine.hybrid_engine import HybridReferenceEngine
 from hicache.engine.hybrid_reference import HybridConfig, HybridTransformer
@@ -33,11 +33,6 @@ def model():
     return HybridTransformer(CONFIG)
 
 
-def same(a, b):
-    assert a.tokens == b.tokens
-    assert len(a.logits) == len(b.logits)
-    for x, y in zip(a.logits, b.logits):
-        assert torch.equal(x, y), "logits differ"
 
 
 def test_hybrid_logits_are_bit_identical_through_every_tier_and_branch(tmp_path, model):
@@ -51,7 +46,7 @@ def test_hybrid_logits_are_bit_identical_through_every_tier_and_branch(tmp_path,
     def run(tokens, new=6, chunk=CHUNK):
         got = cached.generate(tokens, new, chunk=chunk, checkpoint_every=EVERY)
         want = plain.generate(tokens, new, chunk=chunk)
-        same(got, want)
+        same_generation(got, want)
         assert want.cached_tokens == 0
         seen.update(tier for tier, n in got.from_tier.items() if n)
         return got

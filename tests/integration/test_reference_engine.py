@@ -8,9 +8,9 @@ caching disabled — and every generated token's logits must be the same bits.
 
 import numpy as np
 import pytest
-import torch
 
 from daemon_util import DaemonProcess
+from engine_util import same_generation
 from hicache.client import CacheClient
 from hicache.engine.reference import ModelConfig, ReferenceEngine, TinyTransformer
 
@@ -26,11 +26,6 @@ def model():
     return TinyTransformer(CONFIG)
 
 
-def same(a, b):
-    assert a.tokens == b.tokens
-    assert len(a.logits) == len(b.logits)
-    for x, y in zip(a.logits, b.logits):
-        assert torch.equal(x, y), "logits differ"
 
 
 def test_logits_are_bit_identical_through_every_tier(tmp_path, model):
@@ -48,7 +43,7 @@ def test_logits_are_bit_identical_through_every_tier(tmp_path, model):
             conversation = conversation + prompt(rng, new_tokens)
             got = cached.generate(conversation, 8)
             want = plain.generate(conversation, 8)
-            same(got, want)
+            same_generation(got, want)
             assert want.cached_tokens == 0
             conversation = conversation + got.tokens
             seen.update(tier for tier, n in got.from_tier.items() if n)

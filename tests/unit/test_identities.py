@@ -30,7 +30,7 @@ def config(data: dict) -> DaemonConfig:
     return DaemonConfig.from_dict(data)
 
 
-def test_the_auth_section_is_validated():
+def test_the_auth_section_is_validated(tmp_path):
     c = config(auth({"name": "a", "public_keys": [KEY], "tenants": ["t1", "t2"], "max_locks": 3}))
     (identity,) = c.auth.identities
     assert identity.tenants == ("t1", "t2") and identity.public_keys == (KEY,) and identity.max_locks == 3
@@ -54,17 +54,13 @@ def test_the_auth_section_is_validated():
             config(data)
     assert config({"server": {"tcp": "tcp://127.0.0.1:7400"}, "auth": {"insecure_tcp": True}}).server.tcp
     with pytest.raises(InvalidArgument):
-        make_daemon_with(auth({"name": "a"}, default_identity="nobody"))
+        make_daemon_with(auth({"name": "a"}, default_identity="nobody"), tmp_path)
 
 
-def make_daemon_with(data, tmp_path=None, clock=None):
-    import tempfile
-    from pathlib import Path
-
+def make_daemon_with(data, directory, clock=None):
     from hicache.daemon.service import Daemon
     from hicache.fdpass import FdExchange
 
-    directory = Path(tmp_path or tempfile.mkdtemp())
     directory.mkdir(parents=True, exist_ok=True)
     values = {"disk": {"enabled": False}, "server": {"socket": str(directory / "s.sock"), "lease_s": 5.0},
               "host": {"ratio": 1.0}, "metrics": {"enabled": False}, **data}

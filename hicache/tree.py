@@ -726,11 +726,12 @@ class HiRadixTree:
         return np.concatenate(freed) if freed else _NO_PAGES
 
     def iter_evictable(self, tier: Tier, pool: PoolId | None = None, *,
-                       namespaces: "set[NamespaceId] | frozenset[NamespaceId] | None" = None) -> Iterator[Node]:
+                       namespaces: "set[NamespaceId] | frozenset[NamespaceId] | None" = None,
+                       where: Callable[[Node], bool] | None = None) -> Iterator[Node]:
         """Unprotected leaves of one tier in eviction order (the policy's smallest key
         first). A parent that becomes a leaf because the consumer dropped its last
         resident child is yielded in its turn. Building the order is O(L log L) for L
-        current leaves. ``namespaces``: only theirs."""
+        current leaves. ``namespaces``: only theirs; ``where``: only those it accepts."""
         slot = self._slot(tier, pool)
         index = self._slots.get(slot)
         if index is None:
@@ -740,7 +741,7 @@ class HiRadixTree:
             leaves: Iterable[Node] = index.leaves
         else:
             leaves = [n for ns in namespaces for n in index.by_ns.get(ns, ())]
-        heap = [(key(n), n.node_id, n) for n in leaves]
+        heap = [(key(n), n.node_id, n) for n in leaves if where is None or where(n)]
         heapq.heapify(heap)
         while heap:
             node = heapq.heappop(heap)[2]
@@ -748,7 +749,7 @@ class HiRadixTree:
                 continue
             parent = node.parent
             yield node
-            if parent is not None and parent in index.leaves:
+            if parent is not None and parent in index.leaves and (where is None or where(parent)):
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
 
     def set_group(self, namespace: NamespaceId, group: str) -> None:

@@ -129,10 +129,13 @@ class NoDisk:
 class LocalDisk:
     enabled = True
 
-    def __init__(self, core: Core, storage: StorageBackend, write_backlog: int) -> None:
+    def __init__(self, core: Core, storage: StorageBackend, write_backlog: int, *, copies_first: bool = False) -> None:
         """``write_backlog``: pages queued to the writer at most (see
-        :mod:`hicache.tiers.disk_writes`)."""
+        :mod:`hicache.tiers.disk_writes`); ``copies_first``: evict records whose pages
+        are on host too before any other (exclusive capacity: the disk's room goes to
+        pages cached nowhere else; such a host copy is written again if it is evicted)."""
         self.core = core
+        self.copies_first = copies_first
         self.storage = storage
         self.capacity_pages = storage.stats().capacity_bytes // core.spec.host_page_bytes
         self._writer = DiskWriter(core, storage, self, write_backlog)
@@ -198,11 +201,15 @@ class LocalDisk:
         the pages freed."""
         doomed: list[bytes] = []
         leaving = []  # (namespace, parent key, page keys) of each node: for a remote write-back
-        for node in self.core.tree.iter_evictable(Tier.DISK, namespaces=namespaces):
+        tree = self.core.tree
+        for where in (_on_host, None) if self.copies_first else (None,):
             if len(doomed) >= num_pages:
                 break
-            leaving.append((node.namespace, node.parent.last_page_key, node.page_keys))
-            self._drop(node, doomed)
+            for node in tree.iter_evictable(Tier.DISK, namespaces=namespaces, where=where):
+                if len(doomed) >= num_pages:
+                    break
+                leaving.append((node.namespace, node.parent.last_page_key, node.page_keys))
+                self._drop(node, doomed)
         if doomed and not self.core.remote.write_back(leaving, self.storage):
             self.storage.delete(doomed)
         return len(doomed)
@@ -276,3 +283,7 @@ class LocalDisk:
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
         return rebuild_steps(self.core.tree, self.storage, self.core.spec, every, checkpoints)
+
+
+def _on_host(node: Node) -> bool:
+    return node.host_pages is not None

@@ -475,6 +475,68 @@ def test_exclusive_capacity_caches_about_host_plus_disk_pages(engine, tmp_path, 
         store.close()
 
 
+@pytest.mark.parametrize("capacity", ["inclusive", "exclusive"])
+def test_exclusive_capacity_evicts_disk_records_of_host_pages_first(engine, tmp_path, capacity):
+    """Seven prompts on disk only, then one read back from disk (host and disk hold it
+    now), then a prompt whose write needs disk room. Inclusive: the disk's LRU goes —
+    the oldest prompt. Exclusive: the record of the prompt read back goes (its host copy
+    stays), and the disk keeps a page cached nowhere else; that prompt is written again
+    when its host copy is evicted. Nothing is lost, every page loads with its bytes."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=16 * SPEC.host_page_bytes)
+    policy = {"disk_policy": "write_back", "capacity": "exclusive"} if capacity == "exclusive" else {}
+    tm, handle = make_tm(engine, host_pages=16, storage=store, **policy)
+    pool = tm.pools.get(0)
+
+    def to_disk_only():
+        tm.evict(Tier.DEVICE, pool.allocator.capacity, 0)
+        tm.evict(Tier.HOST, tm.host_alloc.capacity)
+        settle(tm)
+
+    def load(toks):
+        node = tm.match(NS, toks, 0).match.node
+        tm.lock(node, 0)
+        loaded = tm.wait(tm.load(node, 0))
+        engine.wait(handle, loaded.wait)
+        engine.check(NS, toks, loaded.device_pages)
+        tm.unlock(node, 0)
+        settle(tm)
+
+    try:
+        old = [tokens(1000 * i, 2) for i in range(6)]
+        read_back = tokens(9000, 2)
+        for toks in old + [read_back]:
+            prefill(tm, engine, toks)
+            settle(tm)
+        to_disk_only()
+        assert disk_pages(tm) == 14 and tm.tree.sizes(Tier.HOST).cached == 0
+        load(read_back)  # disk -> host -> device: on every tier now
+        (node,) = tm.tree.path(tm.tree.match(NS, read_back, 0, touch=False).node)
+        assert node.on_disk and node.host_pages is not None
+        for toks in (tokens(20000, 2), tokens(21000, 2)):  # written to disk: 18 pages > 16
+            new = prefill(tm, engine, toks).node
+            settle(tm)
+            assert new.on_disk or tm.disk.write(new)  # (inclusive: written through already)
+            settle(tm)
+        cached = lambda toks: tm.tree.match(NS, toks, 0, touch=False).num_pages == 2  # noqa: E731
+        if capacity == "inclusive":
+            assert not cached(old[0])  # the disk's oldest went
+            assert node.on_disk
+        else:
+            assert cached(old[0]) and all(cached(toks) for toks in old)
+            assert not node.on_disk and node.host_pages is not None  # its record went, not a page
+        assert cached(read_back)
+        to_disk_only()  # the host copies are written before they go (exclusive)
+        for toks in [toks for toks in old + [read_back] if cached(toks)]:
+            load(toks)
+        assert cached(read_back)  # (the newest: written again, or never dropped)
+        assert store.stats().records == disk_pages(tm)
+    finally:
+        tm.close()
+        store.close()
+
+
 def test_exclusive_capacity_needs_the_write_back_disk_policy():
     with pytest.raises(InvalidArgument, match="write_back"):
         TierConfig(capacity="exclusive")

@@ -129,13 +129,17 @@ class NoDisk:
 class LocalDisk:
     enabled = True
 
-    def __init__(self, core: Core, storage: StorageBackend, write_backlog: int, *, copies_first: bool = False) -> None:
+    def __init__(self, core: Core, storage: StorageBackend, write_backlog: int, *,
+                 clean_host_floor: int | None = None) -> None:
         """``write_backlog``: pages queued to the writer at most (see
-        :mod:`hicache.tiers.disk_writes`); ``copies_first``: evict records whose pages
-        are on host too before any other (exclusive capacity: the disk's room goes to
-        pages cached nowhere else; such a host copy is written again if it is evicted)."""
+        :mod:`hicache.tiers.disk_writes`). ``clean_host_floor``: unless ``None``, the
+        records of pages that are on host too are evicted before any other while more
+        than this many host pages are clean (exclusive capacity: the disk's room goes to
+        pages cached nowhere else; such a host copy is written again if it is evicted,
+        and the floor keeps host pages that can go without a write for reads from disk
+        to land in)."""
         self.core = core
-        self.copies_first = copies_first
+        self.clean_host_floor = clean_host_floor
         self.storage = storage
         self.capacity_pages = storage.stats().capacity_bytes // core.spec.host_page_bytes
         self._writer = DiskWriter(core, storage, self, write_backlog)
@@ -202,14 +206,15 @@ class LocalDisk:
         doomed: list[bytes] = []
         leaving = []  # (namespace, parent key, page keys) of each node: for a remote write-back
         tree = self.core.tree
-        for where in (_on_host, None) if self.copies_first else (None,):
-            if len(doomed) >= num_pages:
-                break
+        floor = self.clean_host_floor
+        for where in (None,) if floor is None else (_on_host, None):
             for node in tree.iter_evictable(Tier.DISK, namespaces=namespaces, where=where):
-                if len(doomed) >= num_pages:
+                if len(doomed) >= num_pages or (where is not None and tree.clean_host_pages() <= floor):
                     break
                 leaving.append((node.namespace, node.parent.last_page_key, node.page_keys))
                 self._drop(node, doomed)
+            if len(doomed) >= num_pages:
+                break
         if doomed and not self.core.remote.write_back(leaving, self.storage):
             self.storage.delete(doomed)
         return len(doomed)

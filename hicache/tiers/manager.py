@@ -112,7 +112,8 @@ class TierManager:
         self.quotas = self._core.quotas = SpaceQuotas(self.tree, self.metrics.quota_refused)
         self._core.evict_own = self._evict_own
         backlog = self.config.disk_write_backlog or max(1, host_pages // 2)
-        self.disk: DiskTier = (LocalDisk(self._core, storage, backlog, copies_first=self.config.exclusive)
+        self.disk: DiskTier = (LocalDisk(self._core, storage, backlog, clean_host_floor=(
+            host_pages // FREE_HOST_SHARE if self.config.exclusive else None))
                                if storage is not None and self.disk_policy.enabled else NoDisk())
         remote_settings = remote_settings or RemoteSettings()
         if remote is not None and remote_settings.policy == "write_back" and not self.disk.enabled:

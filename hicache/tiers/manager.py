@@ -820,6 +820,7 @@ class TierManager:
 
     def close(self) -> None:
         self.flush()
+        self._core.misses.close()
         self.remote.close()
         self.workers.close()
         if self._copy_workers is not None:

@@ -24,6 +24,8 @@ each; a trace with more evictions than that booked the older ones as ``never_sto
 from __future__ import annotations
 
 import itertools
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -122,16 +124,27 @@ class EvictionLog:
 
 
 class MissReasons:
-    """The eviction log behind the miss reasons. Evictions are recorded in batches: a
-    node's keys wait in a list until a reason is asked for or :data:`PENDING_KEYS` keys
-    wait (an eviction step drops many small nodes, and one vectorized record of all
-    their keys costs about what one node's did), in the order they left their tiers."""
+    """The eviction log behind the miss reasons. Evictions are recorded in batches, off
+    the owner thread: a node's keys wait in a list until :data:`PENDING_KEYS` keys wait
+    (an eviction step drops many small nodes, and one vectorized record of all their
+    keys costs about what one node's did), then the batch goes to a thread of its own
+    that records it. A reason looks at the keys still waiting or being recorded first,
+    newest first, then at the log — so it is the same as if every eviction had been
+    recorded at once, in the order the pages left their tiers.
+
+    (Recorded on the owner thread, before each reason it was asked for, a batch took
+    5 ms of a ``match``'s bookkeeping on average and up to 30: its dozen numpy steps each
+    let the disk writer's threads take the interpreter — the slowest ``lock`` calls of
+    ``bench_scale`` waited behind it.)"""
 
     def __init__(self, metrics=None, slots: int = EVICTION_SLOTS) -> None:
         self.metrics = metrics if metrics is not None else NullMetrics()
         self._log = EvictionLog(slots)
         self._pending: list[tuple[Tier, bytes]] = []
         self._num_pending = 0
+        self._recording: deque[list[tuple[Tier, bytes]]] = deque()  # handed to the recorder, oldest first
+        self._recorder: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
 
     @property
     def nbytes(self) -> int:
@@ -142,23 +155,48 @@ class MissReasons:
         self._pending.append((tier, node.page_keys))
         self._num_pending += node.num_pages
         if self._num_pending >= PENDING_KEYS:
-            self.flush()
+            self._hand_off()
         self.metrics.evicted(tier, node.num_pages)
         if len(node.residency) == 1:
             self.metrics.dropped(tier, node.num_pages)
 
-    def flush(self) -> None:
-        """Record the evictions that wait: one record per run of one tier, in order."""
-        if not self._pending:
-            return
+    def _hand_off(self) -> None:
         pending, self._pending, self._num_pending = self._pending, [], 0
-        for tier, run in itertools.groupby(pending, key=lambda item: item[0]):
-            self._log.record(b"".join(keys for _, keys in run), tier)
+        if self._recorder is None:
+            self._recorder = ThreadPoolExecutor(1, thread_name_prefix="hicache-eviction-log")
+        self._recording.append(pending)
+        self._last = self._recorder.submit(self._record, pending)
+
+    def _record(self, pending: list[tuple[Tier, bytes]]) -> None:
+        """One batch into the log, a record per run of one tier, in order (recorder)."""
+        try:
+            for tier, run in itertools.groupby(pending, key=lambda item: item[0]):
+                self._log.record(b"".join(keys for _, keys in run), tier)
+        finally:
+            self._recording.popleft()  # (FIFO: it is the oldest)
+
+    def flush(self) -> None:
+        """Record every eviction that waits, and return once they are in the log."""
+        if self._pending:
+            self._hand_off()
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.shutdown(wait=True)
 
     def reason(self, page_key: PageKey) -> str:
         """``evicted_<tier>`` if this page's eviction is remembered, else ``never_stored``."""
-        self.flush()
-        tier = self._log.tier(page_key)
+        key = bytes(page_key)
+        tier = _newest(self._pending, key)
+        if tier is None:
+            for batch in reversed(list(self._recording)):  # (a copy: the recorder pops from it)
+                tier = _newest(batch, key)
+                if tier is not None:
+                    break
+            else:
+                tier = self._log.tier(key)
         return f"evicted_{tier.label}" if tier is not None else "never_stored"
 
     def after(self, namespace: NamespaceId, tokens: bytes, match: MatchResult) -> str:
@@ -170,3 +208,14 @@ class MissReasons:
         if len(page) < ps * TOKEN_BYTES or match.node is None:
             return "never_stored"
         return self.reason(chain_page_keys(namespace, match.node.last_page_key, page, ps))
+
+
+def _newest(batch: list[tuple[Tier, bytes]], key: bytes) -> Tier | None:
+    """The tier ``key`` left last within ``batch`` (runs of packed keys, oldest first)."""
+    for tier, keys in reversed(batch):
+        at = keys.find(key)
+        while at >= 0:
+            if at % PAGE_KEY_BYTES == 0:
+                return tier
+            at = keys.find(key, at + 1)
+    return None

@@ -90,9 +90,10 @@ def test_miss_reasons_stay_right_after_more_evictions_than_the_old_window():
 
 
 def test_batched_evictions_keep_their_order_across_tiers():
-    """Evictions wait in a batch until a reason is asked for (or the batch is full):
-    a page that left the device, came back and left the host within one batch reads as
-    evicted from the host, and the other way round; a batch fills and records itself."""
+    """Evictions wait in a batch until it is full, then a thread records it: a page
+    that left the device, came back and left the host within one batch reads as evicted
+    from the host, and the other way round; a reason sees the batches waiting or being
+    recorded, newest first, and never a key made of two neighbours' halves."""
     from types import SimpleNamespace
 
     from hicache.tiers.misses import PENDING_KEYS, MissReasons
@@ -112,5 +113,17 @@ def test_batched_evictions_keep_their_order_across_tiers():
     assert [misses.reason(k[j : j + PAGE_KEY_BYTES]) for k in (a, b) for j in (0, PAGE_KEY_BYTES)] == [
         "evicted_host", "evicted_host", "evicted_device", "evicted_device"]
     many = random_keys(rng, PENDING_KEYS)
-    misses.evicted(node(many), Tier.DISK)
-    assert misses._log.tier(many[-PAGE_KEY_BYTES:]) is Tier.DISK  # a full batch is recorded at once
+    misses.evicted(node(many), Tier.DISK)  # a full batch: to the recorder thread
+    assert not misses._pending
+    assert misses.reason(many[-PAGE_KEY_BYTES:]) == "evicted_disk"  # (being recorded, or in the log)
+    misses.evicted(node(a), Tier.DISK)  # newer than the batch being recorded: it wins
+    assert misses.reason(a[:PAGE_KEY_BYTES]) == "evicted_disk"
+    misses.flush()
+    assert misses._log.tier(many[-PAGE_KEY_BYTES:]) is Tier.DISK and not misses._recording
+    assert misses._log.tier(a[PAGE_KEY_BYTES:2 * PAGE_KEY_BYTES]) is Tier.DISK
+    assert misses.reason(b[:PAGE_KEY_BYTES]) == "evicted_device"
+    c = random_keys(rng, 2)
+    misses.evicted(node(c), Tier.HOST)
+    straddling = c[PAGE_KEY_BYTES // 2 : PAGE_KEY_BYTES // 2 + PAGE_KEY_BYTES]
+    assert misses.reason(straddling) == "never_stored" and misses.reason(c[PAGE_KEY_BYTES:]) == "evicted_host"
+    misses.close()

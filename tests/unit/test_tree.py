@@ -240,6 +240,75 @@ def test_iter_evictable_reaches_parents_after_their_children(tree, alloc):
     assert seen == [child, parent] and len(tree) == 0
 
 
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+def test_kept_eviction_order_is_always_the_policy_order(alloc, policy):
+    """The order kept from one eviction to the next (entries pushed as nodes become
+    leaves, left behind or re-positioned lazily) against a fresh sort of the leaves at
+    every step: branches inserted, hits (keys grow), locks, host copies added and
+    dropped, and evictions that skip nodes and stop early (the skipped and the last one
+    keep their place)."""
+    rng = np.random.default_rng(11)
+    t = HiRadixTree(eviction=policy)
+    t.add_namespace(NS, PS)
+    key = eviction_policy(policy).key
+    prefixes = [seq(1000 * i, pages=2) for i in range(4)]
+    locked = []
+
+    def check_order(slot, tier, pool):
+        index = t._slots.get(slot)
+        if index is None:
+            return
+        expected = sorted(index.leaves, key=lambda n: (key(n), n.node_id))
+        assert list(t.iter_evictable(tier, pool)) == expected  # (nothing dropped: all leaves, once)
+        assert list(t.iter_evictable(tier, pool)) == expected  # and the order survives the walk
+
+    for step in range(300):
+        op = rng.integers(7)
+        if op <= 1:  # a branch under a random prefix
+            toks = prefixes[rng.integers(4)] + seq(int(rng.integers(1, 10**6)), pages=int(rng.integers(1, 3)))
+            hit = t.match(NS, toks, 0)
+            new = alloc.alloc(len(toks) // PS - hit.num_device_pages)
+            if new is not None:
+                pages = np.concatenate((hit.device_pages, new))
+                alloc.free(t.insert(NS, toks, 0, pages, priority=int(rng.integers(3))).duplicate_pages)
+        elif op == 2 and len(t):  # a hit on an existing path
+            node = rng.choice(sorted(t.nodes(), key=lambda n: n.node_id))
+            t.match(NS, [tok for n in t.path(node) for tok in np.frombuffer(n.tokens, np.int32).tolist()]
+                    if all(n.tokens for n in t.path(node)) else [], 0)
+        elif op == 3 and len(t):  # lock or unlock
+            if locked and rng.random() < 0.5:
+                t.unlock(locked.pop(), 0)
+            else:
+                node = rng.choice(sorted(t.nodes(), key=lambda n: n.node_id))
+                t.lock(node, 0)
+                locked.append(node)
+        elif op == 4 and len(t):  # host copies along a path
+            node = rng.choice(sorted(t.nodes(), key=lambda n: n.node_id))
+            for n in t.path(node):
+                if n.host_pages is None:
+                    t.add_host(n, np.arange(n.num_pages, dtype=np.int32) + 100 * n.node_id)
+        else:  # an eviction from device or host that skips every other node and stops early
+            tier, pool = (Tier.DEVICE, 0) if op == 5 else (Tier.HOST, None)
+            slot = 0 if op == 5 else -1
+            index = t._slots.get(slot)
+            yielded = set()
+            budget = int(rng.integers(1, 6))
+            for i, node in enumerate(t.iter_evictable(tier, pool)):
+                rest = [n for n in index.leaves if n.node_id not in yielded]
+                assert node is min(rest, key=lambda n: (key(n), n.node_id))
+                yielded.add(node.node_id)
+                if i % 2 == 0 and (tier == Tier.HOST or len(node.residency) > 1):
+                    dropped = t.drop(node, tier, pool)
+                    if tier == Tier.DEVICE:
+                        alloc.free(dropped)
+                    budget -= 1
+                if budget <= 0:
+                    break
+        t.check_invariants()
+        check_order(0, Tier.DEVICE, 0)
+        check_order(-1, Tier.HOST, None)
+
+
 def test_namespace_isolation(tree, alloc):
     tokens = seq(100, pages=3)
     a = insert(tree, alloc, tokens, ns=NS)

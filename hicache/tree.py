@@ -264,20 +264,23 @@ class _SlotIndex:
     a space quota's eviction looks at its own only), and page counts.
 
     ``heap`` keeps the leaves in eviction order from one eviction to the next: an
-    entry ``(key, node id, sequence, node)`` is pushed when a node becomes a leaf, and
-    left in place when it stops being one or its key grows (every policy's key only
-    grows: a hit, an access, a higher priority); :meth:`HiRadixTree.iter_evictable`
-    drops or re-positions such entries as it meets them. Rebuilding the order from the
-    leaves on every eviction cost 3-11 ms at ~2,500 disk leaves (a cache miss or two a
-    node), on every disk write that needed room."""
+    entry ``(key, node id, sequence)`` is pushed when a node becomes a leaf, and left in
+    place when it stops being one or its key grows (every policy's key only grows: a
+    hit, an access, a higher priority); :meth:`HiRadixTree.iter_evictable` drops or
+    re-positions such entries as it meets them. Rebuilding the order from the leaves on
+    every eviction cost 3-11 ms at ~2,500 disk leaves (a cache miss or two a node), on
+    every disk write that needed room. (An entry holds the node's id, not the node: a
+    tuple of numbers the cyclic collector stops tracking, where a tuple holding a node
+    stays tracked — tens of thousands of them, walked by every collection.)"""
 
     leaves: set[Node]
     key: Callable[[Node], Any]
+    nodes: dict[int, Node]  # the tree's, by id
     evictable: int = 0
     protected: int = 0
     by_ns: dict[NamespaceId, set[Node]] = field(default_factory=dict)
-    heap: list[tuple[Any, int, int, Node]] = field(default_factory=list)
-    pushed: int = 0  # entries ever pushed: the sequence (entries of one node never compare nodes)
+    heap: list[tuple[Any, int, int]] = field(default_factory=list)
+    pushed: int = 0  # entries ever pushed: a sequence, so that no two entries are equal
 
     def add_leaf(self, node: Node) -> None:
         if node in self.leaves:
@@ -299,13 +302,13 @@ class _SlotIndex:
 
     def push(self, node: Node) -> None:
         self.pushed += 1
-        heapq.heappush(self.heap, (self.key(node), node.node_id, self.pushed, node))
+        heapq.heappush(self.heap, (self.key(node), node.node_id, self.pushed))
         if len(self.heap) > 2 * len(self.leaves) + 64:  # mostly entries left behind: start over
             self.rebuild()
 
     def rebuild(self) -> None:
         key = self.key
-        self.heap = [(key(n), n.node_id, i, n) for i, n in enumerate(self.leaves, self.pushed + 1)]
+        self.heap = [(key(n), n.node_id, i) for i, n in enumerate(self.leaves, self.pushed + 1)]
         self.pushed += len(self.heap)
         heapq.heapify(self.heap)
 
@@ -361,8 +364,8 @@ class HiRadixTree:
         self._nodes: dict[int, Node] = {}
         self._next_id = 0
         self._tick = 0
-        self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set(), self._policy.key),
-                                               DISK_SLOT: _SlotIndex(set(), self._policy.key)}
+        self._slots: dict[Slot, _SlotIndex] = {HOST_SLOT: _SlotIndex(set(), self._policy.key, self._nodes),
+                                               DISK_SLOT: _SlotIndex(set(), self._policy.key, self._nodes)}
         self._clean_host = 0  # see clean_host_pages
         # Host and disk pages per namespace, and per group of namespaces (a tenant: see
         # set_group; "" = none assigned), for space quotas and occupancy figures.
@@ -1062,7 +1065,7 @@ class HiRadixTree:
     def _slot_index(self, slot: Slot) -> _SlotIndex:
         index = self._slots.get(slot)
         if index is None:
-            index = self._slots[slot] = _SlotIndex(set(), self._policy.key)
+            index = self._slots[slot] = _SlotIndex(set(), self._policy.key, self._nodes)
         return index
 
     def _add_checked(self, node: Node, slot: Slot, pages: PageIdsLike | None) -> None:
@@ -1201,8 +1204,8 @@ class HiRadixTree:
                 _slot_name(slot), (index.evictable, index.protected), (evictable, protected))
             assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
             first: dict[int, Any] = {}  # each leaf's smallest key in the kept order: never above its own
-            for key, node_id, _, node in index.heap:
-                if node in index.leaves and (node_id not in first or key < first[node_id]):
+            for key, node_id, _ in index.heap:
+                if node_id not in first or key < first[node_id]:
                     first[node_id] = key
             assert all(n.node_id in first and not index.key(n) < first[n.node_id] for n in index.leaves), (
                 f"eviction order of {_slot_name(slot)}")
@@ -1313,29 +1316,30 @@ def _iter_leaves(index: _SlotIndex) -> Iterator[Node]:
     no longer leaves go, entries whose key grew move down; a node the consumer did not
     evict (skipped, or the last one yielded when it stopped) gets its entry back. A
     parent that becomes a leaf meanwhile is pushed by the tree (``add_leaf``)."""
-    heap, leaves, key = index.heap, index.leaves, index.key
-    kept: list[tuple[Any, int, int, Node]] = []  # yielded, still leaves: pushed back at the end
+    heap, leaves, key, nodes = index.heap, index.leaves, index.key, index.nodes
+    kept: list[tuple[Any, int, int]] = []  # yielded, still leaves: pushed back at the end
     seen: set[int] = set()
     try:
         while heap:
             entry = heap[0]
-            node = entry[3]
-            if node not in leaves or node.node_id in seen:
+            node = nodes.get(entry[1])
+            if node is None or node not in leaves or entry[1] in seen:
                 heapq.heappop(heap)  # (an entry left behind, or a second one of a node met already)
                 continue
             current = key(node)
             if current != entry[0]:
                 index.pushed += 1
-                heapq.heapreplace(heap, (current, entry[1], index.pushed, node))
+                heapq.heapreplace(heap, (current, entry[1], index.pushed))
                 continue
             heapq.heappop(heap)
-            seen.add(node.node_id)
+            seen.add(entry[1])
             kept.append(entry)
             yield node
             heap = index.heap  # (a push may have rebuilt it)
     finally:
         for entry in kept:
-            if entry[3] in leaves:
+            node = nodes.get(entry[1])
+            if node is not None and node in leaves:
                 heapq.heappush(index.heap, entry)
 
 

@@ -41,7 +41,8 @@ class TierConfig:
     # "write_back"): a page reaches disk as the host evicts it — always written first,
     # even with a device copy left — and the host keeps a sixteenth of its pages free
     # ahead of need, so host and disk hold different pages and the cache about as much
-    # as both. See TierManager._keep_host_free and systemd/hicache.toml for the trade-off.
+    # as both (the disk evicts records of pages read back to host first). See
+    # TierManager._keep_host_free, LocalDisk.evict and systemd/hicache.toml for the trade-off.
     capacity: str = "inclusive"
     # Host state slots for recurrent-state checkpoints (specs with state layers only;
     # hicache.tiers.checkpoints); 0: enough to take an eighth of the host tier's bytes,

@@ -67,6 +67,17 @@ def settle(tm):
     tm.check_invariants()
 
 
+def load_and_check(tm, engine, handle, toks):
+    """Match, lock and load ``toks`` into pool 0; the pages hold its bytes."""
+    node = tm.match(NS, toks, 0).match.node
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(node, 0)
+    settle(tm)
+
+
 def test_write_through_backs_up_on_insert(engine):
     tm, _ = make_tm(engine, write_policy="write_through")
     toks = tokens(100, 3)
@@ -462,13 +473,7 @@ def test_exclusive_capacity_caches_about_host_plus_disk_pages(engine, tmp_path, 
             assert tm.num_cached_pages() >= 2 * 16 - 2 and tm.host_alloc.num_free >= 1
             assert cached == prompts[-len(cached):]  # the newest ones, none lost in between
         for toks in cached:
-            node = tm.match(NS, toks, 0).match.node
-            tm.lock(node, 0)
-            loaded = tm.wait(tm.load(node, 0))
-            engine.wait(handle, loaded.wait)
-            engine.check(NS, toks, loaded.device_pages)
-            tm.unlock(node, 0)
-            settle(tm)
+            load_and_check(tm, engine, handle, toks)
         assert store.stats().records == disk_pages(tm)
     finally:
         tm.close()
@@ -494,15 +499,6 @@ def test_exclusive_capacity_evicts_disk_records_of_host_pages_first(engine, tmp_
         tm.evict(Tier.HOST, tm.host_alloc.capacity)
         settle(tm)
 
-    def load(toks):
-        node = tm.match(NS, toks, 0).match.node
-        tm.lock(node, 0)
-        loaded = tm.wait(tm.load(node, 0))
-        engine.wait(handle, loaded.wait)
-        engine.check(NS, toks, loaded.device_pages)
-        tm.unlock(node, 0)
-        settle(tm)
-
     try:
         old = [tokens(1000 * i, 2) for i in range(6)]
         read_back = tokens(9000, 2)
@@ -511,7 +507,7 @@ def test_exclusive_capacity_evicts_disk_records_of_host_pages_first(engine, tmp_
             settle(tm)
         to_disk_only()
         assert disk_pages(tm) == 14 and tm.tree.sizes(Tier.HOST).cached == 0
-        load(read_back)  # disk -> host -> device: on every tier now
+        load_and_check(tm, engine, handle, read_back)  # disk -> host -> device: on every tier now
         (node,) = tm.tree.path(tm.tree.match(NS, read_back, 0, touch=False).node)
         assert node.on_disk and node.host_pages is not None
         for toks in (tokens(20000, 2), tokens(21000, 2)):  # written to disk: 18 pages > 16
@@ -529,7 +525,7 @@ def test_exclusive_capacity_evicts_disk_records_of_host_pages_first(engine, tmp_
         assert cached(read_back)
         to_disk_only()  # the host copies are written before they go (exclusive)
         for toks in [toks for toks in old + [read_back] if cached(toks)]:
-            load(toks)
+            load_and_check(tm, engine, handle, toks)
         assert cached(read_back)  # (the newest: written again, or never dropped)
         assert store.stats().records == disk_pages(tm)
     finally:

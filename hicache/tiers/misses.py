@@ -145,6 +145,7 @@ class MissReasons:
         self._recording: deque[list[tuple[Tier, bytes]]] = deque()  # handed to the recorder, oldest first
         self._recorder: ThreadPoolExecutor | None = None
         self._last: Future | None = None
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
@@ -162,9 +163,12 @@ class MissReasons:
 
     def _hand_off(self) -> None:
         pending, self._pending, self._num_pending = self._pending, [], 0
+        self._recording.append(pending)
+        if self._closed:  # (evictions after close: recorded here)
+            self._record(pending)
+            return
         if self._recorder is None:
             self._recorder = ThreadPoolExecutor(1, thread_name_prefix="hicache-eviction-log")
-        self._recording.append(pending)
         self._last = self._recorder.submit(self._record, pending)
 
     def _record(self, pending: list[tuple[Tier, bytes]]) -> None:
@@ -183,6 +187,7 @@ class MissReasons:
             self._last.result()
 
     def close(self) -> None:
+        self._closed = True
         if self._recorder is not None:
             self._recorder.shutdown(wait=True)
 

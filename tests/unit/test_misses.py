@@ -127,3 +127,5 @@ def test_batched_evictions_keep_their_order_across_tiers():
     straddling = c[PAGE_KEY_BYTES // 2 : PAGE_KEY_BYTES // 2 + PAGE_KEY_BYTES]
     assert misses.reason(straddling) == "never_stored" and misses.reason(c[PAGE_KEY_BYTES:]) == "evicted_host"
     misses.close()
+    misses.evicted(node(many), Tier.HOST)  # after close: recorded on the caller's thread
+    assert misses._log.tier(many[:PAGE_KEY_BYTES]) is Tier.HOST and not misses._recording

@@ -760,8 +760,10 @@ class HiRadixTree:
                        where: Callable[[Node], bool] | None = None) -> Iterator[Node]:
         """Unprotected leaves of one tier in eviction order (the policy's smallest key
         first). A parent that becomes a leaf because the consumer dropped its last
-        resident child is yielded in its turn. Building the order is O(L log L) for L
-        current leaves. ``namespaces``: only theirs; ``where``: only those it accepts."""
+        resident child is yielded in its turn. The order is kept between calls (see
+        :class:`_SlotIndex`): a call costs O((k + s) log L) for k nodes taken, s stale
+        entries met and L leaves. ``namespaces``: only theirs; ``where``: only those it
+        accepts — with either, the order is built for the call, O(L log L)."""
         slot = self._slot(tier, pool)
         index = self._slots.get(slot)
         if index is None:

@@ -1,46 +1,73 @@
-"""The default disk tier: one LMDB environment, one writer thread, readers on any thread.
+"""The default disk tier: page payloads in slab files, their index in one LMDB
+environment; one writer thread, readers on any thread.
 
-Layout of the environment (directory ``path``, files ``data.mdb`` and ``lock.mdb``)::
+Layout of the store directory::
 
-    sub-database "payload": page key (16 B) -> header (48 B) + host page bytes
-    sub-database "meta":    page key (16 B) -> metadata record (72 B) + token ids
+    data.mdb, lock.mdb    the LMDB environment, sub-databases
+        "meta":    page key (16 B) -> metadata record (88 B) + token ids
+        "payload": page key (16 B) -> header (48 B) + page bytes   (stores written
+                   before the slab files: read, never written; see "Legacy records")
+    slab-<slot bytes>.bin one file per slot size: slot i at byte i * slot bytes
 
-    payload header, little-endian                      metadata record, little-endian
-    +-------+---------------------------------------+  +-------+---------------------------+
-    | 0  4s | magic b"HCKV"                         |  | 0  B  | meta format version (2)   |
-    | 4  H  | payload format version (1)            |  | 1  3x | reserved (zero)           |
-    | 6  H  | header size (48)                      |  | 4  Q  | payload size              |
-    | 8  16s| spec fingerprint                      |  | 12 d  | last access (unix s)      |
-    | 24 Q  | payload length                        |  | 20 16s| namespace id              |
-    | 32 Q  | xxh3_64 of bytes [0, 32) + payload    |  | 36 16s| parent page key           |
-    | 40 8x | reserved (zero)                       |  | 52 16s| spec fingerprint          |
-    +-------+---------------------------------------+  | 68 I  | token bytes that follow   |
-                                                       +-------+---------------------------+
+    metadata record, little-endian (version 3)
+    +-------+-----------------------------------------------------------------+
+    | 0  B  | meta format version (3)                                         |
+    | 1  3x | reserved (zero)                                                 |
+    | 4  Q  | payload size                                                    |
+    | 12 d  | last access (unix s)                                            |
+    | 20 16s| namespace id                                                    |
+    | 36 16s| parent page key                                                 |
+    | 52 16s| spec fingerprint                                                |
+    | 68 I  | token bytes that follow                                         |
+    | 72 Q  | slot: the payload is bytes [slot * S, slot * S + payload size)  |
+    |       | of slab-<S>.bin, S = the slot size of the payload size          |
+    | 80 Q  | xxh3_64 of the payload, seeded by key, fingerprint and size     |
+    +-------+-----------------------------------------------------------------+
 
-The metadata record carries the spec fingerprint too, so a warm restart can rebuild one
-spec's tree from metadata alone. A record of another meta format version reads as
-unreadable: opening the store drops it with its payload.
+Why slab files: LMDB can only take a value as one buffer (py-lmdb has no MDB_RESERVE),
+so a payload stored in LMDB was copied behind its header, then copied into LMDB's dirty
+pages, then written out at the commit: puts ran at 0.23-0.37x a raw ``pwrite`` of the
+same bytes. A put now checksums the caller's rows in place and ``pwritev``s them into
+free slots, one call per run of adjacent slots; a get ``preadv``s into the caller's
+buffers and checksums them there. LMDB keeps what it is good at: the small records, the
+atomic commit and MVCC reads.
 
-The checksum covers the header fields before it as well as the payload, so a flipped
-fingerprint or length is caught like a flipped payload byte. A value that takes LMDB
-overflow pages starts 16 bytes into its first page, so the payload lands 64-byte aligned.
+Slot sizes are classes (``m * 2^e``, ``m`` in 4..7, at least 512 bytes), so a store of
+many payload sizes holds a handful of files; a payload shorter than its slot leaves the
+slot's tail unwritten (a hole: no disk space). A slot is free when no committed record
+names it. A slot freed by a commit is reused only once every read that began before that
+commit is over (:class:`_ReadGate` counts readers by generation), so a read never sees a
+slot being rewritten for another key. Opening the store rebuilds the free slots from
+the metadata and truncates each file after its last used slot.
 
-Integrity: every get checks magic, version, header size, value length against the
-header, and the checksum, over LMDB's zero-copy view inside the read transaction, before
-copying anything out. A record that fails is reported missing, counted in
-``corrupt_records`` and queued for deletion: the writer checks it again in its own
-transaction (the key may have been rewritten since) and deletes payload and metadata,
-so it stops taking capacity. An intact record of another spec fingerprint is reported
-missing and counted as well, but kept: deleting it would punish a caller bug.
+Ordering: a put writes its payloads to free slots first and commits their metadata
+after; a kill between the two leaves slots that no record names, which the next open
+finds free. The commit is the only moment a record appears. With ``sync=True`` the slab
+files are ``fdatasync``ed before each commit.
+
+Legacy records (meta format version 2, 72-byte record without slot and checksum): their
+payload is in the "payload" sub-database behind a 48-byte header (magic ``HCKV``,
+version 1, header size, fingerprint, length, xxh3_64 of the header's first 32 bytes and
+the payload). They stay readable, count toward the capacity and are evicted like any
+other record; a put of the same key replaces one with a slab record. A store therefore
+keeps its cache across the upgrade and sheds the old format as it turns over.
+
+The checksum covers the key, the fingerprint and the size, so a record whose metadata
+was damaged, or a slot that holds another key's bytes, fails like a flipped payload byte.
+
+Integrity: every get checks the metadata's version and length, reads the payload and
+checks its checksum before reporting it found. A record that fails is reported missing,
+counted in ``corrupt_records`` and queued for deletion: the writer checks it again in
+its own transaction (the key may have been rewritten since) and deletes it, so it stops
+taking capacity. An intact record of another spec fingerprint is reported missing and
+counted as well, but kept: deleting it would punish a caller bug.
 
 Writes: :meth:`LmdbBackend.put` and :meth:`LmdbBackend.delete` validate on the caller's
 thread and queue an operation; the writer thread (which also opens the environment, so
 every write transaction lives on the thread that opened it) takes whatever is queued, up
 to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transaction,
 commits, updates the record and byte counts and only then resolves the futures, in queue order.
-The byte bound defaults to 2 MiB: LMDB copies each value into dirty pages that it writes
-out at the commit, and a batch that still sits in the CPU cache then makes puts of 64 KiB
-pages ~1.3-1.5x faster than 16 MiB batches on the benchmark machine. One put call is never
+The byte bound defaults to 2 MiB (the payloads a commit waits on). One put call is never
 split (its records commit together), so a larger call makes a larger transaction.
 A batch that raises is aborted and fails all its futures; the counts change only after a
 commit, so the store and the counts stay consistent. ``lmdb.MapFullError`` doubles the map
@@ -59,14 +86,14 @@ being killed at any moment (the data is in the OS page cache). With ``sync=False
 default) an OS crash or power loss can lose the last commits, never tear one;
 ``sync=True`` fsyncs on every commit.
 
-``writemap`` is off by default. On, LMDB writes pages in the map in place (puts at most
-~10% faster in ``benchmarks/bench_storage.py`` with 2 MiB batches), but the data file
-becomes a sparse file of the map's size, and on a full disk the first write to a page
-kills the process with SIGBUS; off, the commit fails with ENOSPC and only that batch's
-futures fail.
+``writemap`` is off by default. On, LMDB writes its pages in the map in place, but the
+data file becomes a sparse file of the map's size, and on a full disk the first write to
+a page kills the process with SIGBUS; off, the commit fails with ENOSPC and only that
+batch's futures fail. (A full disk under a slab write fails that batch the same way.)
 
 Capacity: ``capacity_bytes`` bounds the stored payload bytes; the least recently used
-records go first. The LRU order is the stored last-access times: no per-record index is
+records go first. The slab files hold at most that much written payload, plus the slots
+freed by commits that readers still hold and one batch's worth. The LRU order is the stored last-access times: no per-record index is
 kept in memory (an ordered dict of keys and sizes cost ~190 bytes a record, 3 GB for a
 16 M-page store). Reads record their accesses in memory and the writer persists them
 lazily, with the next batch or after ``access_flush_interval_s`` of idleness, never one
@@ -79,6 +106,8 @@ has not changed since is the oldest there is — exact LRU at O(1) a victim amor
 
 from __future__ import annotations
 
+import functools
+import heapq
 import itertools
 import logging
 import os
@@ -88,8 +117,9 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 import lmdb
@@ -105,16 +135,22 @@ from hicache.storage.base import Buffer, PageBatch, PageMeta, PageRecord, PutRes
 logger = logging.getLogger(__name__)
 
 
+# Legacy payload records (meta format version 2): header + payload in "payload".
 PAYLOAD_MAGIC = b"HCKV"
 PAYLOAD_VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQQ8x")
 HEADER_BYTES = _HEADER.size  # 48
-_CHECKSUM = struct.Struct("<Q")
 _CHECKSUM_OFFSET = 32  # the checksum covers header bytes [0, 32) and the payload
 
-META_VERSION = 2
-_META = struct.Struct("<B3xQd16s16s16sI")
-META_BYTES = _META.size  # 72
+META_VERSION = 3
+LEGACY_META_VERSION = 2
+_META = struct.Struct("<B3xQd16s16s16sI")  # the fields of both versions
+_META_SLOT = _META.size  # 72: version 3 goes on with the slot and the checksum
+_SLOT_CHECKSUM = struct.Struct("<QQ")
+# A current-version record's version, size, fingerprint, token bytes, slot and checksum.
+_META_READ = struct.Struct("<B3xQ40x16sIQQ")
+META_BYTES = _META_SLOT + _SLOT_CHECKSUM.size  # 88
+LEGACY_META_BYTES = _META.size  # 72
 _META_ACCESS = struct.Struct("<d")
 _META_ACCESS_OFFSET = 12
 _META_NAMESPACE = 20  # offsets of the namespace id and the parent page key
@@ -122,15 +158,17 @@ _META_PARENT = 36
 
 _PAYLOAD_DB = b"payload"
 _META_DB = b"meta"
+_SLAB_PREFIX, _SLAB_SUFFIX = "slab-", ".bin"
+_SLOT_MIN_BYTES = 512
 _MIB = 1 << 20
 # Keeps successive access stamps strictly increasing, so the order persisted for a
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
-_ENCODE_BYTES = 1 * _MIB  # values encoded at a time by the writer (its scratch array)
 _CHECK_ATTEMPTS = 1000  # check_invariants' reads of a store that writes keep changing
 _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
 _VICTIMS_SHARE = 16  # ... or this fraction of the records
+_IOV_MAX = 1024  # buffers one preadv / pwritev takes (Linux's IOV_MAX)
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -147,6 +185,10 @@ def _byte_view(buffer: Buffer, *, writable: bool) -> np.ndarray:
     Accepts contiguous CPU torch tensors, C-contiguous numpy arrays and objects with the
     buffer protocol (bytearray, memoryview; bytes only when ``writable`` is false).
     """
+    if type(buffer) is np.ndarray and buffer.ndim == 1 and buffer.dtype == np.uint8 and buffer.flags.c_contiguous:
+        if writable and not buffer.flags.writeable:
+            raise InvalidArgument("numpy buffer is read-only")
+        return buffer
     if isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu":
             raise InvalidArgument(f"tensor buffer must be on the CPU, got {buffer.device}")
@@ -198,16 +240,38 @@ def _require_fingerprint(fingerprint: bytes) -> bytes:
     return bytes(fingerprint)
 
 
-def _payload_checksum(value, length: int) -> int:
+@functools.cache
+def slot_bytes_for(size: int) -> int:
+    """The slot size that holds a payload of ``size`` bytes: the least ``m * 2^e`` (``m``
+    in 4..7) not below it, at least 512 — under 25% over, and exact for powers of two."""
+    if size <= _SLOT_MIN_BYTES:
+        return _SLOT_MIN_BYTES
+    step = 1 << (size.bit_length() - 3)
+    return -(-size // step) * step
+
+
+def _checksum_seed(fingerprint: bytes, size: int) -> int:
+    """The part of a record's checksum seed that its spec and size give (see :func:`_checksum`)."""
+    return int.from_bytes(fingerprint[:8], "little") ^ int.from_bytes(fingerprint[8:], "little") ^ size
+
+
+def _checksum(key: bytes, seed: int, payload) -> int:
+    """The record checksum: the payload's xxh3_64 seeded by the key (itself a hash) and
+    ``seed`` (:func:`_checksum_seed`), so bytes stored for another key, spec or length
+    do not pass."""
+    return xxhash.xxh3_64_intdigest(payload, seed=int.from_bytes(key[:8], "little") ^ seed)
+
+
+def _legacy_checksum(value, length: int) -> int:
     digest = xxhash.xxh3_64(value[:_CHECKSUM_OFFSET])
     digest.update(value[HEADER_BYTES : HEADER_BYTES + length])
     return digest.intdigest()
 
 
-def _parse_payload(value) -> tuple[bytes, int] | None:
-    """``(fingerprint, payload length)`` of an intact record, ``None`` for a corrupt one
-    (bad magic, version or header size, a value shorter or longer than its header says,
-    or a checksum mismatch). Reads ``value`` in place."""
+def _parse_legacy_payload(value) -> tuple[bytes, int] | None:
+    """``(fingerprint, payload length)`` of an intact legacy payload value, ``None`` for a
+    corrupt one (bad magic, version or header size, a value shorter or longer than its
+    header says, or a checksum mismatch). Reads ``value`` in place."""
     if len(value) < HEADER_BYTES:
         return None
     magic, version, header_bytes, fingerprint, length, checksum = _HEADER.unpack_from(value, 0)
@@ -216,7 +280,7 @@ def _parse_payload(value) -> tuple[bytes, int] | None:
         or version != PAYLOAD_VERSION
         or header_bytes != HEADER_BYTES
         or len(value) != HEADER_BYTES + length
-        or _payload_checksum(value, length) != checksum
+        or _legacy_checksum(value, length) != checksum
     ):
         return None
     return fingerprint, length
@@ -224,12 +288,12 @@ def _parse_payload(value) -> tuple[bytes, int] | None:
 
 def _encode_metas(namespaces: bytes, parents: bytes, tokens: bytes, fingerprint: bytes,
                   payload_size: int) -> np.ndarray:
-    """The metadata records of a put, one row each (``_META`` then the token ids), with
-    last access 0: the writer stamps it on commit. Arguments as in
-    :class:`~hicache.storage.base.PageBatch`."""
+    """The metadata records of a put, one row each (``_META``, slot and checksum, then
+    the token ids), with last access, slot and checksum 0: the writer fills them in.
+    Arguments as in :class:`~hicache.storage.base.PageBatch`."""
     n = len(namespaces) // PAGE_KEY_BYTES
     token_bytes = len(tokens) // n
-    fixed = bytearray(META_BYTES)
+    fixed = bytearray(META_BYTES)  # (slot and checksum 0)
     _META.pack_into(fixed, 0, META_VERSION, payload_size, 0.0, bytes(PAGE_KEY_BYTES), bytes(PAGE_KEY_BYTES),
                     fingerprint, token_bytes)
     meta = np.empty((n, META_BYTES + token_bytes), dtype=np.uint8)
@@ -246,60 +310,134 @@ def _rows(data: bytes, n: int) -> np.ndarray:
 
 def _meta_fields(value) -> tuple | None:
     """The fixed fields of a metadata record (``_META``'s), or ``None`` if it is not a
-    well-formed current-version record."""
-    if len(value) < META_BYTES:
+    well-formed record of the current or the legacy version."""
+    if len(value) < LEGACY_META_BYTES:
         return None
     fields = _META.unpack_from(value, 0)
     version, num_token_bytes = fields[0], fields[-1]
-    if version != META_VERSION or len(value) != META_BYTES + num_token_bytes or num_token_bytes % TOKEN_BYTES:
+    if version == META_VERSION:
+        fixed = META_BYTES
+    elif version == LEGACY_META_VERSION:
+        fixed = LEGACY_META_BYTES
+    else:
+        return None
+    if len(value) != fixed + num_token_bytes or num_token_bytes % TOKEN_BYTES:
         return None
     return fields
 
 
+def _slot_of(value) -> tuple[int, int]:
+    """``(slot, checksum)`` of a well-formed current-version metadata record."""
+    return _SLOT_CHECKSUM.unpack_from(value, _META_SLOT)
+
+
+def _tokens_of(value, version: int) -> bytes:
+    return bytes(value[META_BYTES if version == META_VERSION else LEGACY_META_BYTES :])
+
+
 def _decode_meta(value) -> PageMeta | None:
-    """The metadata record, or ``None`` if it is not a well-formed current-version record."""
+    """The metadata record, or ``None`` if it is not a well-formed record."""
     fields = _meta_fields(value)
     if fields is None:
         return None
-    _, payload_size, last_access_s, namespace, parent, fingerprint, _ = fields
+    version, payload_size, last_access_s, namespace, parent, fingerprint, _ = fields
     return PageMeta(
         namespace=namespace,
         parent=parent,
-        tokens=bytes(value[META_BYTES:]),
+        tokens=_tokens_of(value, version),
         payload_size=payload_size,
         last_access_s=last_access_s,
         fingerprint=fingerprint,
     )
 
 
+def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
+    """Write ``buffers`` back to back at ``offset``, resuming after short writes."""
+    while buffers:
+        written = os.pwritev(fd, buffers, offset)
+        if written <= 0:
+            raise OSError(f"pwritev wrote {written} bytes")
+        offset += written
+        while buffers and written >= memoryview(buffers[0]).nbytes:
+            written -= memoryview(buffers.pop(0)).nbytes
+        if written:
+            buffers[0] = memoryview(buffers[0]).cast("B")[written:]
+
+
+class _Slab:
+    """One slab file and its free slots. Owned by the writer thread (readers only use
+    ``fd`` and ``slot_bytes``). Free slots below ``end`` form a min-heap: the lowest go
+    first, so a batch's slots tend to be adjacent (one ``pwritev`` / ``preadv`` a run)
+    and the file stays dense."""
+
+    def __init__(self, path: str, slot_bytes: int, used: np.ndarray) -> None:
+        self.path = path
+        self.slot_bytes = slot_bytes
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.end = int(used.max()) + 1 if len(used) else 0
+        # (a sorted list is a heap)
+        self.free: list[int] = np.setdiff1d(np.arange(self.end, dtype=np.int64), used).tolist()
+        if os.fstat(self.fd).st_size != self.end * slot_bytes:  # (ext4 flushes a file cut to 0 on close)
+            os.ftruncate(self.fd, self.end * slot_bytes)  # what lies beyond is no record's
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free slots, ascending (the file grows when none is left)."""
+        slots = [heapq.heappop(self.free) for _ in range(min(n, len(self.free)))]
+        if len(slots) < n:
+            start = self.end
+            self.end += n - len(slots)
+            slots.extend(range(start, self.end))
+        return slots
+
+    def give(self, slots) -> None:
+        for slot in slots:
+            heapq.heappush(self.free, slot)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class _ReadGate:
     """Many transactions of this process at once, or one exclusive holder (map resize,
     close). A waiting exclusive holder stops new readers, so a stream of gets cannot
-    starve a resize; readers never wait for anything else while they hold the gate."""
+    starve a resize; readers never wait for anything else while they hold the gate.
+
+    It also counts readers by the generation they began in (the writer advances it after
+    each commit), so the writer knows when no read can still use what a commit freed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
+        self._readers: dict[int, int] = {}  # generation -> readers that began in it
+        self._num_readers = 0
         self._exclusive = False
+        self._generation = 0
 
-    def acquire_shared(self) -> None:
+    @contextmanager
+    def shared(self) -> Iterator[None]:
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
-            self._readers += 1
-
-    def release_shared(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if not self._readers:
-                self._cond.notify_all()
+            generation = self._generation
+            self._readers[generation] = self._readers.get(generation, 0) + 1
+            self._num_readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._readers[generation] == 1:
+                    del self._readers[generation]
+                else:
+                    self._readers[generation] -= 1
+                self._num_readers -= 1
+                if not self._num_readers:
+                    self._cond.notify_all()
 
     def acquire_exclusive(self) -> None:
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True
-            while self._readers:
+            while self._num_readers:
                 self._cond.wait()
 
     def release_exclusive(self) -> None:
@@ -307,13 +445,24 @@ class _ReadGate:
             self._exclusive = False
             self._cond.notify_all()
 
+    def advance(self) -> int:
+        """Start a new generation (after a commit); its number."""
+        with self._cond:
+            self._generation += 1
+            return self._generation
+
+    def oldest(self) -> int:
+        """The generation of the oldest read still going (the current one if none)."""
+        with self._cond:
+            return min(self._readers, default=self._generation)
+
 
 class _Part(NamedTuple):
     """Records of one put as columns (see :class:`~hicache.storage.base.PageBatch`), no
     object per record but its key: the writer's Python work per page stays small."""
 
     keys: list[bytes]  # one per record
-    meta: np.ndarray  # (records, META_BYTES + token bytes): encoded, last access 0
+    meta: np.ndarray  # (records, META_BYTES + token bytes): encoded; access, slot, checksum 0
     source: np.ndarray  # (pages, payload size) uint8
     rows: np.ndarray  # (records,) int64: each record's payload row in ``source``
 
@@ -342,11 +491,19 @@ class _DeleteOp:
 
 @dataclass(frozen=True, slots=True)
 class _PurgeOp:
-    """Delete ``keys`` if their payload is (still) corrupt; ``force`` deletes them
-    unconditionally (orphans and unreadable metadata found on open)."""
+    """Delete ``keys`` if their record is (still) corrupt; ``force`` deletes them
+    unconditionally, without freeing slots (records found unusable on open, whose slots
+    the open already counted free)."""
 
     keys: tuple[bytes, ...]
     force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _DropLegacyOp:
+    """Delete legacy payload values that no legacy metadata record names (found on open)."""
+
+    keys: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,7 +511,7 @@ class _BarrierOp:
     future: Future
 
 
-_Op = Union[_PutOp, _DeleteOp, _PurgeOp, _BarrierOp]
+_Op = Union[_PutOp, _DeleteOp, _PurgeOp, _DropLegacyOp, _BarrierOp]
 
 
 @dataclass(slots=True)
@@ -366,6 +523,8 @@ class _BatchState:
     changes: dict  # key -> payload size, or None if removed; insertion order = recency
     access: dict  # key -> last access recorded by reads, persisted by this batch
     num_evicted: int = 0
+    taken: list = field(default_factory=list)  # (slab, slots) written by this batch
+    freed: list = field(default_factory=list)  # (slot bytes, slot) its records gave up
 
 
 class LmdbBackend:
@@ -420,6 +579,12 @@ class LmdbBackend:
         self._payload_db = None
         self._meta_db = None
         self._map_size = 0
+        # Slot bytes -> slab. Added to by the writer; readers look up fds of committed
+        # records' slabs (every slab a committed record names exists until close).
+        self._slabs: dict[int, _Slab] = {}
+        # The writer's: (generation, [(slot bytes, slot)]) freed by the commit that
+        # started that generation, reused once no read of an older one is left.
+        self._freed: deque[tuple[int, list]] = deque()
 
         # Committed records and their payload bytes. Guarded by _lock, like every other
         # field below that readers and the writer share.
@@ -445,7 +610,6 @@ class LmdbBackend:
 
         self._gate = _ReadGate()
         self._open = False  # the environment is usable; changes under the exclusive gate
-        self._scratch = np.empty(0, dtype=np.uint8)
 
         ready: Future = Future()
         self._writer = threading.Thread(
@@ -544,42 +708,50 @@ class LmdbBackend:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer (a
         contiguous CPU tensor, numpy array, bytearray or writable memoryview of exactly
         the payload size; :class:`InvalidArgument` otherwise). ``False`` where a record
-        is missing or fails a check; a failed check is counted, and a corrupt record is
-        deleted by the writer. A hit counts as an access for LRU."""
+        is missing or fails a check (its buffer may then hold anything); a failed check
+        is counted, and a corrupt record is deleted by the writer. A hit counts as an
+        access for LRU. Adjacent slots are read with one ``preadv``."""
         self._check_usable()
         fingerprint = _require_fingerprint(fingerprint)
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        keys = [_require_key(key) for key in keys]
+        keys = [key if type(key) is bytes and len(key) == PAGE_KEY_BYTES else _require_key(key) for key in keys]
         targets = [_byte_view(buffer, writable=True) for buffer in buffers]
         found = [False] * len(keys)
         corrupt: list[bytes] = []
         num_mismatched = 0
-        self._gate.acquire_shared()
-        try:
+        reads: list[tuple[int, int, int, int]] = []  # (slot bytes, slot, index, checksum)
+        unpack = _META_READ.unpack_from
+        with self._gate.shared():  # (also keeps the slots read here from being reused)
             self._check_open()
-            with self._env.begin(db=self._payload_db, buffers=True) as txn:
+            with self._env.begin(db=self._meta_db, buffers=True) as txn:
                 for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
                     value = txn.get(key)
                     if value is None:
                         continue
-                    parsed = _parse_payload(value)
-                    if parsed is None:
+                    if len(value) >= META_BYTES:
+                        version, length, stored_fingerprint, num_token_bytes, slot, checksum = unpack(value)
+                        if (version == META_VERSION and stored_fingerprint == fingerprint and length == target.nbytes
+                                and len(value) == META_BYTES + num_token_bytes):
+                            reads.append((slot_bytes_for(length), slot, i, checksum))
+                            continue
+                    outcome = self._get_other(txn, key, bytes(value), target, fingerprint, i)
+                    if outcome == "corrupt":
                         corrupt.append(key)
-                        continue
-                    stored_fingerprint, length = parsed
-                    if stored_fingerprint != fingerprint:
+                    elif outcome == "mismatch":
                         num_mismatched += 1
-                        continue
-                    if length != target.nbytes:
-                        raise InvalidArgument(
-                            f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}"
-                        )
-                    # The view dies with the transaction: copy out before it ends.
-                    np.copyto(target, np.frombuffer(value, dtype=np.uint8, count=length, offset=HEADER_BYTES))
+                    elif outcome == "found":
+                        found[i] = True
+            seeds: dict[int, int] = {}
+            for i, intact in self._read_slots(reads, targets):
+                size = targets[i].nbytes
+                seed = seeds.get(size)
+                if seed is None:
+                    seed = seeds[size] = _checksum_seed(fingerprint, size)
+                if intact[0] and _checksum(keys[i], seed, targets[i]) == intact[1]:
                     found[i] = True
-        finally:
-            self._gate.release_shared()
+                else:
+                    corrupt.append(keys[i])
         self._record_reads([k for k, hit in zip(keys, found, strict=True) if hit], len(corrupt) + num_mismatched)
         if corrupt:
             logger.warning("%d corrupt records in %s (first %s); deleting them", len(corrupt), self._path,
@@ -589,6 +761,92 @@ class LmdbBackend:
                     self._queue.append(_PurgeOp(tuple(corrupt)))
                     self._queue_cond.notify()
         return found
+
+    def _get_other(self, txn, key: bytes, meta: bytes, target: np.ndarray, fingerprint: bytes, i: int) -> str:
+        """A get of what the fast path does not take: a legacy record, unreadable
+        metadata, another spec's record, or a buffer of the wrong size. ``"found"`` (then
+        copied), ``"corrupt"``, ``"mismatch"`` (another spec's, intact) or ``""``.
+        Raises :class:`InvalidArgument` for an intact record of this spec that the
+        buffer does not fit."""
+        fields = _meta_fields(meta)
+        if fields is None:
+            return "corrupt"
+        version, length, stored_fingerprint = fields[0], fields[1], fields[5]
+        if version == LEGACY_META_VERSION:
+            return self._get_legacy(txn, key, target, fingerprint, i)
+        if not self._check_stored(key, meta):
+            return "corrupt"
+        if stored_fingerprint != fingerprint:
+            return "mismatch"
+        raise InvalidArgument(f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}")
+
+    def _get_legacy(self, txn, key: bytes, target: np.ndarray, fingerprint: bytes, i: int) -> str:
+        """Copy a legacy record out of the "payload" table: ``"found"``, ``"corrupt"`` or
+        ``"mismatch"`` (another spec's)."""
+        value = txn.get(key, db=self._payload_db)
+        parsed = None if value is None else _parse_legacy_payload(value)
+        if parsed is None:
+            return "corrupt"
+        stored_fingerprint, length = parsed
+        if stored_fingerprint != fingerprint:
+            return "mismatch"
+        if length != target.nbytes:
+            raise InvalidArgument(f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}")
+        # The view dies with the transaction: copy out before it ends.
+        np.copyto(target, np.frombuffer(value, dtype=np.uint8, count=length, offset=HEADER_BYTES))
+        return "found"
+
+    def _read_slots(self, reads: list[tuple[int, int, int, int]],
+                    targets: list[np.ndarray]) -> list[tuple[int, tuple[bool, int]]]:
+        """Read each ``(slot bytes, slot, index, checksum)`` into ``targets[index]``:
+        ``(index, (every byte arrived, checksum))``. Runs of adjacent full slots take
+        one ``preadv``. Call under the shared gate."""
+        reads.sort()
+        out = []
+        start = 0
+        while start < len(reads):
+            slot_bytes, first, _, _ = reads[start]
+            end = start + 1
+            while (end < len(reads) and end - start < _IOV_MAX and reads[end][0] == slot_bytes
+                   and reads[end][1] == reads[end - 1][1] + 1 and targets[reads[end - 1][2]].nbytes == slot_bytes):
+                end += 1
+            run = reads[start:end]
+            start = end
+            slab = self._slabs.get(slot_bytes)
+            if slab is None:
+                out.extend((i, (False, c)) for _, _, i, c in run)
+                continue
+            try:
+                num_read = os.preadv(slab.fd, [targets[i] for _, _, i, _ in run], first * slot_bytes)
+            except OSError as exc:
+                logger.error("reading %s failed: %r", slab.path, exc)
+                num_read = -1
+            if num_read == sum(targets[i].nbytes for _, _, i, _ in run):
+                out.extend((i, (True, c)) for _, _, i, c in run)
+            else:  # the file ends inside the run, or the read failed: one at a time
+                out.extend((i, (self._read_one(slab, slot, targets[i]), c)) for _, slot, i, c in run)
+        return out
+
+    @staticmethod
+    def _read_one(slab: _Slab, slot: int, target: np.ndarray) -> bool:
+        """Read ``slot`` into ``target``; whether every byte arrived."""
+        try:
+            return os.preadv(slab.fd, [target], slot * slab.slot_bytes) == target.nbytes
+        except OSError as exc:
+            logger.error("reading %s failed: %r", slab.path, exc)
+            return False
+
+    def _check_stored(self, key: bytes, meta: bytes) -> bool:
+        """Whether the current-version record of ``key`` with metadata ``meta`` is intact:
+        its payload read back and checked against its own fingerprint and size."""
+        _, length, _, _, _, stored_fingerprint, _ = _META.unpack_from(meta, 0)
+        slot, checksum = _slot_of(meta)
+        slab = self._slabs.get(slot_bytes_for(length))
+        if slab is None or slot * slab.slot_bytes + length > os.fstat(slab.fd).st_size:
+            return False  # (a length that damage made huge is never allocated)
+        scratch = np.empty(length, dtype=np.uint8)
+        return (self._read_one(slab, slot, scratch)
+                and _checksum(key, _checksum_seed(stored_fingerprint, length), scratch) == checksum)
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""
@@ -619,15 +877,13 @@ class LmdbBackend:
         self._check_usable()
         keys = [_require_key(key) for key in keys]
         out: list[bytes | None] = []
-        self._gate.acquire_shared()
-        try:
+        with self._gate.shared():
             self._check_open()
             with self._env.begin(db=self._meta_db, buffers=True) as txn:
                 for key in keys:
                     value = txn.get(key)
-                    out.append(None if value is None or _meta_fields(value) is None else bytes(value[META_BYTES:]))
-        finally:
-            self._gate.release_shared()
+                    fields = None if value is None else _meta_fields(value)
+                    out.append(None if fields is None else _tokens_of(value, fields[0]))
         return out
 
     def _iter_batches(self, batch: int) -> Iterator[tuple[bytes, PageMeta]]:
@@ -641,8 +897,7 @@ class LmdbBackend:
 
     def _read_meta(self, after: bytes | None, limit: int | None) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` metadata records with keys above ``after`` (all: ``None``)."""
-        self._gate.acquire_shared()
-        try:
+        with self._gate.shared():
             self._check_open()
             with self._env.begin(db=self._meta_db) as txn:
                 cursor = txn.cursor()
@@ -652,8 +907,6 @@ class LmdbBackend:
                         return []
                 items = cursor.iternext()
                 return list(items) if limit is None else list(itertools.islice(items, limit))
-        finally:
-            self._gate.release_shared()
 
     def flush(self) -> None:
         """Wait until every write queued before this call is committed (and the access
@@ -703,21 +956,20 @@ class LmdbBackend:
     def lru_keys(self) -> list[bytes]:
         """Every stored key, least recently used first (O(records); for tests and tools)."""
         self._check_usable()
-        self._gate.acquire_shared()
-        try:
+        with self._gate.shared():
             self._check_open()
             with self._env.begin(buffers=True) as txn:
                 with self._lock:
                     recent = dict(self._dirty_access)
                 keys, stamps = self._scan(txn, recent)
-        finally:
-            self._gate.release_shared()
         return [keys[16 * i : 16 * i + 16] for i in np.argsort(stamps, kind="stable").tolist()]
 
     def check_invariants(self) -> None:
-        """The record and byte counts equal the committed store's. Writes may go on meanwhile:
-        the store is read between two commits (retried until no commit ran during the
-        read, a bounded number of times)."""
+        """The record and byte counts equal the committed store's; every legacy record
+        has its payload value and nothing else has one; no two records share a slot, no
+        record's slot is free or waiting to be, and every other slot is one of those. Writes may go on meanwhile: the
+        store is read between two commits (retried until no commit ran during the read,
+        a bounded number of times)."""
         self._check_usable()
         self.flush()
         for _ in range(_CHECK_ATTEMPTS):
@@ -731,32 +983,51 @@ class LmdbBackend:
             if commits is None:
                 time.sleep(0.001)
                 continue
-            stored, payload_keys = self._read_index()
+            stored, legacy_keys, payload_keys, used = self._read_index()
+            free = {slot_bytes: (slab.end, list(slab.free)) for slot_bytes, slab in list(self._slabs.items())}
+            waiting = [slot for _, slots in list(self._freed) for slot in slots]
             with self._lock:
                 if self._committing or self._commits != commits:
                     continue
-            assert payload_keys == set(stored), "payload and metadata keys differ"
+            assert payload_keys == legacy_keys, "legacy payload and metadata keys differ"
+            for slot_bytes, slots in used.items():
+                assert slot_bytes in free, f"no slab of {slot_bytes}-byte slots"
+                end, free_slots = free[slot_bytes]
+                assert len(set(slots)) == len(slots), "two records share a slot"
+                assert max(slots) < end, "a record's slot is past its slab's end"
+                assert not set(slots) & set(free_slots), "a record's slot is free"
+                assert not set(slots) & {slot for size, slot in waiting if size == slot_bytes}, \
+                    "a record's slot is waiting to be freed"
+            for slot_bytes, (end, free_slots) in free.items():
+                assert len(set(free_slots)) == len(free_slots), "a slot is free twice"
+                held = {slot for size, slot in waiting if size == slot_bytes}
+                assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
+                    "a slot is neither used, free nor waiting (lost), or past the slab's end"
             assert num_records == len(stored), "record count differs from the store"
             assert num_bytes == sum(stored.values()), "byte count differs from the store"
             assert num_bytes <= self._capacity_bytes, "over capacity"
             return
         raise AssertionError(f"the store changed during each of {_CHECK_ATTEMPTS} reads")
 
-    def _read_index(self) -> tuple[dict[bytes, int], set[bytes]]:
-        """Every committed key with its payload size, and the payload table's keys."""
+    def _read_index(self) -> tuple[dict[bytes, int], set[bytes], set[bytes], dict[int, list[int]]]:
+        """Every committed key with its payload size, the keys of legacy records, the
+        payload table's keys, and the slots in use by slot size."""
         stored: dict[bytes, int] = {}
-        self._gate.acquire_shared()
-        try:
+        legacy: set[bytes] = set()
+        used: dict[int, list[int]] = {}
+        with self._gate.shared():
             self._check_open()
             with self._env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
-                    meta = _decode_meta(value)
-                    assert meta is not None, f"unreadable metadata for {bytes(key).hex()}"
-                    stored[bytes(key)] = meta.payload_size
+                    fields = _meta_fields(value)
+                    assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
+                    stored[bytes(key)] = fields[1]
+                    if fields[0] == LEGACY_META_VERSION:
+                        legacy.add(bytes(key))
+                    else:
+                        used.setdefault(slot_bytes_for(fields[1]), []).append(_slot_of(value)[0])
                 payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
-        finally:
-            self._gate.release_shared()
-        return stored, payload_keys
+        return stored, legacy, payload_keys, used
 
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:
@@ -801,8 +1072,8 @@ class LmdbBackend:
     def _record_reads(self, hits: list[bytes], num_failed: int) -> None:
         with self._lock:
             self._num_corrupt += num_failed
-            for key in hits:
-                self._dirty_access[key] = self._next_stamp()
+            if hits:
+                self._dirty_access.update(zip(hits, self._next_stamps(len(hits)).tolist()))
 
     def _decode_snapshot(self, raw: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, PageMeta]]:
         for key, value in raw:
@@ -871,28 +1142,49 @@ class LmdbBackend:
             self._meta_db = env.open_db(_META_DB)
             num_records = num_bytes = 0
             last_stamp = 0.0
-            unreadable: list[bytes] = []
+            unreadable: list[bytes] = []  # metadata that does not parse: never counted
+            unusable: list[bytes] = []  # counted, but the slot is past its file's end or shared
+            file_bytes = self._slab_files()
+            used: dict[int, array] = {}  # slot bytes -> slots of usable records
             with env.begin(buffers=True) as txn:
                 for key, value in txn.cursor(db=self._meta_db):
-                    # Only the access time and size: a whole PageMeta (token bytes copied)
-                    # for every record made opening a big store ~40% slower.
+                    # Only the access time, size and slot: a whole PageMeta (token bytes
+                    # copied) for every record made opening a big store ~40% slower.
                     fields = _meta_fields(value)
                     if fields is None:
                         unreadable.append(bytes(key))
-                    else:
-                        num_records += 1
-                        num_bytes += fields[1]
-                        last_stamp = max(last_stamp, fields[2])
+                        continue
+                    num_records += 1
+                    num_bytes += fields[1]
+                    last_stamp = max(last_stamp, fields[2])
+                    if fields[0] == META_VERSION:
+                        slot_bytes, slot = slot_bytes_for(fields[1]), _slot_of(value)[0]
+                        if slot * slot_bytes + fields[1] > file_bytes.get(slot_bytes, 0):
+                            unusable.append(bytes(key))  # its payload never reached the file
+                        else:
+                            used.setdefault(slot_bytes, array("q")).append(slot)
+                shared = self._shared_slots(used)
+                if shared:  # (only damage does this): drop every record of such a slot
+                    for key, value in txn.cursor(db=self._meta_db):
+                        fields = _meta_fields(value)
+                        if (fields is not None and fields[0] == META_VERSION
+                                and _slot_of(value)[0] in shared.get(slot_bytes_for(fields[1]), ())):
+                            unusable.append(bytes(key))
                 # Both tables are in key order: walk them side by side.
-                metas = txn.cursor(db=self._meta_db).iternext(values=False)
-                meta_key = next(metas, None)
+                legacy = (key for key, value in txn.cursor(db=self._meta_db)
+                          if value[0] == LEGACY_META_VERSION)
+                legacy_key = next(legacy, None)
                 orphans = []
                 for key in txn.cursor(db=self._payload_db).iternext(values=False):
-                    while meta_key is not None and bytes(meta_key) < bytes(key):
-                        meta_key = next(metas, None)
-                    if meta_key is None or bytes(meta_key) != bytes(key):
+                    while legacy_key is not None and bytes(legacy_key) < bytes(key):
+                        legacy_key = next(legacy, None)
+                    if legacy_key is None or bytes(legacy_key) != bytes(key):
                         orphans.append(bytes(key))
+            self._open_slabs(file_bytes, used)
         except BaseException:
+            for slab in self._slabs.values():
+                slab.close()
+            self._slabs.clear()
             env.close()
             raise
         self._num_records = num_records
@@ -901,12 +1193,56 @@ class LmdbBackend:
         self._env = env
         self._map_size = env.info()["map_size"]
         self._open = True
-        if unreadable or orphans:
-            logger.warning("%s: dropping %d records with unreadable metadata and %d orphan payloads",
-                           self._path, len(unreadable), len(orphans))
-        logger.info("opened %s: %d records, %d bytes, map %d bytes", self._path, num_records,
-                    num_bytes, self._map_size)
-        return [_PurgeOp(tuple(unreadable + orphans), force=True)]
+        if unreadable or unusable or orphans:
+            logger.warning("%s: dropping %d records with unreadable metadata, %d whose slot is lost or shared "
+                           "and %d orphan payloads", self._path, len(unreadable), len(unusable), len(orphans))
+        logger.info("opened %s: %d records, %d bytes, map %d bytes, %d slab files", self._path, num_records,
+                    num_bytes, self._map_size, len(self._slabs))
+        return [_PurgeOp(tuple(unreadable + unusable), force=True), _DropLegacyOp(tuple(orphans))]
+
+    def _slab_files(self) -> dict[int, int]:
+        """Slot bytes -> size of each slab file in the store directory."""
+        files = {}
+        for name in os.listdir(self._path):
+            if not (name.startswith(_SLAB_PREFIX) and name.endswith(_SLAB_SUFFIX)):
+                continue
+            digits = name[len(_SLAB_PREFIX) : -len(_SLAB_SUFFIX)]
+            if digits.isdigit() and slot_bytes_for(int(digits)) == int(digits) and str(int(digits)) == digits:
+                files[int(digits)] = os.stat(os.path.join(self._path, name)).st_size
+        return files
+
+    @staticmethod
+    def _shared_slots(used: dict[int, array]) -> dict[int, set[int]]:
+        """The slots that more than one record names, by slot bytes; taken out of ``used``."""
+        shared = {}
+        for slot_bytes, slots in used.items():
+            values, counts = np.unique(np.frombuffer(slots, dtype=np.int64), return_counts=True)
+            if (counts > 1).any():
+                shared[slot_bytes] = set(values[counts > 1].tolist())
+                used[slot_bytes] = array("q", (slot for slot in slots if slot not in shared[slot_bytes]))
+        return shared
+
+    def _open_slabs(self, file_bytes: dict[int, int], used: dict[int, array]) -> None:
+        """A slab for every slot size in use, its file cut after its last used slot; the
+        files of other sizes deleted."""
+        for slot_bytes in sorted(set(file_bytes) | set(used)):
+            path = self._slab_path(slot_bytes)
+            slots = np.frombuffer(used[slot_bytes], dtype=np.int64) if slot_bytes in used else None
+            if slots is None or not len(slots):
+                os.unlink(path)
+                continue
+            self._slabs[slot_bytes] = _Slab(path, slot_bytes, slots)
+
+    def _slab_path(self, slot_bytes: int) -> str:
+        return os.path.join(self._path, f"{_SLAB_PREFIX}{slot_bytes}{_SLAB_SUFFIX}")
+
+    def _slab(self, slot_bytes: int) -> _Slab:
+        """The slab of ``slot_bytes`` slots, created if there is none (writer thread)."""
+        slab = self._slabs.get(slot_bytes)
+        if slab is None:
+            slab = self._slabs[slot_bytes] = _Slab(self._slab_path(slot_bytes), slot_bytes,
+                                                   np.empty(0, dtype=np.int64))
+        return slab
 
     def _close_env(self) -> None:
         self._gate.acquire_exclusive()
@@ -914,6 +1250,8 @@ class LmdbBackend:
             self._open = False
             if self._env is not None:
                 self._env.close()
+            for slab in self._slabs.values():
+                slab.close()
         finally:
             self._gate.release_exclusive()
 
@@ -1018,6 +1356,7 @@ class LmdbBackend:
         self._map_size = self._env.info()["map_size"]
 
     def _write_batch(self, batch: list[_Op], access: dict[bytes, float]) -> tuple[_BatchState, list]:
+        self._reuse_freed_slots()
         state = _BatchState(num_records=self._num_records, num_bytes=self._num_bytes, changes={}, access=access)
         outcomes: list = []
         txn = self._env.begin(write=True, buffers=True)
@@ -1029,23 +1368,47 @@ class LmdbBackend:
                     outcomes.append(self._write_delete(txn, op.keys, state))
                 elif isinstance(op, _PurgeOp):
                     outcomes.append(self._write_purge(txn, op, state))
+                elif isinstance(op, _DropLegacyOp):
+                    outcomes.append(sum(txn.delete(key, db=self._payload_db) for key in op.keys))
                 else:
                     outcomes.append(None)
             self._evict(txn, state, exclude=frozenset())
             self._write_access(txn, access, state)
+            if self._sync:
+                for slab in {slab for slab, _ in state.taken}:
+                    os.fdatasync(slab.fd)  # the payloads are on disk before the records naming them
         except BaseException:
             txn.abort()
             self._victims.clear()  # it may have lost candidates the abort kept in the store
+            for slab, slots in state.taken:  # no committed record names them
+                slab.give(slots)
             raise
         txn.commit()
+        if state.freed:
+            self._freed.append((self._gate.advance(), state.freed))
+        else:
+            self._gate.advance()
         return state, outcomes
 
-    def _size_of(self, txn, key: bytes, state: _BatchState) -> int | None:
-        """The payload size of ``key``'s readable record as of this transaction."""
-        if key in state.changes:
-            return state.changes[key]
-        value = txn.get(key, db=self._meta_db)
-        return None if value is None or _meta_fields(value) is None else _META_SIZE_ACCESS.unpack_from(value, 4)[0]
+    def _reuse_freed_slots(self) -> None:
+        """Make free the slots given up by commits that every read still going began after."""
+        oldest = self._gate.oldest()
+        while self._freed and self._freed[0][0] <= oldest:
+            for slot_bytes, slot in self._freed.popleft()[1]:
+                self._slabs[slot_bytes].give((slot,))
+
+    def _release(self, txn, key: bytes, value, state: _BatchState) -> None:
+        """Give up what the record of ``key`` (its metadata ``value`` in this transaction,
+        or ``None`` if there is none) holds besides its metadata: its slot, once this
+        batch commits, or its legacy payload value. Reads ``value`` before any write."""
+        fields = None if value is None else _meta_fields(value)
+        if fields is None:
+            if value is not None:  # unreadable: whatever it had in the legacy table goes
+                txn.delete(key, db=self._payload_db)
+        elif fields[0] == META_VERSION:
+            state.freed.append((slot_bytes_for(fields[1]), _slot_of(value)[0]))
+        else:
+            txn.delete(key, db=self._payload_db)
 
     def _write_put(self, txn, op: _PutOp, state: _BatchState) -> PutResult:
         sizes = op.sizes
@@ -1054,26 +1417,61 @@ class LmdbBackend:
         with self._lock:
             stamps = self._next_stamps(n).astype("<f8").view(np.uint8).reshape(n, 8)
         evicted = self._evict(txn, state, exclude=sizes)
-        payloads = txn.cursor(db=self._payload_db)
         metas = txn.cursor(db=self._meta_db)
         changes = state.changes
         done = 0
+        written: set[bytes] = set()  # by this put's earlier parts
         for keys, meta, source, rows in op.parts:
             meta[:, _META_ACCESS_OFFSET : _META_ACCESS_OFFSET + 8] = stamps[done : done + len(keys)]
             done += len(keys)
-            step = max(1, _ENCODE_BYTES // (HEADER_BYTES + source.shape[1]))
-            for start in range(0, len(keys), step):
-                values = self._encode_payloads(source, rows[start : start + step], op.fingerprint)
-                payloads.putmulti(zip(keys[start : start + step], values))
+            if len(op.parts) > 1 or len(set(keys)) < len(keys):
+                keys, meta, rows = self._last_of_each_key(txn, keys, meta, rows, written, state)
+            self._write_payloads(keys, meta, source, rows, op.fingerprint, state)
             metas.putmulti(zip(keys, meta))
             for key in keys:
                 changes.pop(key, None)  # (the insertion order is the recency order)
                 changes[key] = source.shape[1]
         return PutResult(n, evicted)
 
+    def _last_of_each_key(self, txn, keys: list[bytes], meta: np.ndarray, rows: np.ndarray,
+                          written: set[bytes], state: _BatchState) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """A part's records less those a later record of the same key replaces; the slots
+        of the records that ``written`` (this put's earlier parts) holds for these keys
+        are given up, and these keys added to it. (Rare: a put that names a key twice.)"""
+        last = {key: i for i, key in enumerate(keys)}
+        keep = sorted(last.values())
+        keys = [keys[i] for i in keep]
+        for key in keys:
+            if key in written:
+                self._release(txn, key, txn.get(key, db=self._meta_db), state)
+        written.update(keys)
+        return keys, meta[keep], rows[keep]
+
+    def _write_payloads(self, keys: list[bytes], meta: np.ndarray, source: np.ndarray, rows: np.ndarray,
+                        fingerprint: bytes, state: _BatchState) -> None:
+        """Write the payload rows to free slots, in place from ``source`` (one
+        ``pwritev`` a run of adjacent slots), and put their slots and checksums in
+        ``meta``."""
+        n, size = len(keys), source.shape[1]
+        slab = self._slab(slot_bytes_for(size))
+        slots = slab.take(n)
+        state.taken.append((slab, slots))
+        payloads = [source[row] for row in rows.tolist()]
+        seed = _checksum_seed(fingerprint, size)
+        sums = [_checksum(key, seed, payload) for key, payload in zip(keys, payloads, strict=True)]
+        meta[:, _META_SLOT:META_BYTES] = np.array([slots, sums], dtype="<u8").T.copy().view(np.uint8)
+        start = 0
+        while start < n:  # (slots ascend: take() gives them so)
+            end = start + 1
+            while end < n and end - start < _IOV_MAX and slots[end] == slots[end - 1] + 1 and size == slab.slot_bytes:
+                end += 1
+            _pwritev_all(slab.fd, payloads[start:end], slots[start] * slab.slot_bytes)
+            start = end
+
     def _count_puts(self, txn, sizes: dict[bytes, int], state: _BatchState) -> None:
         """Add a put of ``sizes`` (key -> payload size) to the batch's record and byte
-        counts, less what the keys held before (in this batch, else in the store)."""
+        counts, less what the keys held before (in this batch, else in the store), and
+        give up what those records held."""
         changes = state.changes
         state.num_bytes += sum(sizes.values())
         state.num_records += len(sizes)
@@ -1084,10 +1482,13 @@ class LmdbBackend:
             elif (old := changes[key]) is not None:
                 state.num_bytes -= old
                 state.num_records -= 1
-        for _, value in txn.cursor(db=self._meta_db).getmulti(stored):  # (rare: keys written before)
+                self._release(txn, key, bytes(txn.get(key, db=self._meta_db)), state)
+        # (rare: keys written before; copied, since releasing writes to the transaction)
+        for key, value in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._meta_db).getmulti(stored)]:
             if _meta_fields(value) is not None:
                 state.num_bytes -= _META_SIZE_ACCESS.unpack_from(value, 4)[0]
                 state.num_records -= 1
+            self._release(txn, key, value, state)
 
     def _evict(self, txn, state: _BatchState, exclude) -> tuple[bytes, ...]:
         """Delete least-recently-used records until the batch fits the capacity; keys in
@@ -1109,18 +1510,18 @@ class LmdbBackend:
                 recent = self._dirty_access.get(key)
             if (recent or state.access.get(key) or stored) != stamp:
                 continue  # used since the scan: newer than every candidate left
-            self._evict_one(txn, key, size, state, victims)
+            self._evict_one(txn, key, value, size, state, victims)
         # Still over: records written earlier in this batch go next, oldest first.
         for key, size in list(state.changes.items()):
             if state.num_bytes <= self._capacity_bytes:
                 break
             if size is not None and key not in exclude:
-                self._evict_one(txn, key, size, state, victims)
+                self._evict_one(txn, key, txn.get(key, db=self._meta_db), size, state, victims)
         assert state.num_bytes <= self._capacity_bytes, "put larger than capacity passed validation"
         return tuple(victims)
 
-    def _evict_one(self, txn, key: bytes, size: int, state: _BatchState, victims: list[bytes]) -> None:
-        txn.delete(key, db=self._payload_db)
+    def _evict_one(self, txn, key: bytes, value, size: int, state: _BatchState, victims: list[bytes]) -> None:
+        self._release(txn, key, value, state)
         txn.delete(key, db=self._meta_db)
         state.changes[key] = None
         state.num_bytes -= size
@@ -1163,28 +1564,49 @@ class LmdbBackend:
             stamps.append(stamp)
         return bytes(keys), np.frombuffer(stamps, dtype=np.float64)
 
-    def _write_delete(self, txn, keys: Sequence[bytes], state: _BatchState) -> int:
+    def _write_delete(self, txn, keys: Sequence[bytes], state: _BatchState, *, release: bool = True) -> int:
+        """Delete the records of ``keys``; how many existed. ``release=False`` keeps their
+        slots out of the free list (the open already counted them free)."""
         num_existing = 0
         for key in keys:
-            size = self._size_of(txn, key, state)
-            existed = txn.delete(key, db=self._payload_db)
-            txn.delete(key, db=self._meta_db)
-            if existed:
-                num_existing += 1
-            if size is not None:
-                state.num_bytes -= size
+            value = txn.get(key, db=self._meta_db)
+            if value is None:
+                if txn.delete(key, db=self._payload_db):  # (a legacy payload without metadata)
+                    num_existing += 1
+                state.changes[key] = None
+                continue
+            num_existing += 1
+            fields = _meta_fields(value)
+            if fields is not None:
+                state.num_bytes -= fields[1]
                 state.num_records -= 1
+            if release:
+                self._release(txn, key, value, state)
+            else:
+                txn.delete(key, db=self._payload_db)
+            txn.delete(key, db=self._meta_db)
             state.changes[key] = None
         return num_existing
 
     def _write_purge(self, txn, op: _PurgeOp, state: _BatchState) -> None:
+        if op.force:
+            self._write_delete(txn, op.keys, state, release=False)
+            return
         # A reader saw these corrupt; the key may have been rewritten since, so look again.
-        doomed = [
-            key for key in op.keys
-            if op.force or ((value := txn.get(key, db=self._payload_db)) is not None and _parse_payload(value) is None)
-        ]
+        doomed = [key for key in op.keys if (value := txn.get(key, db=self._meta_db)) is not None
+                  and not self._intact(txn, key, bytes(value))]
         if doomed:
             self._write_delete(txn, doomed, state)
+
+    def _intact(self, txn, key: bytes, meta: bytes) -> bool:
+        """Whether the record of ``key`` (metadata ``meta``) passes every check."""
+        fields = _meta_fields(meta)
+        if fields is None:
+            return False
+        if fields[0] == LEGACY_META_VERSION:
+            value = txn.get(key, db=self._payload_db)
+            return value is not None and _parse_legacy_payload(value) is not None
+        return self._check_stored(key, meta)
 
     def _write_access(self, txn, access: dict[bytes, float], state: _BatchState) -> None:
         for key, stamp in access.items():
@@ -1196,28 +1618,3 @@ class LmdbBackend:
             patched = bytearray(value)
             _META_ACCESS.pack_into(patched, _META_ACCESS_OFFSET, stamp)
             txn.put(key, patched, db=self._meta_db)
-
-    def _encode_payloads(self, source: np.ndarray, rows: np.ndarray, fingerprint: bytes) -> np.ndarray:
-        """Header + payload of ``rows`` of ``source``, one value a row, in the writer's
-        scratch array (valid until the next call; LMDB copies each value on put)."""
-        n, size = len(rows), source.shape[1]
-        width = HEADER_BYTES + size
-        if self._scratch.size < n * width:
-            self._scratch = np.empty(n * width, dtype=np.uint8)
-        values = self._scratch[: n * width].reshape(n, width)
-        header = bytearray(HEADER_BYTES)
-        _HEADER.pack_into(header, 0, PAYLOAD_MAGIC, PAYLOAD_VERSION, HEADER_BYTES, fingerprint, size, 0)
-        values[:, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-        if source.flags.c_contiguous:
-            np.take(source, rows, axis=0, out=values[:, HEADER_BYTES:], mode="clip")  # (rows checked on put)
-        else:  # (rows that are the first bytes of longer ones: np.take would go byte by byte, 35x slower)
-            for i, row in enumerate(rows.tolist()):
-                values[i, HEADER_BYTES:] = source[row]
-        prefix = xxhash.xxh3_64(bytes(header[:_CHECKSUM_OFFSET]))
-        sums = np.empty(n, dtype="<u8")
-        for i, payload in enumerate(values[:, HEADER_BYTES:]):
-            digest = prefix.copy()
-            digest.update(payload)
-            sums[i] = digest.intdigest()
-        values[:, _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8] = sums.view(np.uint8).reshape(n, 8)
-        return values

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from hicache.errors import HicacheError, InvalidArgument
 from hicache.storage.base import PageBatch, PageMeta, PageRecord, PutResult, StorageStats
 from hicache.storage import lmdb_backend
-from hicache.storage.lmdb_backend import HEADER_BYTES, LmdbBackend
+from hicache.storage.lmdb_backend import LmdbBackend
 from storage_util import stored_run
 
 FP = hashlib.blake2b(b"spec-a", digest_size=16).digest()
@@ -157,10 +157,6 @@ def test_put_reads_payload_sources_of_every_kind(open_store):
         assert np.array_equal(read(store, key, size), content(key, size))
 
 
-def _data_file(store_path) -> str:
-    return os.path.join(store_path, "data.mdb")
-
-
 def _patch_file(path: str, offset: int, new: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -182,9 +178,22 @@ def _payload_with_marker(key: bytes, size: int) -> tuple[np.ndarray, bytes]:
     return payload, marker
 
 
+def _patch_meta(store_path, key: bytes, offset: int, xor: int) -> None:
+    """Flip bits of one byte of ``key``'s metadata record, in place."""
+    env = lmdb.open(str(store_path), max_dbs=2)
+    try:
+        meta_db = env.open_db(b"meta")
+        with env.begin(write=True, db=meta_db) as txn:
+            value = bytearray(txn.get(key))
+            value[offset] ^= xor
+            txn.put(key, bytes(value))
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize(
     "damage",
-    ["payload byte", "last payload byte", "fingerprint", "magic", "length field", "checksum"],
+    ["payload byte", "last payload byte", "fingerprint", "length field", "checksum", "slot"],
 )
 def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, damage):
     size = 20_000
@@ -196,26 +205,22 @@ def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, dam
         payload, marker = _payload_with_marker(key, size)
         payloads[key] = (payload, marker)
         store.put([record(key, size, payload=payload)], fingerprint=FP).result()
+    store.put([record(key_of("spare"), size)], fingerprint=FP).result()
+    store.delete([key_of("spare")]).result()  # a free slot past the records: where "slot" points
     store.close()
 
-    data = _data_file(tmp_path / "store")
-    start = _find_unique(data, payloads[victim][1])  # first payload byte
-    header = start - HEADER_BYTES
-    with open(data, "rb") as f:
-        f.seek(header)
-        assert f.read(4) == b"HCKV"
-    where = {
-        "payload byte": start + 1000,
-        "last payload byte": start + size - 1,
-        "fingerprint": header + 8,
-        "magic": header,
-        "length field": header + 24,
-        "checksum": header + 32,
-    }[damage]
-    with open(data, "rb") as f:
-        f.seek(where)
-        old = f.read(1)
-    _patch_file(data, where, bytes([old[0] ^ 0x10]))
+    slab = str(tmp_path / "store" / f"slab-{lmdb_backend.slot_bytes_for(size)}.bin")
+    start = _find_unique(slab, payloads[victim][1])  # first payload byte
+    if damage in ("payload byte", "last payload byte"):
+        where = start + (1000 if damage == "payload byte" else size - 1)
+        with open(slab, "rb") as f:
+            f.seek(where)
+            old = f.read(1)
+        _patch_file(slab, where, bytes([old[0] ^ 0x10]))
+    else:
+        offset, xor = {"fingerprint": (52, 0x10), "length field": (4, 0x10), "checksum": (80, 0x10),
+                       "slot": (72, 0x07)}[damage]  # (slot 2 -> 5: the free one)
+        _patch_meta(tmp_path / "store", victim, offset, xor)
 
     store = open_store()
     assert read(store, victim, size) is None
@@ -229,31 +234,47 @@ def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, dam
     assert stored_run(store, [victim]) == 0
     assert victim not in dict(store.iter_metadata())
     store.check_invariants()
+    # its slot is free again: the next put takes it, and every record reads back
+    store.put([record(key_of("new"), size)], fingerprint=FP).result()
+    assert np.array_equal(read(store, key_of("new"), size), content(key_of("new"), size))
+    assert all(np.array_equal(read(store, key, size), payloads[key][0]) for key in keys if key != victim)
+    store.check_invariants()
 
 
-@pytest.mark.parametrize("change", [-1, -HEADER_BYTES - 100, +7])
-def test_value_shorter_or_longer_than_its_header_reads_as_missing(open_store, tmp_path, change):
+def test_a_slab_file_cut_short_drops_the_records_past_its_end_on_open(open_store, tmp_path):
     size = 10_000
-    keys = [key_of(("trunc", i)) for i in range(3)]
+    keys = [key_of(("trunc", i)) for i in range(4)]
     store = open_store()
     store.put([record(key, size) for key in keys], fingerprint=FP).result()
     store.close()
-
-    env = lmdb.open(str(tmp_path / "store"), max_dbs=2)
-    try:
-        payload_db = env.open_db(b"payload")
-        with env.begin(write=True, db=payload_db) as txn:
-            value = txn.get(keys[0])
-            txn.put(keys[0], value[:change] if change < 0 else value + bytes(change))
-    finally:
-        env.close()
+    slot_bytes = lmdb_backend.slot_bytes_for(size)
+    os.truncate(tmp_path / "store" / f"slab-{slot_bytes}.bin", 2 * slot_bytes + size - 1)  # slot 2 one byte short
 
     store = open_store()
-    assert read(store, keys[0], size) is None
-    assert store.stats().corrupt_records == 1
-    assert all(read(store, key, size) is not None for key in keys[1:])
-    store.flush()
-    assert store.stats().records == 2
+    assert stored_run(store, keys) == 2
+    assert [read(store, key, size) is not None for key in keys] == [True, True, False, False]
+    assert store.stats().corrupt_records == 0  # dropped on open, before any read
+    assert (store.stats().records, store.stats().bytes) == (2, 2 * size)
+    store.check_invariants()
+    store.put([record(key, size) for key in keys[2:]], fingerprint=FP).result()
+    assert all(np.array_equal(read(store, key, size), content(key, size)) for key in keys)
+    store.check_invariants()
+
+
+def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_path):
+    size = 3000
+    keys = [key_of(("shared", i)) for i in range(3)]
+    store = open_store()
+    store.put([record(key, size) for key in keys], fingerprint=FP).result()
+    store.close()
+    _patch_meta(tmp_path / "store", keys[1], 72, 0x01)  # slot 1 -> 0, keys[0]'s
+
+    store = open_store()
+    assert sorted(dict(store.iter_metadata())) == [keys[2]]
+    assert np.array_equal(read(store, keys[2], size), content(keys[2], size))
+    store.check_invariants()
+    store.put([record(key, size) for key in keys[:2]], fingerprint=FP).result()
+    assert all(np.array_equal(read(store, key, size), content(key, size)) for key in keys)
     store.check_invariants()
 
 
@@ -477,16 +498,23 @@ def test_lru_state_machine(tmp_path, monkeypatch, victims):
     run_state_machine_as_test(Machine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
 
 
+def _token_heavy(key: bytes, size: int) -> PageRecord:
+    """A record whose metadata (1,000 token ids) outweighs its payload: it fills the map."""
+    return PageRecord(key=key, payload=content(key, size), meta=meta_for(key, num_tokens=1000))
+
+
 @pytest.mark.parametrize("writemap", [False, True])
 def test_map_grows_instead_of_failing(open_store, writemap):
     store = open_store(capacity_bytes=64 << 20, map_size_bytes=1 << 20, writemap=writemap)
     initial = store.stats().map_size_bytes
-    keys = [key_of(("grow", i)) for i in range(200)]
-    futures = [store.put([record(k, 60_000) for k in keys[i : i + 10]], fingerprint=FP) for i in range(0, 200, 10)]
-    assert all(f.result().written == 10 for f in futures)
+    keys = [key_of(("grow", i)) for i in range(2000)]
+    futures = [store.put([_token_heavy(k, 600) for k in keys[i : i + 100]], fingerprint=FP)
+               for i in range(0, 2000, 100)]
+    assert all(f.result().written == 100 for f in futures)
     stats = store.stats()
-    assert stats.map_size_bytes >= 16 * initial and stats.records == 200
-    assert all(read(store, k, 60_000) is not None for k in keys)
+    assert stats.map_size_bytes >= 8 * initial and stats.records == 2000
+    assert all(np.array_equal(read(store, k, 600), content(k, 600)) for k in keys)
+    assert store.read_tokens(keys[:3]) == [meta_for(k, num_tokens=1000).tokens for k in keys[:3]]
     store.check_invariants()
 
 
@@ -512,7 +540,8 @@ def test_reads_run_while_the_writer_commits_and_grows_the_map(open_store, writem
     threads = [threading.Thread(target=reader) for _ in range(3)]
     for t in threads:
         t.start()
-    futures = [store.put([record(key_of(("w", i, j)), size) for j in range(8)], fingerprint=FP) for i in range(60)]
+    futures = [store.put([_token_heavy(key_of(("w", i, j)), size) for j in range(8)], fingerprint=FP)
+               for i in range(60)]
     for f in futures:
         f.result()
     stop.set()
@@ -523,25 +552,38 @@ def test_reads_run_while_the_writer_commits_and_grows_the_map(open_store, writem
     store.check_invariants()
 
 
-def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_store, monkeypatch):
+@pytest.mark.parametrize("fail_at", ["after the slab write", "in the slab write"])
+def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_store, monkeypatch, fail_at):
     store = open_store()
     _put(store, "ab")
-    real_encode = store._encode_payloads
+    real_write = store._write_payloads
+    real_pwritev = os.pwritev
 
-    def failing(source, rows, fingerprint):
+    def failing_after(*args):
+        real_write(*args)  # slots taken and written, then the batch fails
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(store, "_encode_payloads", failing)
-    future = store.put([record(key_of("c"), 1000)], fingerprint=FP)
+    def failing_pwritev(fd, buffers, offset):
+        real_pwritev(fd, [memoryview(buffers[0])[:10]], offset)  # a short write, then the failure
+        raise OSError("disk on fire")
+
+    if fail_at == "after the slab write":
+        monkeypatch.setattr(store, "_write_payloads", failing_after)
+    else:
+        monkeypatch.setattr(lmdb_backend.os, "pwritev", failing_pwritev)
+    future = store.put([record(key_of("c"), 1000), record(key_of("d"), 1000)], fingerprint=FP)
     with pytest.raises(OSError, match="disk on fire"):
         future.result()
     store.check_invariants()
     assert stored_run(store, [key_of("c")]) == 0
-    monkeypatch.setattr(store, "_encode_payloads", real_encode)
-    assert _put(store, "c") == PutResult(1, ())
-    assert stored_run(store, [key_of(n) for n in "abc"]) == 3
+    monkeypatch.undo()
+    assert _put(store, "cd") == PutResult(2, ())
+    assert stored_run(store, [key_of(n) for n in "abcd"]) == 4
+    assert all(np.array_equal(read(store, key_of(n), 1000), content(key_of(n), 1000)) for n in "abcd")
     store.check_invariants()
     assert store.stats().pending_writes == 0
+    # the failed batch's slots were given back: the slab holds four slots, not six
+    assert os.path.getsize(os.path.join(store.path, "slab-1024.bin")) <= 4 * 1024
 
 
 def test_pending_writes_and_flush(open_store, monkeypatch):

@@ -118,7 +118,8 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
@@ -524,6 +525,7 @@ class _BatchState:
     access: dict  # key -> last access recorded by reads, persisted by this batch
     num_evicted: int = 0
     taken: list = field(default_factory=list)  # (slab, slots) written by this batch
+    writes: list = field(default_factory=list)  # its slab writes (futures on the I/O thread)
     freed: list = field(default_factory=list)  # (slot bytes, slot) its records gave up
 
 
@@ -585,6 +587,8 @@ class LmdbBackend:
         # The writer's: (generation, [(slot bytes, slot)]) freed by the commit that
         # started that generation, reused once no read of an older one is left.
         self._freed: deque[tuple[int, list]] = deque()
+        # Slab writes, so that the writer checksums one part while the disk takes another.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-lmdb-io:{self._path}")
 
         # Committed records and their payload bytes. Guarded by _lock, like every other
         # field below that readers and the writer share.
@@ -1250,6 +1254,7 @@ class LmdbBackend:
             self._open = False
             if self._env is not None:
                 self._env.close()
+            self._io.shutdown()
             for slab in self._slabs.values():
                 slab.close()
         finally:
@@ -1374,12 +1379,15 @@ class LmdbBackend:
                     outcomes.append(None)
             self._evict(txn, state, exclude=frozenset())
             self._write_access(txn, access, state)
+            for write in state.writes:
+                write.result()  # (raises what a write raised)
             if self._sync:
                 for slab in {slab for slab, _ in state.taken}:
                     os.fdatasync(slab.fd)  # the payloads are on disk before the records naming them
         except BaseException:
             txn.abort()
             self._victims.clear()  # it may have lost candidates the abort kept in the store
+            futures_wait(state.writes)  # (a slot goes back to the free list once nothing writes it)
             for slab, slots in state.taken:  # no committed record names them
                 slab.give(slots)
             raise
@@ -1450,23 +1458,28 @@ class LmdbBackend:
     def _write_payloads(self, keys: list[bytes], meta: np.ndarray, source: np.ndarray, rows: np.ndarray,
                         fingerprint: bytes, state: _BatchState) -> None:
         """Write the payload rows to free slots, in place from ``source`` (one
-        ``pwritev`` a run of adjacent slots), and put their slots and checksums in
-        ``meta``."""
+        ``pwritev`` a run of adjacent slots, on the I/O thread: the batch waits for
+        them before it commits), and put their slots and checksums in ``meta``."""
         n, size = len(keys), source.shape[1]
         slab = self._slab(slot_bytes_for(size))
         slots = slab.take(n)
         state.taken.append((slab, slots))
         payloads = [source[row] for row in rows.tolist()]
-        seed = _checksum_seed(fingerprint, size)
-        sums = [_checksum(key, seed, payload) for key, payload in zip(keys, payloads, strict=True)]
-        meta[:, _META_SLOT:META_BYTES] = np.array([slots, sums], dtype="<u8").T.copy().view(np.uint8)
         start = 0
         while start < n:  # (slots ascend: take() gives them so)
             end = start + 1
             while end < n and end - start < _IOV_MAX and slots[end] == slots[end - 1] + 1 and size == slab.slot_bytes:
                 end += 1
-            _pwritev_all(slab.fd, payloads[start:end], slots[start] * slab.slot_bytes)
+            state.writes.append(self._io.submit(_pwritev_all, slab.fd, payloads[start:end],
+                                                slots[start] * slab.slot_bytes))
             start = end
+        # Meanwhile (pwritev lets go of the interpreter): the checksums of the same rows.
+        # First let the I/O thread take the interpreter to start its pwritev (else it
+        # waits for the switch interval, 5 ms, behind the checksums).
+        time.sleep(0)
+        seed = _checksum_seed(fingerprint, size)
+        sums = [_checksum(key, seed, payload) for key, payload in zip(keys, payloads, strict=True)]
+        meta[:, _META_SLOT:META_BYTES] = np.array([slots, sums], dtype="<u8").T.copy().view(np.uint8)
 
     def _count_puts(self, txn, sizes: dict[bytes, int], state: _BatchState) -> None:
         """Add a put of ``sizes`` (key -> payload size) to the batch's record and byte
@@ -1592,7 +1605,10 @@ class LmdbBackend:
         if op.force:
             self._write_delete(txn, op.keys, state, release=False)
             return
-        # A reader saw these corrupt; the key may have been rewritten since, so look again.
+        # A reader saw these corrupt; the key may have been rewritten since, so look again
+        # (after this batch's own slab writes, which may be what it would read).
+        for write in state.writes:
+            write.result()
         doomed = [key for key in op.keys if (value := txn.get(key, db=self._meta_db)) is not None
                   and not self._intact(txn, key, bytes(value))]
         if doomed:

@@ -89,6 +89,27 @@ def test_many_payload_sizes_share_a_few_slab_files(open_store):
     store.check_invariants()
 
 
+def test_one_get_reads_adjacent_slots_of_different_sizes_and_large_payloads(open_store):
+    """A run of adjacent slots (one preadv) ends with a payload shorter than its slot,
+    next to megabyte payloads: each checked with its own size, a damaged one caught."""
+    store = open_store()
+    sizes = {key_of("full-a"): 4096, key_of("full-b"): 4096, key_of("short"): 3900, key_of("big"): 1_500_000,
+             key_of("big-short"): 1_400_001}
+    assert len({slot_bytes_for(size) for size in sizes.values()}) == 2
+    store.put([record(key, size) for key, size in sizes.items()], fingerprint=FP).result()
+    buffers = [np.full(size, 0x5A, dtype=np.uint8) for size in sizes.values()]
+    assert store.get(list(sizes), buffers, fingerprint=FP) == [True] * len(sizes)
+    for (key, size), buffer in zip(sizes.items(), buffers, strict=True):
+        assert np.array_equal(buffer, content(key, size))
+    with open(slab_path(store, 1_500_000), "r+b") as f:  # damage the big one's last piece
+        f.seek(slot_bytes_for(1_500_000) * 0 + 1_499_999)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 1]))
+    assert store.get(list(sizes), buffers, fingerprint=FP) == [True, True, True, False, True]
+    assert store.stats().corrupt_records == 1
+
+
 def test_freed_slots_are_reused_lowest_first_and_open_cuts_the_file(open_store):
     size = 4096
     keys = [key_of(("slot", i)) for i in range(10)]

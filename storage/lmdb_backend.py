@@ -67,7 +67,9 @@ thread and queue an operation; the writer thread (which also opens the environme
 every write transaction lives on the thread that opened it) takes whatever is queued, up
 to ``max_batch_records`` / ``max_batch_bytes``, applies it in ONE write transaction,
 commits, updates the record and byte counts and only then resolves the futures, in queue order.
-The byte bound defaults to 2 MiB (the payloads a commit waits on). One put call is never
+The byte bound defaults to 8 MiB of payload: the writer checksums and puts the metadata
+of a batch while its slab writes run, so larger batches overlap more (1 and 2 MiB puts
+~10% faster than with 2 MiB batches in ``bench_storage.py``). One put call is never
 split (its records commit together), so a larger call makes a larger transaction.
 A batch that raises is aborted and fails all its futures; the counts change only after a
 commit, so the store and the counts stay consistent. ``lmdb.MapFullError`` doubles the map
@@ -551,7 +553,7 @@ class LmdbBackend:
         sync: bool = False,
         writemap: bool = False,
         max_batch_records: int = 512,
-        max_batch_bytes: int = 2 * _MIB,
+        max_batch_bytes: int = 8 * _MIB,
         max_readers: int = 126,
         access_flush_interval_s: float = 10.0,
         clock: Callable[[], float] = time.time,

@@ -330,17 +330,23 @@ def _child(node: Node, page: bytes, page_size: int) -> "Node | None":
     return child
 
 
-def _edge_pages(node: Node, child: Node, packed: bytes, pos: int, page_bytes: int, page_size: int) -> int:
+def _edge_pages(node: Node, child: Node, packed: bytes, pos: int, page_bytes: int, page_size: int,
+                page_keys: bytes | None = None) -> int:
     """How many of ``child``'s pages equal the request's from byte ``pos`` of ``packed``
     (its first page is known to). With its tokens: memcmp (binary search inside the
-    edge); without (on disk): the request's page keys, chained from ``node``'s last."""
+    edge); without (on disk): the request's page keys, chained from ``node``'s last —
+    or taken from ``page_keys`` (the keys of all of ``packed``'s pages) when the caller
+    has them."""
     if child.tokens:
         if packed.startswith(child.tokens, pos):
             return child.num_pages
         return HiRadixTree._common_pages(packed, pos, child.tokens, page_bytes)
     end = min(len(packed), pos + child.num_pages * page_bytes)
     end -= (end - pos) % page_bytes
-    keys = chain_page_keys(child.namespace, node.last_page_key, packed[pos:end], page_size)
+    if page_keys is not None:
+        keys = page_keys[pos // page_bytes * PAGE_KEY_BYTES : end // page_bytes * PAGE_KEY_BYTES]
+    else:
+        keys = chain_page_keys(child.namespace, node.last_page_key, packed[pos:end], page_size)
     if child.page_keys.startswith(keys) and len(keys) == len(child.page_keys):
         return child.num_pages
     return HiRadixTree._common_pages(keys, 0, child.page_keys, PAGE_KEY_BYTES)
@@ -531,18 +537,23 @@ class HiRadixTree:
             num_prefix,
         )
 
-    def restore(self, namespace: NamespaceId, tokens: Tokens) -> Node:
+    def restore(self, namespace: NamespaceId, tokens: Tokens, page_keys: bytes | None = None) -> Node:
         """Mark every whole page of ``tokens`` as on disk, creating nodes as needed.
 
         This is how a restarted daemon rebuilds its disk tier from storage metadata.
-        Returns the deepest node (the root when there is no whole page).
+        ``page_keys``, if given, are the chained keys of those pages (16 bytes each; the
+        caller has checked them): the path is then compared by key without hashing the
+        pages again — O(new pages) rather than O(pages) a restore. Returns the deepest
+        node (the root when there is no whole page).
         """
         entry = self._namespace(namespace)
         key = pack_tokens(tokens)
         key = key[: len(key) - len(key) % entry.page_bytes]
         if not key:
             return entry.root
-        path = self._path(entry, key)
+        if page_keys is not None and len(page_keys) != len(key) // entry.page_bytes * PAGE_KEY_BYTES:
+            raise InvalidArgument(f"{len(page_keys)} bytes of page keys for {len(key) // entry.page_bytes} pages")
+        path = self._path(entry, key, page_keys)
         for node in path:
             if DISK_SLOT not in node.residency:
                 self._add_residency(node, DISK_SLOT, True)
@@ -975,11 +986,12 @@ class HiRadixTree:
         self._nodes[node.node_id] = node
         return node
 
-    def _path(self, entry: _Namespace, key: bytes) -> list[Node]:
+    def _path(self, entry: _Namespace, key: bytes, page_keys: bytes | None = None) -> list[Node]:
         """The nodes that cover ``key`` (packed tokens, whole pages) exactly, splitting
         the last existing node or adding a new one at the end as needed; all marked
         accessed. A node on the way that keeps no tokens gets them from ``key``: the
-        caller settles them once it has changed the residencies."""
+        caller settles them once it has changed the residencies. ``page_keys``: as in
+        :meth:`restore`."""
         self._tick += 1
         tick = self._tick
         page_bytes, page_size = entry.page_bytes, entry.page_size
@@ -992,15 +1004,15 @@ class HiRadixTree:
             child = _child(node, key[pos : pos + page_bytes], page_size)
             if child is None:
                 tail = key[pos:]
-                child = self._make_node(namespace, node, tail,
-                                        chain_page_keys(namespace, node.last_page_key, tail, page_size),
-                                        len(tail) // page_bytes)
+                tail_keys = (page_keys[pos // page_bytes * PAGE_KEY_BYTES :] if page_keys is not None
+                             else chain_page_keys(namespace, node.last_page_key, tail, page_size))
+                child = self._make_node(namespace, node, tail, tail_keys, len(tail) // page_bytes)
                 node.children[child.page_keys[:PAGE_KEY_BYTES]] = child
                 node.by_tokens[tail[:page_bytes]] = child
                 pos = end
             else:
                 if not (child.tokens and key.startswith(child.tokens, pos)):
-                    equal = _edge_pages(node, child, key, pos, page_bytes, page_size)
+                    equal = _edge_pages(node, child, key, pos, page_bytes, page_size, page_keys)
                     if equal < child.num_pages:
                         child = self._split(child, equal)
                 if not child.tokens:  # (the caller settles them: see _settle_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from hicache.keys import ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId
+from hicache.keys import ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId, chain_page_keys
 from hicache.spec import KVSpec
 from hicache.storage.base import StorageBackend
 from hicache.tree import DISK_SLOT, HiRadixTree, Tier
@@ -27,7 +27,11 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     Walks the records top-down from each sequence's first page, once each: the time is
     O(records) plus one tree restore per leaf, however long the shared prefixes are
     (walking up from every leaf instead was O(leaves x depth): 23 s for 450,000 pages
-    under 1,000-page shared prompts).
+    under 1,000-page shared prompts). Each record's key is checked against its tokens
+    once (a record whose key is not its tokens' is unreached, and so is everything
+    below it), and the restores take the checked keys: a restore under a shared prefix
+    then compares the prefix by key instead of hashing its pages again (the tree keeps
+    no tokens on disk-only nodes).
 
     Checkpoint records of this spec (no tokens: :mod:`hicache.tiers.checkpoints`) are
     not pages: each one's ``(key, boundary page key)`` is appended to ``checkpoints``
@@ -48,24 +52,34 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
         children.setdefault(meta.parent, []).append(key)
         if done % every == 0:
             yield done
+    def chained(key: bytes, parent: bytes, namespace: bytes) -> bool:
+        """Is ``key`` the key of its record's tokens after ``parent`` (one page's hash)?
+        Then the tree may take it as is, without hashing the path again."""
+        return chain_page_keys(NamespaceId(namespace), parent, metas[key].tokens, spec.page_size) == key
+
     reached: set[bytes] = set()
     for first in children.get(ROOT_PARENT_KEY, ()):
         namespace = NamespaceId(metas[first].namespace)
+        if not chained(first, ROOT_PARENT_KEY, namespace):
+            continue
         tree.add_namespace(namespace, spec.page_size)
         path: list[bytes] = []  # the page tokens from the first page down to the current one
+        path_keys: list[bytes] = []  # and their keys
         stack = [(first, 0)]
         while stack:
             key, depth = stack.pop()
             reached.add(key)
             if len(reached) % every == 0:
                 yield len(reached)
-            del path[depth:]
+            del path[depth:], path_keys[depth:]
             path.append(metas[key].tokens)
-            below = [child for child in children.get(key, ()) if metas[child].namespace == namespace]
+            path_keys.append(key)
+            below = [child for child in children.get(key, ())
+                     if metas[child].namespace == namespace and chained(child, key, namespace)]
             if below:
                 stack.extend((child, depth + 1) for child in below)
             else:  # the end of a sequence: restore the whole path in one go
-                tree.restore(namespace, b"".join(path))
+                tree.restore(namespace, b"".join(path), b"".join(path_keys))
     if spec.swa_window and spec.kept_page_bytes:
         yield from _swa_from_sizes(tree, metas, spec.host_page_bytes, spec.window_pages, every)
     orphans = []

@@ -612,28 +612,71 @@ def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
     tm.close()
 
 
+def _chain_records(namespace, parent, toks):
+    """Page records of ``toks`` (whole pages) chained after ``parent``, as a disk write
+    stores them."""
+    from hicache.keys import chain_page_keys
+    from hicache.storage.base import PageMeta, PageRecord
+
+    packed = np.asarray(toks, dtype="<i4").tobytes()
+    keys = chain_page_keys(namespace, parent, packed, PS)
+    records = []
+    for i in range(len(toks) // PS):
+        key = keys[i * 16 : (i + 1) * 16]
+        records.append(PageRecord(key, np.full(SPEC.host_page_bytes, i, dtype=np.uint8),
+                                  PageMeta(namespace, parent, packed[i * PS * 4 : (i + 1) * PS * 4])))
+        parent = key
+    return records
+
+
+def test_rebuild_drops_a_record_whose_key_is_not_its_tokens_and_builds_the_tree_hashing_would(engine, tmp_path):
+    """Damaged metadata: a record whose tokens do not hash to its key is not restored,
+    nor anything below it, and is deleted; its siblings are. The rebuilt tree (restores
+    given the checked keys) equals one restored from the tokens alone."""
+    from hicache.keys import ROOT_PARENT_KEY
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tree import HiRadixTree
+
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    shared = _chain_records(NS, ROOT_PARENT_KEY, tokens(0, 3))
+    kept = [_chain_records(NS, shared[-1].key, tokens(100 * i, 2)) for i in range(1, 4)]
+    bad = _chain_records(NS, shared[-1].key, tokens(700, 3))
+    bad[0] = bad[0]._replace(meta=bad[0].meta._replace(tokens=np.asarray(tokens(800, 1), dtype="<i4").tobytes()))
+    store.put(shared + [r for seq in kept for r in seq] + bad, fingerprint=SPEC.fingerprint).result()
+
+    tm = TierManager(SPEC, host_pages=4, storage=store)
+    tm.register_pool(0, [engine.pool])
+    assert tm.rebuild_from_storage() == 3 + 3 * 2
+    tm.check_invariants()
+    for i in range(1, 4):
+        assert tm.tree.match(NS, tokens(0, 3) + tokens(100 * i, 2), 0).num_disk_pages == 5
+    assert tm.tree.match(NS, tokens(0, 3) + tokens(800, 1), 0).num_disk_pages == 3
+    hashed = HiRadixTree()
+    hashed.add_namespace(NS, PS)
+    for i in range(1, 4):
+        hashed.restore(NS, tokens(0, 3) + tokens(100 * i, 2))
+
+    def shape(tree):
+        return sorted((node.page_keys, node.num_pages, node.parent.page_keys if node.parent else b"")
+                      for node in tree.nodes() if node.num_pages)
+
+    assert shape(tm.tree) == shape(hashed)
+    tm.close()
+    assert all(stored_run(store, [r.key]) == 0 for r in bad)
+    assert all(stored_run(store, [r.key]) == 1 for r in shared + [r for seq in kept for r in seq])
+    store.close()
+
+
 def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engine, tmp_path, monkeypatch):
     """Records written straight into the store: two sequences sharing a first page,
     one chain whose second page is missing (everything below it is unreachable), and
     a page whose parent is in another namespace. One rebuild restores what a first
     page reaches and deletes the rest in the same pass."""
-    from hicache.keys import ROOT_PARENT_KEY, chain_page_keys
-    from hicache.storage.base import PageMeta, PageRecord
+    from hicache.keys import ROOT_PARENT_KEY
     from hicache.storage.lmdb_backend import LmdbBackend
 
     store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
-
-    def chain(namespace, parent, toks):
-        packed = np.asarray(toks, dtype="<i4").tobytes()
-        keys = chain_page_keys(namespace, parent, packed, PS)
-        records = []
-        for i in range(len(toks) // PS):
-            key = keys[i * 16 : (i + 1) * 16]
-            records.append(PageRecord(key, np.full(SPEC.host_page_bytes, i, dtype=np.uint8),
-                                      PageMeta(namespace, parent, packed[i * PS * 4 : (i + 1) * PS * 4])))
-            parent = key
-        return records
-
+    chain = _chain_records
     shared = chain(NS, ROOT_PARENT_KEY, tokens(0, 2))
     left = chain(NS, shared[-1].key, tokens(100, 3))
     right = chain(NS, shared[-1].key, tokens(200, 1))

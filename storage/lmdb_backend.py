@@ -532,13 +532,15 @@ class _BatchState:
 
 
 class LmdbBackend:
-    """A :class:`~hicache.storage.base.StorageBackend` on one LMDB environment.
+    """A :class:`~hicache.storage.base.StorageBackend` on slab files and one LMDB
+    environment (see the module docstring).
 
     ``put``/``delete`` are O(records) on the caller's thread (validation only); a get is
-    one read transaction, one checksum pass and one copy per record. Call :meth:`close` (or use it as a context manager);
-    :meth:`flush` and :meth:`close` must not be called from a future's done-callback,
-    which runs on the writer thread. One process owns a store: open it in that process
-    (after any fork); other processes may at most read it.
+    one read transaction, one ``preadv`` per run of adjacent slots and one checksum pass
+    per record. Call :meth:`close` (or use it as a context manager); :meth:`flush` and
+    :meth:`close` must not be called from a future's done-callback, which runs on the
+    writer thread. One process owns a store: open it in that process only (after any
+    fork) — slot reuse waits for this process's reads, not another's.
 
     The public methods run on the caller's thread; the private ones from
     :meth:`_writer_main` on run on the writer thread only.

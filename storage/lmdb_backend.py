@@ -400,6 +400,15 @@ class _Slab:
         os.close(self.fd)
 
 
+def _preadv(slab: _Slab, buffers: list, slot: int) -> int:
+    """``preadv`` of ``buffers`` from ``slot`` on: the bytes read, -1 if the read failed."""
+    try:
+        return os.preadv(slab.fd, buffers, slot * slab.slot_bytes)
+    except OSError as exc:
+        logger.error("reading %s failed: %r", slab.path, exc)
+        return -1
+
+
 class _ReadGate:
     """Many transactions of this process at once, or one exclusive holder (map resize,
     close). A waiting exclusive holder stops new readers, so a stream of gets cannot
@@ -750,13 +759,8 @@ class LmdbBackend:
                         num_mismatched += 1
                     elif outcome == "found":
                         found[i] = True
-            seeds: dict[int, int] = {}
-            for i, intact in self._read_slots(reads, targets):
-                size = targets[i].nbytes
-                seed = seeds.get(size)
-                if seed is None:
-                    seed = seeds[size] = _checksum_seed(fingerprint, size)
-                if intact[0] and _checksum(keys[i], seed, targets[i]) == intact[1]:
+            for i, intact in self._read_slots(reads, keys, targets, fingerprint):
+                if intact:
                     found[i] = True
                 else:
                     corrupt.append(keys[i])
@@ -773,7 +777,7 @@ class LmdbBackend:
     def _get_other(self, txn, key: bytes, meta: bytes, target: np.ndarray, fingerprint: bytes, i: int) -> str:
         """A get of what the fast path does not take: a legacy record, unreadable
         metadata, another spec's record, or a buffer of the wrong size. ``"found"`` (then
-        copied), ``"corrupt"``, ``"mismatch"`` (another spec's, intact) or ``""``.
+        copied), ``"corrupt"`` or ``"mismatch"`` (another spec's, intact).
         Raises :class:`InvalidArgument` for an intact record of this spec that the
         buffer does not fit."""
         fields = _meta_fields(meta)
@@ -804,11 +808,20 @@ class LmdbBackend:
         np.copyto(target, np.frombuffer(value, dtype=np.uint8, count=length, offset=HEADER_BYTES))
         return "found"
 
-    def _read_slots(self, reads: list[tuple[int, int, int, int]],
-                    targets: list[np.ndarray]) -> list[tuple[int, tuple[bool, int]]]:
-        """Read each ``(slot bytes, slot, index, checksum)`` into ``targets[index]``:
-        ``(index, (every byte arrived, checksum))``. Runs of adjacent full slots take
-        one ``preadv``. Call under the shared gate."""
+    def _read_slots(self, reads: list[tuple[int, int, int, int]], keys: list[bytes], targets: list[np.ndarray],
+                    fingerprint: bytes) -> list[tuple[int, bool]]:
+        """Read each ``(slot bytes, slot, index, checksum)`` into ``targets[index]`` and
+        check it: ``(index, intact)``. Runs of adjacent full slots take one ``preadv``.
+        Call under the shared gate."""
+        seeds: dict[int, int] = {}
+
+        def intact(i: int, checksum: int) -> bool:
+            size = targets[i].nbytes  # (the last of a run may be shorter than its slot)
+            seed = seeds.get(size)
+            if seed is None:
+                seed = seeds[size] = _checksum_seed(fingerprint, size)
+            return _checksum(keys[i], seed, targets[i]) == checksum
+
         reads.sort()
         out = []
         start = 0
@@ -822,27 +835,13 @@ class LmdbBackend:
             start = end
             slab = self._slabs.get(slot_bytes)
             if slab is None:
-                out.extend((i, (False, c)) for _, _, i, c in run)
-                continue
-            try:
-                num_read = os.preadv(slab.fd, [targets[i] for _, _, i, _ in run], first * slot_bytes)
-            except OSError as exc:
-                logger.error("reading %s failed: %r", slab.path, exc)
-                num_read = -1
-            if num_read == sum(targets[i].nbytes for _, _, i, _ in run):
-                out.extend((i, (True, c)) for _, _, i, c in run)
+                out.extend((i, False) for _, _, i, _ in run)
+            elif _preadv(slab, [targets[i] for _, _, i, _ in run], first) == sum(targets[i].nbytes for _, _, i, _ in run):
+                out.extend((i, intact(i, checksum)) for _, _, i, checksum in run)
             else:  # the file ends inside the run, or the read failed: one at a time
-                out.extend((i, (self._read_one(slab, slot, targets[i]), c)) for _, slot, i, c in run)
+                out.extend((i, _preadv(slab, [targets[i]], slot) == targets[i].nbytes and intact(i, checksum))
+                           for _, slot, i, checksum in run)
         return out
-
-    @staticmethod
-    def _read_one(slab: _Slab, slot: int, target: np.ndarray) -> bool:
-        """Read ``slot`` into ``target``; whether every byte arrived."""
-        try:
-            return os.preadv(slab.fd, [target], slot * slab.slot_bytes) == target.nbytes
-        except OSError as exc:
-            logger.error("reading %s failed: %r", slab.path, exc)
-            return False
 
     def _check_stored(self, key: bytes, meta: bytes) -> bool:
         """Whether the current-version record of ``key`` with metadata ``meta`` is intact:
@@ -853,7 +852,7 @@ class LmdbBackend:
         if slab is None or slot * slab.slot_bytes + length > os.fstat(slab.fd).st_size:
             return False  # (a length that damage made huge is never allocated)
         scratch = np.empty(length, dtype=np.uint8)
-        return (self._read_one(slab, slot, scratch)
+        return (_preadv(slab, [scratch], slot) == length
                 and _checksum(key, _checksum_seed(stored_fingerprint, length), scratch) == checksum)
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
@@ -1396,10 +1395,9 @@ class LmdbBackend:
                 slab.give(slots)
             raise
         txn.commit()
+        generation = self._gate.advance()
         if state.freed:
-            self._freed.append((self._gate.advance(), state.freed))
-        else:
-            self._gate.advance()
+            self._freed.append((generation, state.freed))
         return state, outcomes
 
     def _reuse_freed_slots(self) -> None:

@@ -172,6 +172,10 @@ _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at off
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
 _VICTIMS_SHARE = 16  # ... or this fraction of the records
 _IOV_MAX = 1024  # buffers one preadv / pwritev takes (Linux's IOV_MAX)
+# A get reads at most this many bytes per preadv and checksums them at once, while they
+# are still in the CPU's cache (a whole run read first and checked after: ~0.6x the read
+# alone; in pieces: ~0.75x, measured by bench_storage on a 2 MiB-L2 Xeon).
+_READ_PIECE_BYTES = 256 << 10
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -400,13 +404,48 @@ class _Slab:
         os.close(self.fd)
 
 
-def _preadv(slab: _Slab, buffers: list, slot: int) -> int:
-    """``preadv`` of ``buffers`` from ``slot`` on: the bytes read, -1 if the read failed."""
+def _preadv(slab: _Slab, buffers: list, slot: int, skip: int = 0) -> int:
+    """``preadv`` of ``buffers`` from ``skip`` bytes into ``slot`` on: the bytes read, -1
+    if the read failed."""
     try:
-        return os.preadv(slab.fd, buffers, slot * slab.slot_bytes)
+        return os.preadv(slab.fd, buffers, slot * slab.slot_bytes + skip)
     except OSError as exc:
         logger.error("reading %s failed: %r", slab.path, exc)
         return -1
+
+
+def _read_run(slab: _Slab, first: int, run: list[tuple[int, int]], targets: list[np.ndarray],
+              seed_of) -> list[tuple[int, bool]] | None:
+    """Read the ``(index, checksum)`` records of ``run`` (slots ``first``, ``first + 1``,
+    ...; all full but the last) into ``targets[index]``, up to ``_READ_PIECE_BYTES`` per
+    ``preadv``, each checksummed (seed ``seed_of(index)``) right after its bytes arrive:
+    ``(index, intact)``, or None if a read came back short."""
+    out = []
+    j = 0
+    slot = first
+    while j < len(run):
+        i, checksum = run[j]
+        target = targets[i]
+        size = target.nbytes
+        if size > _READ_PIECE_BYTES:  # one record in pieces, its checksum streamed
+            digest = xxhash.xxh3_64(seed=seed_of(i))
+            for skip in range(0, size, _READ_PIECE_BYTES):
+                piece = target[skip : skip + _READ_PIECE_BYTES]
+                if _preadv(slab, [piece], slot, skip) != piece.nbytes:
+                    return None
+                digest.update(piece)
+            out.append((i, digest.intdigest() == checksum))
+            j += 1
+            slot += 1
+            continue
+        group = run[j : j + max(1, _READ_PIECE_BYTES // size)]
+        buffers = [targets[k] for k, _ in group]
+        if _preadv(slab, buffers, slot) != sum(b.nbytes for b in buffers):
+            return None
+        out.extend((k, xxhash.xxh3_64_intdigest(targets[k], seed=seed_of(k)) == c) for k, c in group)
+        j += len(group)
+        slot += len(group)
+    return out
 
 
 class _ReadGate:
@@ -811,16 +850,16 @@ class LmdbBackend:
     def _read_slots(self, reads: list[tuple[int, int, int, int]], keys: list[bytes], targets: list[np.ndarray],
                     fingerprint: bytes) -> list[tuple[int, bool]]:
         """Read each ``(slot bytes, slot, index, checksum)`` into ``targets[index]`` and
-        check it: ``(index, intact)``. Runs of adjacent full slots take one ``preadv``.
-        Call under the shared gate."""
+        check it: ``(index, intact)``. Runs of adjacent full slots are read in pieces of
+        up to ``_READ_PIECE_BYTES`` (:meth:`_read_run`). Call under the shared gate."""
         seeds: dict[int, int] = {}
 
-        def intact(i: int, checksum: int) -> bool:
+        def seed_of(i: int) -> int:
             size = targets[i].nbytes  # (the last of a run may be shorter than its slot)
             seed = seeds.get(size)
             if seed is None:
                 seed = seeds[size] = _checksum_seed(fingerprint, size)
-            return _checksum(keys[i], seed, targets[i]) == checksum
+            return int.from_bytes(keys[i][:8], "little") ^ seed
 
         reads.sort()
         out = []
@@ -831,16 +870,17 @@ class LmdbBackend:
             while (end < len(reads) and end - start < _IOV_MAX and reads[end][0] == slot_bytes
                    and reads[end][1] == reads[end - 1][1] + 1 and targets[reads[end - 1][2]].nbytes == slot_bytes):
                 end += 1
-            run = reads[start:end]
+            run = [(i, checksum) for _, _, i, checksum in reads[start:end]]
             start = end
             slab = self._slabs.get(slot_bytes)
-            if slab is None:
-                out.extend((i, False) for _, _, i, _ in run)
-            elif _preadv(slab, [targets[i] for _, _, i, _ in run], first) == sum(targets[i].nbytes for _, _, i, _ in run):
-                out.extend((i, intact(i, checksum)) for _, _, i, checksum in run)
-            else:  # the file ends inside the run, or the read failed: one at a time
-                out.extend((i, _preadv(slab, [targets[i]], slot) == targets[i].nbytes and intact(i, checksum))
-                           for _, slot, i, checksum in run)
+            checked = None if slab is None else _read_run(slab, first, run, targets, seed_of)
+            if checked is not None:
+                out.extend(checked)
+            elif slab is None:
+                out.extend((i, False) for i, _ in run)
+            else:  # the file ends inside the run, or a read failed: one at a time
+                out.extend((i, _read_run(slab, first + j, [(i, checksum)], targets, seed_of) == [(i, True)])
+                           for j, (i, checksum) in enumerate(run))
         return out
 
     def _check_stored(self, key: bytes, meta: bytes) -> bool:

@@ -110,6 +110,40 @@ def test_one_get_reads_adjacent_slots_of_different_sizes_and_large_payloads(open
     assert store.stats().corrupt_records == 1
 
 
+def test_a_get_reads_in_pieces_and_checks_each_record_whatever_piece_it_is_in(open_store):
+    """Reads go in pieces of a few hundred KiB: small records several to a piece, large
+    ones over several pieces. A flipped byte in a later piece, or a file that ends in the
+    middle of a record, fails exactly that record."""
+    store = open_store()
+    small = [key_of(("small", n)) for n in range(12)]
+    large = [key_of(("large", n)) for n in range(3)]
+    sizes = {**{key: 100_000 for key in small}, **{key: 600_000 for key in large}}
+    store.put([record(key, size) for key, size in sizes.items()], fingerprint=FP).result()
+    store.flush()
+
+    def get_all() -> list[bool]:
+        buffers = [np.full(size, 0x5A, dtype=np.uint8) for size in sizes.values()]
+        found = store.get(list(sizes), buffers, fingerprint=FP)
+        for key, buffer, hit in zip(sizes, buffers, found, strict=True):
+            assert not hit or np.array_equal(buffer, content(key, sizes[key]))
+        return found
+
+    assert get_all() == [True] * 15
+    with open(slab_path(store, 100_000), "r+b") as f:  # small record 9: past the first pieces
+        f.seek(slot_bytes_for(100_000) * 9 + 50_000)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x80]))
+    with open(slab_path(store, 600_000), "r+b") as f:  # large record 1: in its third piece
+        f.seek(slot_bytes_for(600_000) + 590_000)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x80]))
+    os.truncate(slab_path(store, 600_000), slot_bytes_for(600_000) * 2 + 400_000)  # record 2 cut short
+    assert get_all() == [True] * 9 + [False] + [True] * 2 + [True, False, False]
+    assert store.stats().corrupt_records == 3
+
+
 def test_freed_slots_are_reused_lowest_first_and_open_cuts_the_file(open_store):
     size = 4096
     keys = [key_of(("slot", i)) for i in range(10)]

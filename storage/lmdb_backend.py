@@ -333,6 +333,13 @@ def _meta_fields(value) -> tuple | None:
     return fields
 
 
+@functools.cache
+def _meta_columns(num_token_bytes: int) -> struct.Struct:
+    """A current-version record with ``num_token_bytes`` of tokens, whole: ``_META``'s
+    fields, the slot and checksum skipped, the tokens."""
+    return struct.Struct(f"{_META.format}16x{num_token_bytes}s")
+
+
 def _slot_of(value) -> tuple[int, int]:
     """``(slot, checksum)`` of a well-formed current-version metadata record."""
     return _SLOT_CHECKSUM.unpack_from(value, _META_SLOT)
@@ -1123,11 +1130,29 @@ class LmdbBackend:
                 self._dirty_access.update(zip(hits, self._next_stamps(len(hits)).tolist()))
 
     def _decode_snapshot(self, raw: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, PageMeta]]:
-        for key, value in raw:
-            meta = _decode_meta(value)
-            if meta is None:
-                logger.warning("skipping unreadable metadata of %s in %s", key.hex(), self._path)
+        """The records of ``raw`` decoded, in its order; unreadable ones skipped (logged).
+        Current-version records of one length are unpacked together by one C loop
+        (``Struct.iter_unpack``; one at a time was ~7 us a record, 3 s of a 450,000
+        record rebuild); the rest one at a time."""
+        metas: list[PageMeta | None] = [None] * len(raw)
+        by_length: dict[int, list[int]] = {}
+        for i, (_, value) in enumerate(raw):
+            by_length.setdefault(len(value), []).append(i)
+        for length, indices in by_length.items():
+            num_token_bytes = length - META_BYTES
+            if num_token_bytes < 0 or num_token_bytes % TOKEN_BYTES:
                 continue
+            records = _meta_columns(num_token_bytes).iter_unpack(b"".join([raw[i][1] for i in indices]))
+            for i, (version, size, access, namespace, parent, fingerprint, stated, tokens) in zip(
+                    indices, records, strict=True):
+                if version == META_VERSION and stated == num_token_bytes:
+                    metas[i] = PageMeta(namespace, parent, tokens, size, access, fingerprint)
+        for (key, value), meta in zip(raw, metas, strict=True):
+            if meta is None:
+                meta = _decode_meta(value)
+                if meta is None:
+                    logger.warning("skipping unreadable metadata of %s in %s", key.hex(), self._path)
+                    continue
             yield key, meta
 
     def _writer_main(self, ready: Future) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from typing import NewType, Union
 
 import numpy as np
@@ -131,8 +132,7 @@ def chain_page_keys(
         )
     if len(parent_key) != PAGE_KEY_BYTES:
         raise InvalidArgument(f"parent key must be {PAGE_KEY_BYTES} bytes")
-    base = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_PAGE_PERSON)
-    base.update(namespace)
+    base = _page_hash(namespace)
     keys = bytearray()
     parent = parent_key
     for start in range(0, len(packed_tokens), page_bytes):
@@ -142,6 +142,30 @@ def chain_page_keys(
         parent = h.digest()
         keys += parent
     return bytes(keys)
+
+
+def _page_hash(namespace: NamespaceId):
+    """A page key's hash with ``namespace`` in it: copied, then fed the parent key and
+    the page's tokens."""
+    base = hashlib.blake2b(digest_size=PAGE_KEY_BYTES, person=_PAGE_PERSON)
+    base.update(namespace)
+    return base
+
+
+def page_key_function(namespace: NamespaceId) -> Callable[[bytes, bytes], bytes]:
+    """``key(parent_key, page_tokens)``: the key of one page in ``namespace``, as
+    :func:`chain_page_keys` gives it, without its argument checks — for a caller that
+    hashes many single pages of one namespace (the warm restart: ~1 us a page instead of
+    ~3.5)."""
+    base = _page_hash(namespace)
+
+    def key(parent_key: bytes, page_tokens: bytes) -> bytes:
+        h = base.copy()
+        h.update(parent_key)
+        h.update(page_tokens)
+        return h.digest()
+
+    return key
 
 
 def page_keys(namespace: NamespaceId, tokens: Tokens, page_size: int) -> list[PageKey]:

@@ -537,23 +537,30 @@ class HiRadixTree:
             num_prefix,
         )
 
-    def restore(self, namespace: NamespaceId, tokens: Tokens, page_keys: bytes | None = None) -> Node:
+    def restore(self, namespace: NamespaceId, tokens: Tokens, page_keys: bytes | None = None,
+                under: Node | None = None) -> Node:
         """Mark every whole page of ``tokens`` as on disk, creating nodes as needed.
 
         This is how a restarted daemon rebuilds its disk tier from storage metadata.
         ``page_keys``, if given, are the chained keys of those pages (16 bytes each; the
         caller has checked them): the path is then compared by key without hashing the
-        pages again — O(new pages) rather than O(pages) a restore. Returns the deepest
-        node (the root when there is no whole page).
+        pages again — O(new pages) rather than O(pages) a restore. ``under``: a live
+        node of ``namespace`` on disk (one an earlier restore returned) that ``tokens``
+        follow, instead of the root — so many sequences under one long prefix cost
+        their own pages, not the prefix's again. Returns the deepest node (``under``,
+        or the root, when there is no whole page).
         """
         entry = self._namespace(namespace)
         key = pack_tokens(tokens)
         key = key[: len(key) - len(key) % entry.page_bytes]
+        if under is not None and not (self.is_live(under) and under.namespace == namespace
+                                      and DISK_SLOT in under.residency):
+            raise InvalidArgument(f"node {under.node_id} is not a live node of this namespace on disk")
         if not key:
-            return entry.root
+            return entry.root if under is None else under
         if page_keys is not None and len(page_keys) != len(key) // entry.page_bytes * PAGE_KEY_BYTES:
             raise InvalidArgument(f"{len(page_keys)} bytes of page keys for {len(key) // entry.page_bytes} pages")
-        path = self._path(entry, key, page_keys)
+        path = self._path(entry, key, page_keys, under)
         for node in path:
             if DISK_SLOT not in node.residency:
                 self._add_residency(node, DISK_SLOT, True)
@@ -986,16 +993,17 @@ class HiRadixTree:
         self._nodes[node.node_id] = node
         return node
 
-    def _path(self, entry: _Namespace, key: bytes, page_keys: bytes | None = None) -> list[Node]:
+    def _path(self, entry: _Namespace, key: bytes, page_keys: bytes | None = None,
+              start: Node | None = None) -> list[Node]:
         """The nodes that cover ``key`` (packed tokens, whole pages) exactly, splitting
         the last existing node or adding a new one at the end as needed; all marked
         accessed. A node on the way that keeps no tokens gets them from ``key``: the
         caller settles them once it has changed the residencies. ``page_keys``: as in
-        :meth:`restore`."""
+        :meth:`restore`. ``start``: the node ``key`` follows (the root if None)."""
         self._tick += 1
         tick = self._tick
         page_bytes, page_size = entry.page_bytes, entry.page_size
-        node = entry.root
+        node = entry.root if start is None else start
         namespace = node.namespace
         end = len(key)
         path = []

@@ -355,6 +355,33 @@ def test_restore_builds_disk_only_nodes(tree, alloc):
     assert tree.restore(NS, [1, 2]) is tree.root(NS)
 
 
+def test_a_restore_under_a_restored_node_continues_its_sequence(tree, alloc):
+    """``restore(under=node)`` takes the tokens after ``node``: the same tree as restoring
+    each whole sequence from the root."""
+    prefix, a, b = seq(100, pages=3), seq(500, pages=2), seq(900, pages=1)
+    whole = HiRadixTree()
+    whole.add_namespace(NS, PS)
+    whole.restore(NS, prefix + a)
+    whole.restore(NS, prefix + b)
+    top = tree.restore(NS, prefix)
+    end_a = tree.restore(NS, a, b"".join(page_keys(NS, prefix + a, PS)[3:]), under=top)
+    end_b = tree.restore(NS, b, under=top)
+    for tokens, end in ((prefix + a, end_a), (prefix + b, end_b)):
+        hit = tree.match(NS, tokens, 0)
+        assert hit.node is end and hit.num_disk_pages == len(tokens) // PS
+        assert ([n.num_pages for n in tree.path(end)]
+                == [n.num_pages for n in whole.path(whole.match(NS, tokens, 0).node)])
+        assert b"".join(n.page_keys for n in tree.path(end)) == b"".join(page_keys(NS, tokens, PS))
+    assert tree.sizes(Tier.DISK) == whole.sizes(Tier.DISK) == (6, 0)
+    assert tree.restore(NS, [], under=end_b) is end_b
+    on_device = insert(tree, alloc, seq(7, pages=1)).node
+    for bad in (on_device, whole.match(NS, prefix, 0).node, tree.root(OTHER_NS)):
+        with pytest.raises(InvalidArgument):  # not on disk; another tree's; another namespace's
+            tree.restore(NS, a, under=bad)
+    tree.check_invariants()
+    whole.check_invariants()
+
+
 def test_disk_nodes_finds_the_node_of_each_disk_page(tree, alloc):
     a, b = seq(100, pages=4), seq(100, pages=2) + seq(900, pages=3)
     node_a = insert(tree, alloc, a).node

@@ -763,6 +763,10 @@ class HiRadixTree:
         index = self._slots.get(self._slot(tier, pool))
         return index is not None and node in index.leaves
 
+    def locked_pools(self) -> set[PoolId]:
+        """The pools that hold a lock on some node (pins not counted)."""
+        return {PoolId(lock_key) for (_, lock_key) in self._direct_locks if lock_key >= 0}
+
     def discard_pool(self, pool: PoolId) -> PageIds:
         """Forget every device page of ``pool`` (an engine went away); returns them."""
         self._check_pool(pool)

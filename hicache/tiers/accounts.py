@@ -44,6 +44,8 @@ def check_invariants(core: Core, pools: DevicePools, disk: DiskTier) -> None:
         host_alloc.num_allocated, host_cached, core.host_staging)
     for pool in pools:
         pool.check(tree.sizes(Tier.DEVICE, pool.pool_id).cached)
+    gone = tree.locked_pools() - {pool.pool_id for pool in pools}
+    assert not gone, f"pools {sorted(gone)} are gone but hold locks"
     core.inflight.check(tree)
     for place, account in accounting(core, pools, disk).items():
         if place.tier == Tier.DEVICE:

@@ -13,8 +13,8 @@ the copy engine its transfers use. A pool is retired when its engine goes; it is
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +48,9 @@ class DevicePoolState:
     name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
     # The state slots its engine lent for checkpoints (hicache.tiers.checkpoints), if any.
     checkpoint_slots: PageAllocator | None = None
+    # Loads of this pool waiting for disk reads (hicache.tiers.loads, .owned), each with
+    # what ends it when the pool retires first: their holds and pages, and their answers.
+    reading: dict[object, Callable[[], None]] = field(default_factory=dict)
 
     def checked_ids(self, pages: PageIdsLike) -> PageIds:
         """``pages`` as ids, checked: in the pool's range, none repeated."""

@@ -180,6 +180,7 @@ class Loads:
             self._start(pending)
             return
         pending.reads_left = len(reads)
+        pool.reading[pending] = lambda: self._cancel(pending)
         for transfer in reads:
             transfer.waiters.append(lambda: self._read_done(pending))
 
@@ -235,8 +236,18 @@ class Loads:
 
     def _read_done(self, pending: _Pending) -> None:
         pending.reads_left -= 1
-        if pending.reads_left == 0:
-            self._start(pending)
+        if pending.reads_left == 0 and pending.pool.reading.pop(pending, None) is not None:
+            self._start(pending)  # (else the pool retired meanwhile: _cancel ended it)
+
+    def _cancel(self, pending: _Pending) -> None:
+        """The pool retired while the load waited for its reads: its hold and device
+        pages go, and it ends with nothing loaded (its engine is gone)."""
+        pool = pending.pool
+        hold = pending.segment[-1]
+        self.core.tree.unlock(hold, pool.pool_id)
+        pool.staging -= len(pending.pages)
+        pool.allocator.free(pending.pages)
+        pending.future.set_result(self._device_only(pool, [], hold, 0))
 
     def _start(self, pending: _Pending) -> None:
         core = self.core

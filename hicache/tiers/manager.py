@@ -250,6 +250,9 @@ class TierManager:
         if self.checkpoints is not None:
             self.checkpoints.discard_pool(pool_id)
         self._loads.cancel_parked(pool)
+        reading, pool.reading = pool.reading, {}
+        for cancel in reading.values():
+            cancel()
         self.pools.reap(self._inflight.pools(), self.tree)
 
     def device_pools(self) -> list[DevicePool]:

@@ -163,9 +163,14 @@ class OwnedTransfers:
 
         def read_done() -> None:
             left[0] -= 1
-            if not left[0]:
-                self._start(pool, hold, first, blocks, future)
+            if not left[0] and pool.reading.pop(future, None) is not None:
+                self._start(pool, hold, first, blocks, future)  # (else the pool retired: cancel ended it)
 
+        def cancel() -> None:  # the pool retired first: nothing loads
+            tree.unlock(hold, pool.pool_id)
+            future.set_result(LoadedInto(0, ()))
+
+        pool.reading[future] = cancel
         for transfer in reads:
             transfer.waiters.append(read_done)
         return future

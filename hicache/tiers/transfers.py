@@ -11,6 +11,7 @@ are landing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import numpy as np
 
 from hicache.counters import Ticket
 from hicache.tree import HiRadixTree, Node, PoolId
+
+logger = logging.getLogger(__name__)
 
 
 class Kind(Enum):
@@ -77,9 +80,13 @@ class Transfer:
                 return
 
     def finished(self) -> None:
-        """Run the callbacks waiting for this transfer (whatever its outcome)."""
+        """Run the callbacks waiting for this transfer (whatever its outcome). One that
+        raises (a bug) is logged, and the others still run: each is another load."""
         for waiter in self.waiters:
-            waiter()
+            try:
+                waiter()
+            except Exception:  # noqa: BLE001
+                logger.exception("a callback of a %s transfer failed", self.kind.name)
 
 
 def concat(parts: Iterable[np.ndarray]) -> np.ndarray:

@@ -312,6 +312,83 @@ def test_disk_write_through_and_load_from_disk(engine, store):
     tm.close()
 
 
+def test_a_pool_retired_while_its_load_waits_for_disk_reads_ends_the_load_and_keeps_no_lock(store):
+    """The engine goes (its session's lock released, its pool retired) between a load
+    and the end of the disk reads it waits for: the load ends with nothing loaded, its
+    device pages and lock go with the pool, and the pages it read stay on host,
+    evictable, for the next engine. (Before, the reads' end started copies into the
+    unmapped pool: an exception on the owner thread, and a lock nobody held.)"""
+    first, second = Engine(num_pages=16), Engine(num_pages=16)
+    tm, _ = make_tm(first, host_pages=8, storage=store, prefetch_min_pages=1000)
+    try:
+        toks = tokens(100, 4)
+        prefill(tm, first, toks)
+        tm.flush()
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 8)
+        settle(tm)
+        node = tm.match(NS, toks, 0).match.node
+        assert tm.tree.match(NS, toks, 0, touch=False).num_disk_pages == 4
+        tm.lock(node, 0)
+        future = tm.load(node, 0)
+        assert not future.done()  # waits for the reads, which end on a later poll
+        tm.unlock(node, 0)
+        tm.retire_pool(0)
+        assert future.done() and future.result().num_loaded_pages == 0
+        settle(tm)  # the reads end
+        assert not tm.tree.locked_pools()
+        assert tm.tree.sizes(Tier.HOST).protected == 0
+        tm.register_pool(1, [second.pool])
+        assert tm.match(NS, toks, 1).match.num_host_pages == 4
+        handle = tm.pools.get(1).counters
+        node = tm.match(NS, toks, 1).match.node
+        tm.lock(node, 1)
+        loaded = tm.wait(tm.load(node, 1))
+        second.wait(handle, loaded.wait)
+        second.check(NS, toks, loaded.device_pages)
+        tm.unlock(node, 1)
+        settle(tm)
+    finally:
+        tm.close()
+        first.close()
+        second.close()
+
+
+def test_an_owned_pool_retired_while_its_load_into_waits_for_disk_reads_ends_the_load(store):
+    """The same for an engine-owned pool's ``load_into``."""
+    import torch
+
+    from hicache.foreign import ForeignPool
+    from owned_util import OWNED_SPEC, layer_major
+
+    layout = layer_major(8)
+    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
+    tm = TierManager(OWNED_SPEC, host_pages=8, storage=store, config=TierConfig(prefetch_min_pages=1000))
+    try:
+        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+        tm.add_namespace(ns)
+        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3])).num_cached == 3
+        tm.flush()
+        tm.evict(Tier.HOST, 8)
+        tm.flush()
+        tm.check_invariants()
+        node = tm.match(ns, toks, 0).match.node
+        assert tm.tree.match(ns, toks, 0, touch=False).num_disk_pages == 3
+        tm.lock(node, 0)
+        future = tm.load_into(node, 0, [4, 5, 6])
+        assert not future.done()
+        tm.unlock(node, 0)
+        tm.retire_pool(0)
+        assert future.done() and future.result().num_loaded == 0
+        tm.flush()
+        tm.check_invariants()
+        assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
+    finally:
+        tm.close()
+
+
 def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tokens(engine, tmp_path):
     """The tree keeps no tokens for pages on disk and in no device pool. A disk tier of
     four pages evicts the oldest prompt while its host copy stays: its tokens are read back from the records

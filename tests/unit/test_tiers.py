@@ -67,14 +67,14 @@ def settle(tm):
     tm.check_invariants()
 
 
-def load_and_check(tm, engine, handle, toks):
-    """Match, lock and load ``toks`` into pool 0; the pages hold its bytes."""
-    node = tm.match(NS, toks, 0).match.node
-    tm.lock(node, 0)
-    loaded = tm.wait(tm.load(node, 0))
+def load_and_check(tm, engine, handle, toks, pool=0):
+    """Match, lock and load ``toks`` into ``pool``; the pages hold its bytes."""
+    node = tm.match(NS, toks, pool).match.node
+    tm.lock(node, pool)
+    loaded = tm.wait(tm.load(node, pool))
     engine.wait(handle, loaded.wait)
     engine.check(NS, toks, loaded.device_pages)
-    tm.unlock(node, 0)
+    tm.unlock(node, pool)
     settle(tm)
 
 
@@ -338,16 +338,9 @@ def test_a_pool_retired_while_its_load_waits_for_disk_reads_ends_the_load_and_ke
         settle(tm)  # the reads end
         assert not tm.tree.locked_pools()
         assert tm.tree.sizes(Tier.HOST).protected == 0
-        tm.register_pool(1, [second.pool])
+        handle = tm.register_pool(1, [second.pool])
         assert tm.match(NS, toks, 1).match.num_host_pages == 4
-        handle = tm.pools.get(1).counters
-        node = tm.match(NS, toks, 1).match.node
-        tm.lock(node, 1)
-        loaded = tm.wait(tm.load(node, 1))
-        second.wait(handle, loaded.wait)
-        second.check(NS, toks, loaded.device_pages)
-        tm.unlock(node, 1)
-        settle(tm)
+        load_and_check(tm, second, handle, toks, pool=1)
     finally:
         tm.close()
         first.close()

@@ -71,9 +71,10 @@ The byte bound defaults to 8 MiB of payload: the writer checksums and puts the m
 of a batch while its slab writes run, so larger batches overlap more (1 and 2 MiB puts
 ~10% faster than with 2 MiB batches in ``bench_storage.py``). One put call is never
 split (its records commit together), so a larger call makes a larger transaction.
-A batch that raises is aborted and fails all its futures; the counts change only after a
-commit, so the store and the counts stay consistent. ``lmdb.MapFullError`` doubles the map
-and retries the batch.
+A batch that raises (its commit included) is aborted, gives back the slots it took and
+fails all its futures; the counts change only after a commit, so the store and the counts
+stay consistent. ``lmdb.MapFullError`` (from a put or from the commit) doubles the map and
+retries the batch.
 
 Reads run on the caller's thread in their own read transaction (LMDB MVCC: they never
 wait for a commit). Growing the map (and closing) needs every transaction of this
@@ -1452,14 +1453,16 @@ class LmdbBackend:
             if self._sync:
                 for slab in {slab for slab, _ in state.taken}:
                     os.fdatasync(slab.fd)  # the payloads are on disk before the records naming them
+            # Inside the try: a commit can fail too (ENOSPC without writemap; MapFullError
+            # when LMDB saves its free pages), and LMDB then aborts the transaction.
+            txn.commit()
         except BaseException:
-            txn.abort()
+            txn.abort()  # (no effect after a failed commit)
             self._victims.clear()  # it may have lost candidates the abort kept in the store
             futures_wait(state.writes)  # (a slot goes back to the free list once nothing writes it)
             for slab, slots in state.taken:  # no committed record names them
                 slab.give(slots)
             raise
-        txn.commit()
         generation = self._gate.advance()
         if state.freed:
             self._freed.append((generation, state.freed))

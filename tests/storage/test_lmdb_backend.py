@@ -586,6 +586,70 @@ def test_a_failed_batch_fails_its_futures_and_leaves_the_store_consistent(open_s
     assert os.path.getsize(os.path.join(store.path, "slab-1024.bin")) <= 4 * 1024
 
 
+class _CommitFailing:
+    """A write transaction whose commit fails as LMDB's does: the transaction is aborted."""
+
+    def __init__(self, txn, exc: BaseException) -> None:
+        self._txn, self._exc = txn, exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._txn, name)
+
+    def commit(self) -> None:
+        self._txn.abort()
+        raise self._exc
+
+
+class FailingCommits:
+    """An ``lmdb.Environment`` whose next ``num_failures`` write transactions fail to commit."""
+
+    def __init__(self, env, exc: BaseException, num_failures: int = 1) -> None:
+        self._env, self._exc, self.num_failures = env, exc, num_failures
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+    def begin(self, *args, **kwargs):
+        txn = self._env.begin(*args, **kwargs)
+        if kwargs.get("write") and self.num_failures:
+            self.num_failures -= 1
+            return _CommitFailing(txn, self._exc)
+        return txn
+
+
+@pytest.mark.parametrize("exc", [lmdb.DiskError("No space left on device"),
+                                 lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL")], ids=["enospc", "map-full"])
+def test_a_failed_commit_gives_back_the_slots_its_batch_took(open_store, monkeypatch, exc):
+    """ENOSPC fails the batch; MapFullError at the commit grows the map and retries it.
+    Either way the slots the failed attempt wrote are free again, not lost."""
+    store = open_store()
+    _put(store, "a")
+    monkeypatch.setattr(store, "_env", FailingCommits(store._env, exc))
+    future = store.put([record(key_of(n), 1000) for n in "bcde"], fingerprint=FP)
+    if isinstance(exc, lmdb.MapFullError):
+        assert future.result() == PutResult(4, ())
+    else:
+        with pytest.raises(lmdb.DiskError):
+            future.result()
+        assert _put(store, "bcde") == PutResult(4, ())
+    store.check_invariants()
+    assert all(np.array_equal(read(store, key_of(n), 1000), content(key_of(n), 1000)) for n in "abcde")
+    assert os.path.getsize(os.path.join(store.path, "slab-1024.bin")) <= 5 * 1024  # the slots were reused
+
+
+def test_a_failed_commit_keeps_the_eviction_order(open_store, monkeypatch):
+    """The failed batch evicted the oldest record, which the abort kept: the next batch
+    evicts it again, not the next oldest."""
+    store = open_store(capacity_bytes=4000, clock=FakeClock())
+    for name in "abcd":
+        _put(store, name)
+    monkeypatch.setattr(store, "_env", FailingCommits(store._env, lmdb.DiskError("No space left on device")))
+    with pytest.raises(lmdb.DiskError):
+        _put(store, "e")
+    assert _put(store, "f") == PutResult(1, (key_of("a"),))
+    store.check_invariants()
+
+
 def test_pending_writes_and_flush(open_store, monkeypatch):
     store = open_store()
     release = threading.Event()

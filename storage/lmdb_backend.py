@@ -121,7 +121,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
@@ -240,6 +240,19 @@ def _resolved(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def _settle(future: Future, outcome) -> None:
+    """Resolve ``future`` with ``outcome`` (an exception fails it), unless it is done
+    already: its caller may cancel it at any moment, and the writer must go on (the
+    operation it stands for was applied, or failed, all the same)."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:
+        pass  # cancelled (nobody waits for it), or resolved before
 
 
 def _require_fingerprint(fingerprint: bytes) -> bytes:
@@ -1180,8 +1193,8 @@ class LmdbBackend:
             logger.exception("storage writer of %s stopped", self._path)
             for op in batch:
                 future = getattr(op, "future", None)
-                if future is not None and not future.done():
-                    future.set_exception(exc)
+                if future is not None:
+                    _settle(future, exc)  # (those resolved before the bug keep their outcome)
             raise
         finally:
             self._fail_queued(StorageUnavailable(f"storage {self._path} writer stopped"))
@@ -1336,8 +1349,8 @@ class LmdbBackend:
             self._num_pending_records = 0
         for op in ops:
             future = getattr(op, "future", None)
-            if future is not None and not future.done():
-                future.set_exception(exc)
+            if future is not None:
+                _settle(future, exc)
 
     def _next_batch(self) -> list[_Op] | None:
         """Wait for work; take queued operations up to the batch bounds (at least one).
@@ -1412,12 +1425,8 @@ class LmdbBackend:
             self._num_pending_records -= num_records
         for op, outcome in zip(batch, outcomes, strict=True):
             future = getattr(op, "future", None)
-            if future is None:
-                continue
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+            if future is not None:
+                _settle(future, outcome)
 
     def _grow_map(self) -> None:
         new_size = self._map_size * 2

@@ -672,6 +672,46 @@ def test_pending_writes_and_flush(open_store, monkeypatch):
     assert store.stats().pending_writes == 0 and store.stats().records == 4
 
 
+@pytest.mark.parametrize("outcome", ["committed", "failed"])
+def test_a_cancelled_future_leaves_its_batch_and_the_store_alone(open_store, monkeypatch, outcome):
+    """A caller cancels a put's future while it is queued: the writer resolves the rest
+    of that batch as usual (the cancelled put is applied all the same) and goes on."""
+    store = open_store()
+    release, entered = threading.Event(), threading.Event()
+    real_write, real_payloads = store._write_batch, store._write_payloads
+
+    def blocked(batch, access):
+        entered.set()
+        release.wait()
+        return real_write(batch, access)
+
+    def failing(keys, *args):  # the second batch only
+        if key_of("first") in keys:
+            return real_payloads(keys, *args)
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(store, "_write_batch", blocked)
+    first = store.put([record(key_of("first"), 100)], fingerprint=FP)
+    entered.wait()
+    cancelled = store.put([record(key_of("cancelled"), 100)], fingerprint=FP)
+    other = store.put([record(key_of("other"), 100)], fingerprint=FP)  # (one batch with the cancelled)
+    assert cancelled.cancel()
+    if outcome == "failed":
+        monkeypatch.setattr(store, "_write_payloads", failing)
+    release.set()
+    assert first.result() == PutResult(1, ())
+    if outcome == "failed":
+        with pytest.raises(OSError, match="disk on fire"):
+            other.result()
+    else:
+        assert other.result() == PutResult(1, ())
+    monkeypatch.undo()
+    assert _put(store, ["after"]) == PutResult(1, ())  # the writer still runs
+    expected = ["first", "after"] + (["cancelled", "other"] if outcome == "committed" else [])
+    assert sorted(dict(store.iter_metadata())) == sorted(key_of(n) for n in expected)
+    store.check_invariants()
+
+
 def test_the_check_reads_the_store_between_commits(open_store, monkeypatch):
     """A write committed while the check reads the store (the daemon's writers do not
     stop for a check) is not a broken invariant: the check reads again."""

@@ -1257,8 +1257,9 @@ class LmdbBackend:
                                 and _slot_of(value)[0] in shared.get(slot_bytes_for(fields[1]), ())):
                             unusable.append(bytes(key))
                 # Both tables are in key order: walk them side by side.
+                # (an empty value is unreadable metadata, dropped with the rest)
                 legacy = (key for key, value in txn.cursor(db=self._meta_db)
-                          if value[0] == LEGACY_META_VERSION)
+                          if len(value) and value[0] == LEGACY_META_VERSION)
                 legacy_key = next(legacy, None)
                 orphans = []
                 for key in txn.cursor(db=self._payload_db).iternext(values=False):

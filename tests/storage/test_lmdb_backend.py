@@ -278,7 +278,8 @@ def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_pa
     store.check_invariants()
 
 
-def test_open_drops_orphan_payloads_and_unreadable_metadata(open_store, tmp_path):
+@pytest.mark.parametrize("unreadable", [b"\x09garbage", b"", b"\x02"], ids=["unknown version", "empty", "short"])
+def test_open_drops_orphan_payloads_and_unreadable_metadata(open_store, tmp_path, unreadable):
     keys = [key_of(("orphan", i)) for i in range(4)]
     store = open_store()
     store.put([record(k, 700) for k in keys], fingerprint=FP).result()
@@ -288,7 +289,7 @@ def test_open_drops_orphan_payloads_and_unreadable_metadata(open_store, tmp_path
         meta_db = env.open_db(b"meta")
         with env.begin(write=True, db=meta_db) as txn:
             txn.delete(keys[0])  # payload without metadata
-            txn.put(keys[1], b"\x09garbage")  # metadata of an unknown version
+            txn.put(keys[1], unreadable)
     finally:
         env.close()
     store = open_store()

@@ -100,7 +100,7 @@ freed by commits that readers still hold and one batch's worth. The LRU order is
 kept in memory (an ordered dict of keys and sizes cost ~190 bytes a record, 3 GB for a
 16 M-page store). Reads record their accesses in memory and the writer persists them
 lazily, with the next batch or after ``access_flush_interval_s`` of idleness, never one
-write per read; until then the recorded times count over the stored ones. Eviction takes
+write per read; until then the later of a recorded and the stored time counts. Eviction takes
 its victims from a queue of the oldest records, refilled by one scan of the metadata
 (the oldest sixteenth of the store, at least 1,024): every record outside the queue was
 newer than all inside at the scan, and times only grow, so a queued record whose time
@@ -1600,8 +1600,8 @@ class LmdbBackend:
                 continue  # deleted since the scan
             size, stored = _META_SIZE_ACCESS.unpack_from(value, 4)
             with self._lock:
-                recent = self._dirty_access.get(key)
-            if (recent or state.access.get(key) or stored) != stamp:
+                recent = self._dirty_access.get(key, 0.0)
+            if max(recent, state.access.get(key, 0.0), stored) != stamp:
                 continue  # used since the scan: newer than every candidate left
             self._evict_one(txn, key, value, size, state, victims)
         # Still over: records written earlier in this batch go next, oldest first.
@@ -1640,8 +1640,9 @@ class LmdbBackend:
         self._victims.extend((float(stamps[i]), keys[16 * i : 16 * i + 16]) for i in oldest.tolist())
 
     def _scan(self, txn, recent: dict[bytes, float], skip=()) -> tuple[bytes, np.ndarray]:
-        """Every record's key (concatenated) and last access (``recent`` over the stored
-        time), in key order; keys in any of the ``skip`` collections are left out."""
+        """Every record's key (concatenated) and last access (the later of ``recent``'s
+        and the stored time: a read of the record a put replaced may be recorded after
+        the put's time), in key order; keys in any of the ``skip`` collections are left out."""
         keys = bytearray()
         stamps = array("d")
         unpack = _META_SIZE_ACCESS.unpack_from
@@ -1652,7 +1653,7 @@ class LmdbBackend:
                 key = bytes(key)
                 if any(key in keys_ for keys_ in skip):
                     continue
-                stamp = recent.get(key, stamp)
+                stamp = max(recent.get(key, stamp), stamp)
             keys += key
             stamps.append(stamp)
         return bytes(keys), np.frombuffer(stamps, dtype=np.float64)
@@ -1705,11 +1706,16 @@ class LmdbBackend:
         return self._check_stored(key, meta)
 
     def _write_access(self, txn, access: dict[bytes, float], state: _BatchState) -> None:
+        """Persist the access times that reads recorded, each only over an older stored
+        time: a read of a record that a later batch replaced (it began before that
+        commit) is recorded with a time before the new record's."""
         for key, stamp in access.items():
             if key in state.changes:
                 continue  # removed, or rewritten with a newer stamp
             value = txn.get(key, db=self._meta_db)
             if value is None or len(value) < META_BYTES:
+                continue
+            if _META_ACCESS.unpack_from(value, _META_ACCESS_OFFSET)[0] >= stamp:
                 continue
             patched = bytearray(value)
             _META_ACCESS.pack_into(patched, _META_ACCESS_OFFSET, stamp)

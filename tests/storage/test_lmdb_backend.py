@@ -394,6 +394,33 @@ def test_access_times_are_persisted_lazily(open_store):
     assert after[key_of("a")] > before[key_of("a")] and after[key_of("b")] == before[key_of("b")]
 
 
+def test_a_read_of_a_replaced_record_does_not_age_its_successor(open_store, monkeypatch):
+    """A read of ``b``'s old record that ends while the writer applies a put of ``a``
+    then ``b`` records a time before the put's: ``b`` stays newer than ``a`` in memory,
+    once persisted and after a restart."""
+    times = iter(float(t) for t in range(1000, 2000))
+    store = open_store(capacity_bytes=3000, clock=lambda: next(times))
+    _put(store, "b")
+    real_put = store._write_put
+
+    def read_first(txn, op, state):  # (the read ends after this batch took the recorded times)
+        if key_of("a") in op.sizes:
+            assert read(store, key_of("b"), 1000) is not None
+        return real_put(txn, op, state)
+
+    monkeypatch.setattr(store, "_write_put", read_first)
+    _put(store, "ab")
+    monkeypatch.undo()
+    assert store.lru_keys() == [key_of("a"), key_of("b")]
+    store.flush()  # persists the read's time, if it were newer
+    assert store.lru_keys() == [key_of("a"), key_of("b")]
+    store.close()
+    store = open_store(capacity_bytes=3000)
+    assert store.lru_keys() == [key_of("a"), key_of("b")]
+    assert _put(store, "cd") == PutResult(2, (key_of("a"),))
+    store.check_invariants()
+
+
 def test_reopening_with_a_smaller_capacity_evicts_the_oldest(open_store):
     store = open_store(capacity_bytes=10_000, clock=FakeClock())
     for name in "abcde":

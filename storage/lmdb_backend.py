@@ -427,12 +427,28 @@ class _Slab:
 
 def _preadv(slab: _Slab, buffers: list, slot: int, skip: int = 0) -> int:
     """``preadv`` of ``buffers`` from ``skip`` bytes into ``slot`` on: the bytes read, -1
-    if the read failed."""
+    if the read failed (an offset past what a file can hold, from a damaged slot number,
+    included)."""
     try:
         return os.preadv(slab.fd, buffers, slot * slab.slot_bytes + skip)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:
         logger.error("reading %s failed: %r", slab.path, exc)
         return -1
+
+
+def _streamed_checksum(slab: _Slab, slot: int, size: int, seed: int,
+                       buffer_for: Callable[[int, int], np.ndarray]) -> int | None:
+    """The checksum (seed ``seed``) of the ``size`` bytes of ``slot``, read in pieces of
+    up to ``_READ_PIECE_BYTES`` (one read call returns at most ~2 GiB on Linux), each
+    into ``buffer_for(skip, piece bytes)`` and hashed right after it arrives; ``None``
+    if a read came back short."""
+    digest = xxhash.xxh3_64(seed=seed)
+    for skip in range(0, size, _READ_PIECE_BYTES):
+        piece = buffer_for(skip, min(_READ_PIECE_BYTES, size - skip))
+        if _preadv(slab, [piece], slot, skip) != piece.nbytes:
+            return None
+        digest.update(piece)
+    return digest.intdigest()
 
 
 def _read_run(slab: _Slab, first: int, run: list[tuple[int, int]], targets: list[np.ndarray],
@@ -449,13 +465,11 @@ def _read_run(slab: _Slab, first: int, run: list[tuple[int, int]], targets: list
         target = targets[i]
         size = target.nbytes
         if size > _READ_PIECE_BYTES:  # one record in pieces, its checksum streamed
-            digest = xxhash.xxh3_64(seed=seed_of(i))
-            for skip in range(0, size, _READ_PIECE_BYTES):
-                piece = target[skip : skip + _READ_PIECE_BYTES]
-                if _preadv(slab, [piece], slot, skip) != piece.nbytes:
-                    return None
-                digest.update(piece)
-            out.append((i, digest.intdigest() == checksum))
+            digest = _streamed_checksum(slab, slot, size, seed_of(i),
+                                        lambda skip, n: target[skip : skip + n])
+            if digest is None:
+                return None
+            out.append((i, digest == checksum))
             j += 1
             slot += 1
             continue
@@ -912,9 +926,9 @@ class LmdbBackend:
         slab = self._slabs.get(slot_bytes_for(length))
         if slab is None or slot * slab.slot_bytes + length > os.fstat(slab.fd).st_size:
             return False  # (a length that damage made huge is never allocated)
-        scratch = np.empty(length, dtype=np.uint8)
-        return (_preadv(slab, [scratch], slot) == length
-                and _checksum(key, _checksum_seed(stored_fingerprint, length), scratch) == checksum)
+        scratch = np.empty(min(length, _READ_PIECE_BYTES), dtype=np.uint8)
+        seed = int.from_bytes(key[:8], "little") ^ _checksum_seed(stored_fingerprint, length)
+        return _streamed_checksum(slab, slot, length, seed, lambda _, n: scratch[:n]) == checksum
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""
@@ -1494,7 +1508,10 @@ class LmdbBackend:
             if value is not None:  # unreadable: whatever it had in the legacy table goes
                 txn.delete(key, db=self._payload_db)
         elif fields[0] == META_VERSION:
-            state.freed.append((slot_bytes_for(fields[1]), _slot_of(value)[0]))
+            slot_bytes, slot = slot_bytes_for(fields[1]), _slot_of(value)[0]
+            slab = self._slabs.get(slot_bytes)
+            if slab is not None and slot < slab.end:  # (else damage made it up: no slot to give)
+                state.freed.append((slot_bytes, slot))
         else:
             txn.delete(key, db=self._payload_db)
 

@@ -19,12 +19,15 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hicache.errors import InvalidArgument
+from hicache.storage import lmdb_backend
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.storage.lmdb_backend import LmdbBackend, slot_bytes_for
 from storage_util import stored_run
 
 FP = hashlib.blake2b(b"slab-spec", digest_size=16).digest()
 NS = hashlib.blake2b(b"slab-namespace", digest_size=16).digest()
+OTHER_FP = hashlib.blake2b(b"slab-other-spec", digest_size=16).digest()
 
 
 def key_of(name) -> bytes:
@@ -142,6 +145,62 @@ def test_a_get_reads_in_pieces_and_checks_each_record_whatever_piece_it_is_in(op
     os.truncate(slab_path(store, 600_000), slot_bytes_for(600_000) * 2 + 400_000)  # record 2 cut short
     assert get_all() == [True] * 9 + [False] + [True] * 2 + [True, False, False]
     assert store.stats().corrupt_records == 3
+
+
+def test_the_writer_checks_a_record_in_pieces_as_a_get_reads_it(open_store, monkeypatch):
+    """Linux returns at most ~2 GiB per read call. Here, scaled down, a read call
+    returns at most 8 KiB and a get reads 4 KiB pieces: a record checked by the writer
+    (a get of another spec's or with a wrong-size buffer checks it is intact; a purge
+    checks again) is read in pieces too, so an intact one is kept."""
+    real_preadv = os.preadv
+
+    def capped_preadv(fd, buffers, offset):
+        views, left = [], 8192
+        for buffer in buffers:
+            views.append(memoryview(buffer).cast("B")[:left])
+            left -= len(views[-1])
+            if not left:
+                break
+        return real_preadv(fd, views, offset)
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", capped_preadv)
+    monkeypatch.setattr(lmdb_backend, "_READ_PIECE_BYTES", 4096)
+    store = open_store()
+    key, size = key_of("long"), 40_000
+    store.put([record(key, size)], fingerprint=FP).result()
+    with pytest.raises(InvalidArgument):
+        store.get([key], [np.empty(size - 1, dtype=np.uint8)], fingerprint=FP)
+    buffer = np.empty(size, dtype=np.uint8)
+    assert store.get([key], [buffer], fingerprint=OTHER_FP) == [False]  # another spec's: kept
+    store.flush()
+    assert store.stats().records == 1
+    assert np.array_equal(read(store, key, size), content(key, size))
+    store.check_invariants()
+
+
+def test_a_slot_number_past_any_file_offset_reads_as_corrupt(open_store):
+    """Metadata damaged while the store is open (not by an open's checks) names a slot
+    whose offset no file can have: the get reports it corrupt and the writer purges it
+    without taking that slot for a free one (the slot the record had is found free by
+    the next open)."""
+    store = open_store()
+    damaged, intact, size = key_of("damaged"), key_of("intact"), 3000
+    store.put([record(damaged, size), record(intact, size)], fingerprint=FP).result()
+    store.flush()
+    with store._env.begin(write=True, db=store._meta_db) as txn:  # (the writer is idle)
+        value = bytearray(txn.get(damaged))
+        value[72 + 7] ^= 0x40  # slot + 2**62
+        txn.put(damaged, bytes(value))
+    buffers = [np.empty(size, dtype=np.uint8) for _ in range(2)]
+    assert store.get([damaged, intact], buffers, fingerprint=FP) == [False, True]
+    assert store.stats().corrupt_records == 1
+    store.flush()
+    assert [key for key, _ in store.iter_metadata()] == [intact]
+    assert all(slab.free == [] for slab in store._slabs.values())
+    store.close()
+    store = open_store()
+    assert np.array_equal(read(store, intact, size), content(intact, size))
+    store.check_invariants()
 
 
 def test_freed_slots_are_reused_lowest_first_and_open_cuts_the_file(open_store):

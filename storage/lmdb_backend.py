@@ -1049,9 +1049,9 @@ class LmdbBackend:
     def check_invariants(self) -> None:
         """The record and byte counts equal the committed store's; every legacy record
         has its payload value and nothing else has one; no two records share a slot, no
-        record's slot is free or waiting to be, and every other slot is one of those. Writes may go on meanwhile: the
-        store is read between two commits (retried until no commit ran during the read,
-        a bounded number of times)."""
+        record's slot is free or waiting to be, and every other slot is free or waiting
+        to be, once. Writes may go on meanwhile: the store is read between two commits
+        (retried until no commit ran during the read, a bounded number of times)."""
         self._check_usable()
         self.flush()
         for _ in range(_CHECK_ATTEMPTS):
@@ -1080,9 +1080,13 @@ class LmdbBackend:
                 assert not set(slots) & set(free_slots), "a record's slot is free"
                 assert not set(slots) & {slot for size, slot in waiting if size == slot_bytes}, \
                     "a record's slot is waiting to be freed"
+            assert {size for size, _ in waiting} <= set(free), "a slot waits in a slab that does not exist"
             for slot_bytes, (end, free_slots) in free.items():
                 assert len(set(free_slots)) == len(free_slots), "a slot is free twice"
-                held = {slot for size, slot in waiting if size == slot_bytes}
+                held_slots = [slot for size, slot in waiting if size == slot_bytes]
+                held = set(held_slots)
+                assert len(held) == len(held_slots), "a slot is waiting to be freed twice"
+                assert not held & set(free_slots), "a slot is free and waiting to be freed"
                 assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
                     "a slot is neither used, free nor waiting (lost), or past the slab's end"
             assert num_records == len(stored), "record count differs from the store"

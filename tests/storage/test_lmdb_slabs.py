@@ -239,6 +239,24 @@ def test_a_slot_freed_while_a_read_is_going_is_not_reused_until_it_ends(open_sto
     store.check_invariants()
 
 
+@pytest.mark.parametrize("fault", ["free and waiting", "waiting twice"])
+def test_the_check_rejects_a_slot_that_would_be_handed_out_twice(open_store, fault):
+    """(No write path is known to do this: the faults are injected.)"""
+    size = 4096
+    store = open_store()
+    store.put([record(key_of(i), size) for i in range(3)], fingerprint=FP).result()
+    with store._gate.shared():  # a read that began before the delete: its slot waits
+        store.delete([key_of(1)]).result()
+        store.check_invariants()
+        (_, waiting), = store._freed
+        if fault == "free and waiting":
+            store._slabs[slot_bytes_for(size)].give([slot for _, slot in waiting])
+        else:
+            waiting.extend(waiting)
+        with pytest.raises(AssertionError, match="twice|free and waiting"):
+            store.check_invariants()
+
+
 def test_reads_never_see_a_slot_rewritten_for_another_key(open_store):
     """Readers read a changing set of keys while the writer deletes, overwrites and
     evicts: every read that reports a hit holds its key's bytes, and no read ever fails

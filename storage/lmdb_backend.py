@@ -38,7 +38,26 @@ slot's tail unwritten (a hole: no disk space). A slot is free when no committed 
 names it. A slot freed by a commit is reused only once every read that began before that
 commit is over (:class:`_ReadGate` counts readers by generation), so a read never sees a
 slot being rewritten for another key. Opening the store rebuilds the free slots from
-the metadata and truncates each file after its last used slot.
+the metadata, truncates each file after its last used slot and punches out the free
+slots below it (see "Disk space").
+
+Disk space: a slot keeps its disk blocks when its record goes, and the free slots of
+one size cannot hold payloads of another, so when the mix of payload sizes shifts
+(pages with and without their SWA layers, a second spec) the files of the sizes in
+decline would keep their space. After each commit the writer makes free what no read
+can use any more (the read gate's test above) and, once the free slots that may still
+hold blocks (``_Slab.dirty``: freed since the last reclaim) add up to more than the
+slack, ``min(max_batch_bytes, capacity_bytes / 16)``, gives their space back: each
+such file is cut after its last slot that is not free, and the free slots below are
+punched out, one ``fallocate(PUNCH_HOLE | KEEP_SIZE)`` a run (where the file system
+cannot, only the cut is done). The slots a steady mix of sizes frees are mostly taken
+again before they add up to the slack, so they are seldom punched; a shift pays one
+call a run of slots freed, and the file system allocates a punched slot again when it
+is rewritten::
+
+    before a reclaim   | used | free* | hole | used | free* | hole | free* |
+    after              | used | hole  | hole | used |
+                       free*: freed since the last reclaim; still holds its blocks
 
 Ordering: a put writes its payloads to free slots first and commits their metadata
 after; a kill between the two leaves slots that no record names, which the next open
@@ -95,26 +114,32 @@ a page kills the process with SIGBUS; off, the commit fails with ENOSPC and only
 batch's futures fail. (A full disk under a slab write fails that batch the same way.)
 
 Capacity: ``capacity_bytes`` bounds the stored payload bytes; the least recently used
-records go first. The slab files hold at most that much written payload, plus the slots
-freed by commits that readers still hold and one batch's worth. The LRU order is the stored last-access times: no per-record index is
-kept in memory (an ordered dict of keys and sizes cost ~190 bytes a record, 3 GB for a
-16 M-page store). Reads record their accesses in memory and the writer persists them
-lazily, with the next batch or after ``access_flush_interval_s`` of idleness, never one
-write per read; until then the later of a recorded and the stored time counts. Eviction takes
-its victims from a queue of the oldest records, refilled by one scan of the metadata
-(the oldest sixteenth of the store, at least 1,024): every record outside the queue was
-newer than all inside at the scan, and times only grow, so a queued record whose time
-has not changed since is the oldest there is — exact LRU at O(1) a victim amortized.
+records go first. The slab files' blocks hold at most that much written payload, plus
+the slots freed by commits that readers still hold, the slack of free slots not yet
+given back and one batch's worth (without hole punching, free slots below a used one
+keep their blocks too). The LRU order is the stored last-access times: no per-record
+index is kept in memory (an ordered dict of keys and sizes cost ~190 bytes a record,
+3 GB for a 16 M-page store). Reads record their accesses in memory and the writer persists
+them lazily, with the next batch or after ``access_flush_interval_s`` of idleness, never
+one write per read; until then the later of a recorded and the stored time counts.
+Eviction takes its victims from a queue of the oldest records, refilled by one scan of
+the metadata (the oldest sixteenth of the store, at least 1,024): every record outside
+the queue was newer than all inside at the scan, and times only grow, so a queued record
+whose time has not changed since is the oldest there is — exact LRU at O(1) a victim
+amortized.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import heapq
 import itertools
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from array import array
@@ -392,25 +417,78 @@ def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
             buffers[0] = memoryview(buffers[0]).cast("B")[written:]
 
 
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate`` with 64-bit offsets, ``None`` off Linux or where libc lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    for name in ("fallocate64", "fallocate"):  # (musl has only the latter, with a 64-bit off_t)
+        function = getattr(libc, name, None)
+        if function is not None:
+            function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+            function.restype = ctypes.c_int
+            return function
+    return None
+
+
+_fallocate = _load_fallocate()
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give back the disk blocks of bytes ``[offset, offset + length)`` of ``fd``'s file
+    (they read as zeros after; the file's size stays): whether the file system could.
+    Raises :class:`OSError` for any failure but "not supported"."""
+    if _fallocate is None:
+        return False
+    if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(error, f"fallocate(PUNCH_HOLE): {os.strerror(error)}")
+
+
+def _runs(slots: np.ndarray) -> Iterator[tuple[int, int]]:
+    """``(first slot, count)`` of each run of consecutive slots in ascending ``slots``."""
+    if not len(slots):
+        return
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(slots)]))
+    yield from zip(slots[starts].tolist(), (ends - starts).tolist())
+
+
 class _Slab:
     """One slab file and its free slots. Owned by the writer thread (readers only use
     ``fd`` and ``slot_bytes``). Free slots below ``end`` form a min-heap: the lowest go
     first, so a batch's slots tend to be adjacent (one ``pwritev`` / ``preadv`` a run)
-    and the file stays dense."""
+    and the file stays dense. ``dirty`` holds the free slots that may still hold disk
+    blocks (freed since the last :meth:`reclaim`); the others are holes."""
 
     def __init__(self, path: str, slot_bytes: int, used: np.ndarray) -> None:
         self.path = path
         self.slot_bytes = slot_bytes
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.end = int(used.max()) + 1 if len(used) else 0
-        # (a sorted list is a heap)
-        self.free: list[int] = np.setdiff1d(np.arange(self.end, dtype=np.int64), used).tolist()
+        free = np.setdiff1d(np.arange(self.end, dtype=np.int64), used)
+        self.free: list[int] = free.tolist()  # (a sorted list is a heap)
+        self.dirty: set[int] = set()
+        self.punches_holes = True  # until the file system says it cannot
         if os.fstat(self.fd).st_size != self.end * slot_bytes:  # (ext4 flushes a file cut to 0 on close)
             os.ftruncate(self.fd, self.end * slot_bytes)  # what lies beyond is no record's
+        self._punch(free)  # (what the last run freed, or a crash left, no read can use yet)
 
     def take(self, n: int) -> list[int]:
         """``n`` free slots, ascending (the file grows when none is left)."""
         slots = [heapq.heappop(self.free) for _ in range(min(n, len(self.free)))]
+        self.dirty.difference_update(slots)
         if len(slots) < n:
             start = self.end
             self.end += n - len(slots)
@@ -418,8 +496,49 @@ class _Slab:
         return slots
 
     def give(self, slots) -> None:
+        """Make ``slots`` free (call once no read can use them any more)."""
         for slot in slots:
             heapq.heappush(self.free, slot)
+        self.dirty.update(slots)
+
+    @property
+    def dirty_bytes(self) -> int:
+        return len(self.dirty) * self.slot_bytes
+
+    def reclaim(self) -> None:
+        """Give back the disk space of the free slots: cut the file after its last slot
+        that is not free, and punch out the free slots below that may hold blocks.
+        O(free slots) when the file is cut, else O(dirty slots)."""
+        dirty, self.dirty = self.dirty, set()
+        if self.end - 1 in dirty:  # (a free last slot was freed since the last cut)
+            free = set(self.free)
+            end = self.end
+            while end and end - 1 in free:
+                end -= 1
+            try:
+                os.ftruncate(self.fd, end * self.slot_bytes)
+            except OSError as exc:  # (the slots stay free; the next reclaim tries again)
+                logger.error("cutting %s to %d slots failed: %r", self.path, end, exc)
+                self.dirty.add(self.end - 1)
+            else:
+                self.end = end
+                self.free = [slot for slot in self.free if slot < end]
+                heapq.heapify(self.free)
+        self._punch(np.array(sorted(slot for slot in dirty if slot < self.end), dtype=np.int64))
+
+    def _punch(self, slots: np.ndarray) -> None:
+        """Punch holes for ``slots`` (ascending, free), one call a run."""
+        if not self.punches_holes:
+            return
+        for first, count in _runs(slots):
+            try:
+                self.punches_holes = _punch_hole(self.fd, first * self.slot_bytes, count * self.slot_bytes)
+            except OSError as exc:  # (the slots stay free; only their space is not given back)
+                logger.error("punching holes in %s failed: %r", self.path, exc)
+                return
+            if not self.punches_holes:
+                logger.info("%s: the file system cannot punch holes; only a free tail is cut", self.path)
+                return
 
     def close(self) -> None:
         os.close(self.fd)
@@ -660,6 +779,8 @@ class LmdbBackend:
         self._max_batch_records = max_batch_records
         self._max_batch_bytes = max_batch_bytes
         self._access_flush_interval_s = access_flush_interval_s
+        # Free slots may keep their disk blocks up to this much (see the module docstring).
+        self._reclaim_slack_bytes = min(max_batch_bytes, capacity_bytes // 16)
         self._clock = clock
         self._pid = os.getpid()
 
@@ -1067,6 +1188,8 @@ class LmdbBackend:
                 continue
             stored, legacy_keys, payload_keys, used = self._read_index()
             free = {slot_bytes: (slab.end, list(slab.free)) for slot_bytes, slab in list(self._slabs.items())}
+            dirty = {slot_bytes: set(slab.dirty) for slot_bytes, slab in list(self._slabs.items())}
+            file_bytes = {slot_bytes: os.fstat(slab.fd).st_size for slot_bytes, slab in list(self._slabs.items())}
             waiting = [slot for _, slots in list(self._freed) for slot in slots]
             with self._lock:
                 if self._committing or self._commits != commits:
@@ -1089,6 +1212,10 @@ class LmdbBackend:
                 assert not held & set(free_slots), "a slot is free and waiting to be freed"
                 assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
                     "a slot is neither used, free nor waiting (lost), or past the slab's end"
+                assert dirty[slot_bytes] <= set(free_slots), "a slot to punch out is not free"
+                assert end - 1 not in free_slots or end - 1 in dirty[slot_bytes], \
+                    "the slab's last slot is free but will not be cut"
+                assert file_bytes[slot_bytes] <= end * slot_bytes, "the slab file goes on past its last slot"
             assert num_records == len(stored), "record count differs from the store"
             assert num_bytes == sum(stored.values()), "byte count differs from the store"
             assert num_bytes <= self._capacity_bytes, "over capacity"
@@ -1403,10 +1530,20 @@ class LmdbBackend:
             self._committing = True
         try:
             self._commit_batch(batch, access)
+            self._reclaim()
         finally:
             with self._lock:
                 self._committing = False
                 self._commits += 1
+
+    def _reclaim(self) -> None:
+        """Make free the slots that no read can use any more; once the free slots that
+        may hold disk blocks add up to more than the slack, give their space back."""
+        self._reuse_freed_slots()
+        if sum(slab.dirty_bytes for slab in self._slabs.values()) > self._reclaim_slack_bytes:
+            for slab in self._slabs.values():
+                if slab.dirty:
+                    slab.reclaim()
 
     def _commit_batch(self, batch: list[_Op], access: dict[bytes, float]) -> None:
         num_records = sum(op.num_records for op in batch if isinstance(op, _PutOp))

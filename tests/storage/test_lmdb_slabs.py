@@ -55,6 +55,24 @@ def slab_path(store: LmdbBackend, size: int) -> str:
     return os.path.join(store.path, f"slab-{slot_bytes_for(size)}.bin")
 
 
+def slab_disk_bytes(store: LmdbBackend) -> int:
+    """The disk space the slab files take (their blocks, not their sizes)."""
+    return sum(os.stat(os.path.join(store.path, name)).st_blocks * 512
+               for name in os.listdir(store.path) if name.startswith("slab-"))
+
+
+def punches_holes(directory) -> bool:
+    """Whether the file system of ``directory`` punches holes (else only free tails go)."""
+    path = os.path.join(directory, "probe")
+    with open(path, "wb") as f:
+        f.write(b"x" * 65536)
+        f.flush()
+        try:
+            return lmdb_backend._punch_hole(f.fileno(), 0, 4096)
+        finally:
+            os.unlink(path)
+
+
 @pytest.fixture
 def open_store(tmp_path):
     opened: list[LmdbBackend] = []
@@ -255,6 +273,66 @@ def test_the_check_rejects_a_slot_that_would_be_handed_out_twice(open_store, fau
             waiting.extend(waiting)
         with pytest.raises(AssertionError, match="twice|free and waiting"):
             store.check_invariants()
+
+
+def test_slab_files_give_space_back_when_the_mix_of_payload_sizes_shifts(open_store):
+    """Free slots of one size cannot hold payloads of another: as the records of the old
+    size go, its file is cut, so the files hold about the capacity, not one a size."""
+    capacity, batch = 1 << 20, 16
+    store = open_store(capacity_bytes=capacity)
+    for size in (4096, 8192, 16384):  # each phase writes the capacity twice over, in one size
+        for start in range(0, 2 * capacity // size, batch):
+            store.put([record(key_of((size, i)), size) for i in range(start, start + batch)],
+                      fingerprint=FP).result()
+        store.check_invariants()  # (after its flush, the last commit's slots are free)
+        assert store.stats().bytes == capacity
+        assert slab_disk_bytes(store) <= capacity + capacity // 16 + batch * size
+    assert os.path.getsize(slab_path(store, 4096)) <= capacity // 16
+    assert os.path.getsize(slab_path(store, 8192)) <= capacity // 16
+
+
+def test_free_slots_below_a_used_one_give_their_space_back(open_store, tmp_path):
+    """A record that stays (read again and again) keeps the last slot of its file: the
+    free slots below it are punched out, so the file takes about that record's space."""
+    if not punches_holes(tmp_path):
+        pytest.skip("the file system cannot punch holes")
+    capacity, batch = 1 << 20, 16
+    store = open_store(capacity_bytes=capacity)
+    small = [key_of(("small", i)) for i in range(capacity // 4096)]
+    store.put([record(key, 4096) for key in small], fingerprint=FP).result()
+    kept = small[-1]  # in the last slot
+    for start in range(0, 2 * capacity // 8192, batch):
+        assert read(store, kept, 4096) is not None  # the most recently used: never evicted
+        store.put([record(key_of(("large", i)), 8192) for i in range(start, start + batch)],
+                  fingerprint=FP).result()
+    store.check_invariants()
+    assert os.path.getsize(slab_path(store, 4096)) == capacity  # (not cut: its last slot is used)
+    assert slab_disk_bytes(store) <= capacity + capacity // 16 + batch * 8192
+    assert np.array_equal(read(store, kept, 4096), content(kept, 4096))
+    store.close()
+    store = open_store(capacity_bytes=capacity)  # the open punches and cuts the same way
+    assert slab_disk_bytes(store) <= capacity + batch * 8192
+    assert np.array_equal(read(store, kept, 4096), content(kept, 4096))
+    store.check_invariants()
+
+
+def test_a_slot_a_read_may_still_use_is_neither_cut_nor_punched(open_store):
+    size = 4096
+    store = open_store(capacity_bytes=64 * size)  # slack: four slots
+    keys = [key_of(("held", i)) for i in range(16)]
+    store.put([record(key, size) for key in keys], fingerprint=FP).result()
+    with store._gate.shared():  # a read that began before the delete (it may still use the slots)
+        store.delete(keys).result()
+        store.put([record(key_of("other"), 3 * size)], fingerprint=FP).result()  # more commits
+        store.flush()
+        assert os.path.getsize(slab_path(store, size)) == 16 * size
+        with open(slab_path(store, size), "rb") as f:
+            held = np.frombuffer(f.read(), dtype=np.uint8).reshape(16, size)
+        assert all(np.array_equal(held[i], content(key, size)) for i, key in enumerate(keys))
+        store.check_invariants()
+    store.flush()  # the read is over: the next commit frees the slots and cuts them
+    assert os.path.getsize(slab_path(store, size)) == 0
+    store.check_invariants()
 
 
 def test_reads_never_see_a_slot_rewritten_for_another_key(open_store):

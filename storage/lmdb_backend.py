@@ -45,19 +45,20 @@ Disk space: a slot keeps its disk blocks when its record goes, and the free slot
 one size cannot hold payloads of another, so when the mix of payload sizes shifts
 (pages with and without their SWA layers, a second spec) the files of the sizes in
 decline would keep their space. After each commit the writer makes free what no read
-can use any more (the read gate's test above) and, once the free slots that may still
-hold blocks (``_Slab.dirty``: freed since the last reclaim) add up to more than the
-slack, ``min(max_batch_bytes, capacity_bytes / 16)``, gives their space back: each
-such file is cut after its last slot that is not free, and the free slots below are
-punched out, one ``fallocate(PUNCH_HOLE | KEEP_SIZE)`` a run (where the file system
-cannot, only the cut is done). The slots a steady mix of sizes frees are mostly taken
-again before they add up to the slack, so they are seldom punched; a shift pays one
-call a run of slots freed, and the file system allocates a punched slot again when it
-is rewritten::
+can use any more (the read gate's test above). Each time the slots freed since the last
+round (``_Slab.dirty``) and not taken again add up to more than the slack,
+``min(2 * max_batch_bytes, capacity_bytes / 16)``, a round ends: the slots that stayed
+free through the whole round before it (``_Slab.stale``: their size is in decline) give
+their space back — each such file is cut after its last slot that is neither used nor
+recently freed, and the stale slots below are punched out, one
+``fallocate(PUNCH_HOLE | KEEP_SIZE)`` a run (where the file system cannot, only the cut
+is done) — and this round's freed slots become stale. A store in steady state takes the
+slots it frees again within a round or two, so it punches almost nothing (punching them
+cost steady puts 2.5x: the file system allocates a punched slot again when it is
+rewritten); free slots keep at most about two slacks of blocks::
 
-    before a reclaim   | used | free* | hole | used | free* | hole | free* |
-    after              | used | hole  | hole | used |
-                       free*: freed since the last reclaim; still holds its blocks
+    before a round's end | used | stale | hole | used | freed | hole | stale |
+    after                | used | hole  | hole | used | stale |
 
 Ordering: a put writes its payloads to free slots first and commits their metadata
 after; a kill between the two leaves slots that no record names, which the next open
@@ -469,8 +470,9 @@ class _Slab:
     """One slab file and its free slots. Owned by the writer thread (readers only use
     ``fd`` and ``slot_bytes``). Free slots below ``end`` form a min-heap: the lowest go
     first, so a batch's slots tend to be adjacent (one ``pwritev`` / ``preadv`` a run)
-    and the file stays dense. ``dirty`` holds the free slots that may still hold disk
-    blocks (freed since the last :meth:`reclaim`); the others are holes."""
+    and the file stays dense. The free slots that may still hold disk blocks are
+    ``dirty`` (freed since the last :meth:`reclaim`) or ``stale`` (freed before it and
+    free ever since); the others are holes."""
 
     def __init__(self, path: str, slot_bytes: int, used: np.ndarray) -> None:
         self.path = path
@@ -480,6 +482,7 @@ class _Slab:
         free = np.setdiff1d(np.arange(self.end, dtype=np.int64), used)
         self.free: list[int] = free.tolist()  # (a sorted list is a heap)
         self.dirty: set[int] = set()
+        self.stale: set[int] = set()
         self.punches_holes = True  # until the file system says it cannot
         if os.fstat(self.fd).st_size != self.end * slot_bytes:  # (ext4 flushes a file cut to 0 on close)
             os.ftruncate(self.fd, self.end * slot_bytes)  # what lies beyond is no record's
@@ -489,6 +492,7 @@ class _Slab:
         """``n`` free slots, ascending (the file grows when none is left)."""
         slots = [heapq.heappop(self.free) for _ in range(min(n, len(self.free)))]
         self.dirty.difference_update(slots)
+        self.stale.difference_update(slots)
         if len(slots) < n:
             start = self.end
             self.end += n - len(slots)
@@ -506,25 +510,27 @@ class _Slab:
         return len(self.dirty) * self.slot_bytes
 
     def reclaim(self) -> None:
-        """Give back the disk space of the free slots: cut the file after its last slot
-        that is not free, and punch out the free slots below that may hold blocks.
-        O(free slots) when the file is cut, else O(dirty slots)."""
-        dirty, self.dirty = self.dirty, set()
-        if self.end - 1 in dirty:  # (a free last slot was freed since the last cut)
+        """Give back the disk space of the stale slots (free since before the last call:
+        none was taken again for a whole round, so the sizes are shifting away from this
+        one): cut the file after its last slot that is not free or recently freed, and
+        punch out the stale slots below. The slots freed since the last call become
+        stale. O(free slots) when the file is cut, else O(stale slots)."""
+        stale, self.stale, self.dirty = self.stale, self.dirty, set()
+        if self.end - 1 in stale:
             free = set(self.free)
             end = self.end
-            while end and end - 1 in free:
+            while end and end - 1 in free and end - 1 not in self.stale:
                 end -= 1
             try:
                 os.ftruncate(self.fd, end * self.slot_bytes)
             except OSError as exc:  # (the slots stay free; the next reclaim tries again)
                 logger.error("cutting %s to %d slots failed: %r", self.path, end, exc)
-                self.dirty.add(self.end - 1)
+                self.stale.add(self.end - 1)
             else:
                 self.end = end
                 self.free = [slot for slot in self.free if slot < end]
                 heapq.heapify(self.free)
-        self._punch(np.array(sorted(slot for slot in dirty if slot < self.end), dtype=np.int64))
+        self._punch(np.array(sorted(slot for slot in stale if slot < self.end), dtype=np.int64))
 
     def _punch(self, slots: np.ndarray) -> None:
         """Punch holes for ``slots`` (ascending, free), one call a run."""
@@ -780,7 +786,7 @@ class LmdbBackend:
         self._max_batch_bytes = max_batch_bytes
         self._access_flush_interval_s = access_flush_interval_s
         # Free slots may keep their disk blocks up to this much (see the module docstring).
-        self._reclaim_slack_bytes = min(max_batch_bytes, capacity_bytes // 16)
+        self._reclaim_slack_bytes = min(2 * max_batch_bytes, capacity_bytes // 16)
         self._clock = clock
         self._pid = os.getpid()
 
@@ -1188,7 +1194,7 @@ class LmdbBackend:
                 continue
             stored, legacy_keys, payload_keys, used = self._read_index()
             free = {slot_bytes: (slab.end, list(slab.free)) for slot_bytes, slab in list(self._slabs.items())}
-            dirty = {slot_bytes: set(slab.dirty) for slot_bytes, slab in list(self._slabs.items())}
+            dirty = {slot_bytes: slab.dirty | slab.stale for slot_bytes, slab in list(self._slabs.items())}
             file_bytes = {slot_bytes: os.fstat(slab.fd).st_size for slot_bytes, slab in list(self._slabs.items())}
             waiting = [slot for _, slots in list(self._freed) for slot in slots]
             with self._lock:
@@ -1537,12 +1543,13 @@ class LmdbBackend:
                 self._commits += 1
 
     def _reclaim(self) -> None:
-        """Make free the slots that no read can use any more; once the free slots that
-        may hold disk blocks add up to more than the slack, give their space back."""
+        """Make free the slots that no read can use any more; each time the slots freed
+        (and not taken again) add up to more than the slack, give back the space of
+        those that stayed free since the last time (see the module docstring)."""
         self._reuse_freed_slots()
         if sum(slab.dirty_bytes for slab in self._slabs.values()) > self._reclaim_slack_bytes:
             for slab in self._slabs.values():
-                if slab.dirty:
+                if slab.dirty or slab.stale:
                     slab.reclaim()
 
     def _commit_batch(self, batch: list[_Op], access: dict[bytes, float]) -> None:

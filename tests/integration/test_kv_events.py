@@ -225,7 +225,7 @@ def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):
     replay_endpoint = f"ipc://{tmp_path / 'hicache-events-replay.sock'}"
     try:
         for i in range(20):  # a ring of batches worth flooding for
-            engine.prefill(np.random.default_rng(i).integers(0, 1000, 2 * PS).tolist())
+            engine.prefill(np.random.default_rng(i).integers(0, 1000, 2 * PS).tolist(), wait_for_pages=True)
         rng = random.Random(3)
         attackers = [context.socket(zmq.DEALER) for _ in range(4)]
         for sock in attackers:
@@ -236,7 +236,7 @@ def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):
         for _ in range(200):
             rng.choice(attackers).send_multipart(rng.choice(bodies + [[(0).to_bytes(8, "big")]]))
         # The daemon still serves its engines (while the flood is answered a few a turn) ...
-        engine.prefill(np.random.default_rng(99).integers(0, 1000, 3 * PS).tolist())
+        engine.prefill(np.random.default_rng(99).integers(0, 1000, 3 * PS).tolist(), wait_for_pages=True)
         engine.client.health()
         # ... and a good request gets every batch still in the ring, then the end marker.
         good = context.socket(zmq.DEALER)

@@ -14,6 +14,21 @@ a request whose answer depends on a transfer (a load from disk, a match that wai
 a prefetch, a flush) is answered when its future completes. Oversize and undecodable
 messages get an ``Error`` reply; nothing they carry reaches the daemon's state.
 
+What one message can cost is bounded. A message is its body (the last frame) behind an
+envelope the reply echoes: the routing id, and for a REQ socket or a proxy's hops a few
+frames more — at most :data:`_MAX_ENVELOPE_FRAMES` frames of at most
+:data:`_MAX_ENVELOPE_FRAME_BYTES` each (a ZeroMQ routing id's longest). A message whose
+envelope is longer or larger is read to its end and dropped unread (frame by frame, its
+bytes never copied: libzmq has no way to skip the rest of a message), counted (op
+``envelope``, status ``DROPPED``), logged at most every :data:`_LOG_EVERY_S`, and answered
+with an ``Error`` behind the routing id alone. Reading millions of frames still takes
+seconds of the loop (~2 us a frame): that silence is the daemon's, so every session's
+lease is extended by it and the watchdog is fed meanwhile. A body over
+``max_message_bytes`` is answered without being copied. Replies wait in a connection's
+queue up to :data:`_HWM` messages (``SNDHWM``): past that, a client that does not read
+its replies loses the newer ones (a ROUTER drops them) instead of the daemon buffering
+them without end; requests beyond ``RCVHWM`` (the same) wait in the client.
+
 After a reply the loop goes straight back to ``recv``. Its own work — the answered
 requests' bookkeeping (counts, latency, hit / miss accounting), transfer completions,
 timers, lease expiry, the watchdog — is a *catch-up* that runs when the socket is idle
@@ -85,6 +100,12 @@ _RCVMORE = int(zmq.RCVMORE)
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SEND_MORE = _SNDMORE | _NOBLOCK
+# An envelope: the routing id, then a REQ socket's empty delimiter or a proxy's hops.
+_MAX_ENVELOPE_FRAMES = 8
+_MAX_ENVELOPE_FRAME_BYTES = 255  # a ZeroMQ routing id is 1-255 bytes
+_DISCARD_SLICE = 1 << 16  # frames of a dropped message read between two looks at the watchdog
+_LOG_EVERY_S = 10.0  # dropped messages are logged at most this often
+_HWM = 1000  # messages queued per connection, each way (libzmq's default)
 
 
 def _is_wake(frames: list[bytes]) -> bool:
@@ -128,6 +149,8 @@ class Server:
         self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
+        self._dropped_since_log = 0  # messages dropped (see _drop) since the last log line
+        self._next_drop_log = 0.0
         self._stop = False
         self.endpoints: list[str] = []
         self._http = None
@@ -160,8 +183,11 @@ class Server:
         # Messages a little over the limit still get an error reply; far over, the peer
         # is disconnected by the transport before we buffer them.
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.server.max_message_bytes)
-        router.setsockopt(zmq.RCVHWM, 100_000)
-        router.setsockopt(zmq.SNDHWM, 100_000)
+        # Per connection. A ROUTER drops a reply to a connection whose queue is full (no
+        # ROUTER_MANDATORY): a client that never reads cannot make the daemon buffer
+        # its replies without end. A full receive queue makes the client wait.
+        router.setsockopt(zmq.RCVHWM, _HWM)
+        router.setsockopt(zmq.SNDHWM, _HWM)
         socket_path = self.config.server.socket_path
         if socket_path.exists():
             socket_path.unlink()  # a stale socket from a daemon that died (we hold the state's lock)
@@ -281,28 +307,79 @@ class Server:
             wait = min(wait, max(0.0, deadline - self.daemon.clock()))
         return math.ceil(wait * 20) * 50
 
-    def _recv(self, router: zmq.Socket, flags: int) -> list[bytes] | None:
-        """One message's frames, or ``None`` for a message nobody admitted. A DEALER's
-        request arrives as [identity, body]: two receives and one look at RCVMORE,
-        where ``recv_multipart`` makes two of each plus its own Python frame — each call
-        into pyzmq costs microseconds on a cold cache, ~17 us a round trip in all here
-        (bench_rpc: a REP echo and a ROUTER echo read this way take the same time). A REQ
-        envelope (or anything longer) reads on frame by frame. The body is read as a
-        ``Frame`` for its metadata: the ZAP user id, who sent it."""
+    def _recv(self, router: zmq.Socket, flags: int) -> list | None:
+        """One message's frames, or ``None`` for a message nobody admitted or one
+        dropped (see the module docstring). A DEALER's request arrives as [identity,
+        body]: two receives and one look at RCVMORE, where ``recv_multipart`` makes two
+        of each plus its own Python frame — each call into pyzmq costs microseconds on a
+        cold cache, ~17 us a round trip in all here (bench_rpc: a REP echo and a ROUTER
+        echo read this way take the same time). A REQ envelope (or a proxy's) reads on
+        frame by frame. The body is read as a ``Frame`` for its metadata: the ZAP user
+        id, who sent it; it is copied out only when within ``max_message_bytes`` (an
+        oversize body stays a ``Frame``, whose length is all that is read of it)."""
         identity = router.recv(flags)
         frame = router.recv(flags, copy=False)
         try:
             user = frame.get("User-Id")
         except zmq.ZMQError:  # no handshake: inproc, a worker's wake-up
             user = None
-        frames = [identity, frame.bytes]
-        while router.getsockopt(_RCVMORE):
-            frames.append(router.recv(flags))
+        if router.getsockopt(_RCVMORE):
+            frames = self._recv_envelope(router, flags, identity, frame)
+        else:
+            frames = [identity, self._body(frame)]
         if user is None:
-            return frames if _is_wake(frames) else None
+            return frames if type(frames) is list and _is_wake(frames) else None
         if self._users.get(identity) != user and not self._learn_peer(identity, user):
             return None
+        if type(frames) is not list:  # dropped: answered (a connection admitted) alone
+            self._send(router, [identity], frames)
+            return None
         return frames
+
+    def _body(self, frame: zmq.Frame) -> bytes | zmq.Frame:
+        return frame.bytes if len(frame) <= self.config.server.max_message_bytes else frame
+
+    def _recv_envelope(self, router: zmq.Socket, flags: int, identity: bytes,
+                       frame: zmq.Frame) -> list | p.Error:
+        """The rest of a message of more than one frame after ``identity``, ``frame``
+        its first: the envelope and the body — or, when the envelope is over the bounds,
+        the error that answers it, the message read to its end and dropped."""
+        frames: list = [identity]
+        while True:
+            if len(frames) >= _MAX_ENVELOPE_FRAMES or len(frame) > _MAX_ENVELOPE_FRAME_BYTES:
+                return self._drop(router, len(frames))
+            frames.append(frame.bytes)
+            frame = router.recv(flags, copy=False)
+            if not router.getsockopt(_RCVMORE):
+                frames.append(self._body(frame))
+                return frames
+
+    def _drop(self, router: zmq.Socket, num_read: int) -> p.Error:
+        """Read the rest of a message whose envelope is over the bounds (``num_read``
+        of its frames read) and drop it: a frame at a time, never copied (a multipart
+        message is consumed whole, or the next receive would return the rest of this
+        one). Counted and logged now and then; the time it took is added to every
+        session's lease (nobody else was answered meanwhile). Returns its answer."""
+        started = time.monotonic()
+        recv, more = router.recv, router.getsockopt
+        num_frames = num_read
+        while more(_RCVMORE):
+            recv(0, copy=False)
+            num_frames += 1
+            if not num_frames % _DISCARD_SLICE:
+                self._keepalive(num_frames)
+        now = time.monotonic()
+        self.daemon.dropped_message(now - started)
+        self._dropped_since_log += 1
+        if now >= self._next_drop_log:
+            logger.warning("dropped %d message(s) with an envelope over %d frames of %d bytes (the last: %d frames, "
+                           "read in %.2f s)", self._dropped_since_log, _MAX_ENVELOPE_FRAMES - 1,
+                           _MAX_ENVELOPE_FRAME_BYTES, num_frames, now - started)
+            self._dropped_since_log = 0
+            self._next_drop_log = now + _LOG_EVERY_S
+        error = InvalidArgument(f"a message of {num_frames} frames: a request is one frame, behind at most "
+                                f"{_MAX_ENVELOPE_FRAMES - 1} envelope frames of {_MAX_ENVELOPE_FRAME_BYTES} bytes")
+        return p.Error(id=0, code=int(error.code), message=error.message)
 
     def _learn_peer(self, identity: bytes, user: str) -> bool:
         """Who sent a message on connection ``identity``, from the ZAP user id it came

@@ -221,6 +221,13 @@ class Daemon:
         of op ``loop`` and status ``DROPPED`` (``stats`` and the requests metric)."""
         self._count("loop", "DROPPED", 0.0)
 
+    def dropped_message(self, stalled_s: float) -> None:
+        """The server dropped a message whose envelope was over the bounds, reading it
+        for ``stalled_s``: counted like a request of op ``envelope`` and status
+        ``DROPPED``; nobody was answered meanwhile, so every lease is extended by it."""
+        self._count("envelope", "DROPPED", 0.0)
+        self.sessions.extend_leases(stalled_s)
+
     def error_reply(self, request_id: int, exc: HicacheError) -> p.Error:
         self._count("decode", exc.code.name, 0.0)
         return p.Error(id=request_id, code=int(exc.code), message=exc.message)

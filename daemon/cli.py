@@ -40,6 +40,22 @@ def _endpoint(args: argparse.Namespace) -> str:
     return config.server.endpoints[0]
 
 
+def _raise_fd_limit() -> None:
+    """The daemon holds descriptors per engine (its pool, its counter ring, offers and
+    rings waiting to be fetched, connections): the soft limit a shell hands down (often
+    1,024) goes up to the hard one, which only the administrator sets (the unit's
+    ``LimitNOFILE=``)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # over the kernel's nr_open: keep the soft limit
+            pass
+
+
 def _serve(args: argparse.Namespace) -> int:
     from hicache.config import DaemonConfig
     from hicache.daemon.server import Server
@@ -56,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = DaemonConfig.load(args.config, overrides)
+        _raise_fd_limit()
         server = Server(config, config_path=args.config)
     except AlreadyRunning as exc:
         print(f"hicache: {exc}; not starting", file=sys.stderr)

@@ -20,6 +20,7 @@ pool, to match, lock and load into it. Attached sessions end with the pool's own
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ import numpy as np
 from hicache import protocol as p
 from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.specs import Specs
-from hicache.errors import InvalidArgument, SpecMismatch, UnknownSession
+from hicache.errors import InvalidArgument, ResourceExhausted, SpecMismatch, UnknownSession
 from hicache.fdpass import FdExchange
 from hicache.foreign import ForeignLayout, ForeignPool, OwnedPoolHandle, SharedMemory
 from hicache.keys import key_self_test
@@ -179,8 +180,7 @@ class Registrar:
                 _identity_name(owner) != _identity_name(session)):
             raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r} by this user")
         counters = manager.pools.get(pool_id).counters
-        fds = self._fds()
-        token = fds.publish(counters.reader_fd(), uid=session.creds.uid) if fds is not None else b""
+        token = self._publish(session, counters)
         self.sessions.attach(session, manager, pool_id, owner=owner)
         logger.info("session #%d attached to pool %d of session #%d", session.serial, pool_id, owner.serial)
         return p.RegisterReply(id=m.id, pool=pool_id,
@@ -210,23 +210,59 @@ class Registrar:
             if name is not None:
                 if name and self.owned_pool(name) is not None:  # (registered while this one waited)
                     raise InvalidArgument(f"a pool named {name!r} is registered already")
-                counters = manager.register_owned_pool(pool_id, ranks[0], name)
+                counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], name)
             else:
-                counters = manager.register_pool(pool_id, ranks)
+                counters = _out_of_fds(manager.register_pool, pool_id, ranks)
         except BaseException:
             for rank in ranks:
                 rank.close()
             raise
-        if in_use.size:
-            manager.reserve(pool_id, in_use)  # checked: cannot fail
-        fds = self._fds()
-        token = fds.publish(counters.reader_fd(), uid=session.creds.uid) if fds is not None else b""
+        try:
+            if in_use.size:
+                manager.reserve(pool_id, in_use)  # checked: cannot fail
+            token = self._publish(session, counters)
+        except BaseException:
+            # Refused after the pool joined the manager (out of descriptors): it leaves
+            # again — unmapped, its counter ring closed — and the session stays unregistered.
+            manager.retire_pool(pool_id)
+            raise
         self.sessions.attach(session, manager, pool_id)
         logger.info("session #%d registered pool %d: %d pages, spec %s", session.serial, pool_id,
                     ranks[0].num_pages, spec.fingerprint_hex)
         return p.RegisterReply(id=request_id, pool=pool_id,
                                counters=p.from_dict(p.CountersMsg, counters.handle(token).to_dict()),
                                page_size=spec.page_size, num_pages=ranks[0].num_pages)
+
+
+    def _publish(self, session: Session, counters) -> bytes:
+        """A read-only descriptor of the pool's counter ring, published for the
+        session's engine to fetch once; withdrawn when the session ends, if it never
+        was (:meth:`session_ended`)."""
+        fds = self._fds()
+        if fds is None:
+            return b""
+        token = fds.publish(_out_of_fds(counters.reader_fd), uid=session.creds.uid)
+        session.published.append(token)
+        return token
+
+    def session_ended(self, session: Session) -> None:
+        """Withdraw what was published for the session and never fetched."""
+        fds = self._fds()
+        if fds is not None:
+            for token in session.published:
+                fds.withdraw(token)
+        session.published.clear()
+
+
+def _out_of_fds(fn, *args):
+    """``fn(*args)``, with the daemon out of descriptors answered as such
+    (``RESOURCE_EXHAUSTED``), not as a bug."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise ResourceExhausted(f"the daemon is out of file descriptors ({exc.strerror})") from None
 
 
 class _CudaOwner:

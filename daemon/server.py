@@ -161,7 +161,10 @@ class Server:
         """From any thread: make the loop's blocking recv return."""
         sock = getattr(self._wake_sockets, "socket", None)
         if sock is None:
-            sock = self._context.socket(zmq.DEALER)
+            try:
+                sock = self._context.socket(zmq.DEALER)
+            except zmq.ZMQError:  # out of descriptors: the loop's receive timeout wakes it soon
+                return
             sock.setsockopt(zmq.ROUTING_ID, _WAKE_ID + str(threading.get_ident()).encode())
             sock.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is enough
             sock.setsockopt(zmq.LINGER, 0)

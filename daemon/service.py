@@ -150,6 +150,7 @@ class Daemon:
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
+        self.sessions.on_ended = self.registrar.session_ended
         self.events = self._events(config)
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
                        defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities,

@@ -103,6 +103,7 @@ class Session:
     waiting: int = 0  # requests answered later (a load from disk): the engine is alive
     owner: "Session | None" = None  # attached to another session's engine-owned pool: that session
     attached: list["Session"] = field(default_factory=list)  # the sessions attached to this one's pool
+    published: list[bytes] = field(default_factory=list)  # tokens of descriptors published for its engine
 
 
 class Sessions(Mapping[int, Session]):
@@ -120,6 +121,7 @@ class Sessions(Mapping[int, Session]):
         self.identity_locks: Counter = Counter()  # identity name -> locks its sessions hold
         self._random: Iterator[int] = iter(())
         self.next_lease_check = 0.0
+        self.on_ended: Callable[[Session], None] = lambda session: None  # after a session ended
 
     def __getitem__(self, session_id: int) -> Session:
         return self._by_id[session_id]
@@ -213,6 +215,7 @@ class Sessions(Mapping[int, Session]):
                 manager.retire_pool(session.pool_id)
         logger.info("session #%d ended (%s): %d locks, %d private pages released", session.serial, reason,
                     sum(session.locks.values()), num_private)
+        self.on_ended(session)
 
     def _count_unlocks(self, session: Session, count: int) -> None:
         identity = session.creds.identity

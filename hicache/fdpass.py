@@ -14,13 +14,24 @@ fetches the descriptor the daemon published under a token (answered ``"K"`` with
 or ``"E"``). The kernel tells the daemon who sent an offer (``SO_PEERCRED``), which is
 what a registration checks against: an offer is usable once, only by a registration of
 the same user, and expires after :data:`OFFER_TTL_S`; each user may keep at most
-:data:`MAX_OFFERS_PER_UID` offers waiting. A descriptor handed to a process is that
-process's to keep: handing one over grants access, whatever the file modes say.
+:data:`MAX_OFFERS_PER_UID` offers waiting. A descriptor the daemon publishes (a
+session's counter ring) waits for its fetch as long, or until the daemon withdraws it
+(its session ended); at most :data:`MAX_PUBLISHED_PER_UID` of one user's and
+:data:`MAX_PUBLISHED` in all wait at once — past that, ``publish`` refuses
+(``RESOURCE_EXHAUSTED``) rather than let unfetched descriptors run the daemon out of
+them. A descriptor handed to a process is that process's to keep: handing one over
+grants access, whatever the file modes say.
+
+Out of descriptors (``EMFILE``), ``accept`` fails while the connection stays queued,
+so the listening socket stays readable: the thread stops listening for
+:data:`ACCEPT_PAUSE_S` rather than spin on it (and logs that at most every
+:data:`_LOG_EVERY_S`).
 """
 
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import os
 import secrets
@@ -41,6 +52,11 @@ TOKEN_BYTES = 16
 OFFER_TTL_S = 60.0
 MAX_OFFERS_PER_UID = 64
 MAX_OFFERS = 1024
+MAX_PUBLISHED_PER_UID = 64
+MAX_PUBLISHED = 1024
+ACCEPT_PAUSE_S = 0.5  # out of descriptors: how long the listener rests before accepting again
+_LOG_EVERY_S = 10.0
+_OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _CONNECTION_S = 2.0  # a connection that has not sent its request by then is closed
 _MAX_CONNECTIONS = 64
 _REQUEST_BYTES = 1 + TOKEN_BYTES
@@ -125,6 +141,9 @@ class FdExchange:
         self._offers: dict[bytes, tuple[Offer, float]] = {}
         self._published: dict[bytes, tuple[int, int | None, float]] = {}  # token -> fd, uid allowed, expiry
         self._stop = False
+        self._paused_until: float | None = None  # out of descriptors: the listener rests until then
+        self._accept_failures = 0
+        self._next_accept_log = 0.0
         if self.path.is_socket():
             self.path.unlink()  # a stale one (the caller holds the daemon's lock)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -149,11 +168,32 @@ class FdExchange:
         return offer_
 
     def publish(self, fd: int, *, uid: int | None = None) -> bytes:
-        """Keep ``fd`` (taken over) for one fetch by ``uid`` (anyone when ``None``)."""
+        """Keep ``fd`` (taken over) for one fetch by ``uid`` (anyone when ``None``).
+        Over :data:`MAX_PUBLISHED_PER_UID` or :data:`MAX_PUBLISHED` waiting, raises
+        :class:`ResourceExhausted` (``fd`` closed)."""
         token = secrets.token_bytes(TOKEN_BYTES)
+        self._expire(self._clock())
         with self._lock:
+            waiting = self._published.values()
+            if len(waiting) >= MAX_PUBLISHED or sum(entry[1] == uid for entry in waiting) >= MAX_PUBLISHED_PER_UID:
+                close_all((fd,))
+                raise ResourceExhausted("too many descriptors published and not yet fetched (counter rings of "
+                                        "registrations whose engines did not fetch them)")
             self._published[token] = (fd, uid, self._clock() + OFFER_TTL_S)
         return token
+
+    def withdraw(self, token: bytes) -> None:
+        """Close the descriptor published under ``token`` if it was not fetched (its
+        session ended)."""
+        with self._lock:
+            entry = self._published.pop(bytes(token), None)
+        if entry is not None:
+            close_all((entry[0],))
+
+    @property
+    def num_published(self) -> int:
+        with self._lock:
+            return len(self._published)
 
     def close(self) -> None:
         self._stop = True
@@ -182,10 +222,16 @@ class FdExchange:
         try:
             while not self._stop:
                 now = self._clock()
-                timeout = min([d - now for d in deadlines.values()] + [1.0])
+                if self._paused_until is not None and now >= self._paused_until:
+                    self._paused_until = None
+                    selector.register(self._listener, selectors.EVENT_READ, None)
+                resume = [] if self._paused_until is None else [self._paused_until - now]
+                timeout = min([d - now for d in deadlines.values()] + resume + [1.0])
                 for key, _ in selector.select(max(0.0, timeout)):
                     if key.fileobj is self._listener:
-                        self._accept(selector, deadlines)
+                        if not self._accept(selector, deadlines):
+                            selector.unregister(self._listener)
+                            self._paused_until = self._clock() + ACCEPT_PAUSE_S
                     elif key.fileobj in deadlines:
                         conn = key.fileobj
                         selector.unregister(conn)
@@ -204,15 +250,27 @@ class FdExchange:
                 conn.close()
             selector.close()
 
-    def _accept(self, selector: selectors.BaseSelector, deadlines: dict) -> None:
+    def _accept(self, selector: selectors.BaseSelector, deadlines: dict) -> bool:
+        """Accept what is queued; False when out of descriptors (the connection stays
+        queued: the caller stops listening for a moment)."""
         while True:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # out of descriptors: try again on the next turn
-                logger.warning("descriptor socket: accept failed: %s", exc)
-                return
+                return True
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_FDS:
+                    logger.warning("descriptor socket: accept failed: %s", exc)
+                    return True
+                self._accept_failures += 1
+                now = self._clock()
+                if now >= self._next_accept_log:
+                    logger.warning("descriptor socket: out of descriptors (%s), not accepting for %.1f s "
+                                   "(%d time(s) since the last warning)", exc.strerror, ACCEPT_PAUSE_S,
+                                   self._accept_failures)
+                    self._accept_failures = 0
+                    self._next_accept_log = now + _LOG_EVERY_S
+                return False
             if len(deadlines) >= _MAX_CONNECTIONS:
                 conn.close()
                 continue

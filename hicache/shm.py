@@ -18,6 +18,7 @@ a segment sealed against any writer but the daemon's own mapping.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hicache.errors import InvalidArgument
+from hicache.errors import InvalidArgument, ResourceExhausted
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
@@ -89,6 +90,8 @@ class SharedBuffer:
         try:
             self._map = mmap.mmap(fd, nbytes, access=access)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):  # (mmap dups the fd)
+                raise ResourceExhausted(f"cannot map the segment: out of file descriptors ({exc.strerror})") from None
             raise InvalidArgument(f"cannot map the segment: {exc}") from None
         if not keep_fd:
             os.close(fd)

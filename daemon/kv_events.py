@@ -184,8 +184,10 @@ class KvEvents:
                 del self.extra_keys[next(iter(self.extra_keys))]
 
     def tick(self, managers: dict[bytes, TierManager]) -> None:
-        """The loop's turn: observe new managers, advance streams and snapshots, send
-        the batches, answer replay requests."""
+        """The loop's turn: observe new managers (and stop observing closed ones),
+        advance streams and snapshots, send the batches, answer replay requests."""
+        for fingerprint in [fp for fp, events in self._managers.items() if managers.get(fp) is not events.manager]:
+            self._managers.pop(fingerprint).close()  # a manager closed (its spec unused; see hicache.daemon.specs)
         for fingerprint, manager in managers.items():
             if fingerprint not in self._managers:
                 self._managers[fingerprint] = ManagerEvents(self.publisher, manager, self.topic, self.extra_keys)

@@ -7,6 +7,15 @@ tree, host pool and disk pages. While other engines are being served, that rebui
 (seconds for a large store) runs a slice at a time between their requests, and the
 registrations of the spec are answered when it is done; with nobody else to serve it
 runs at once.
+
+At most ``[server].max_specs`` specs have a manager at once (each holds threads, its
+host pool, and its eviction log once it evicts). A manager no engine uses any more —
+no device pool left, no transfer, no timer — is closed when a new spec needs a manager:
+at once if its tree is empty (nothing lost), and at the limit, least recently
+registered first, if everything it caches is on disk and comes back from there (no
+state or sliding-window layers): its pages stay in the store and its next registration
+rebuilds them, as after a restart. A manager whose pages are only in memory is kept;
+past the limit with nothing to close, a new spec is refused (``RESOURCE_EXHAUSTED``).
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class Specs:
         self.metrics = metrics
         self.progress = progress
         self.managers: dict[bytes, TierManager] = {}
+        self._registered_at: dict[bytes, float] = {}  # spec fingerprint -> its last registration
         self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
         self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
         # Called when a manager starts serving. The server sets it to gc.freeze: what the
@@ -96,8 +106,10 @@ class Specs:
         served): then ``None``, and the registration waits (:meth:`wait`)."""
         manager = self.managers.get(spec.fingerprint)
         if manager is not None or spec.fingerprint in self._rebuilds:
+            self._registered_at[spec.fingerprint] = self.clock()
             return manager
-        started = self.clock()
+        self._make_room()
+        started = self._registered_at[spec.fingerprint] = self.clock()
         host = self.config.host
         if host.bytes:
             host_pages = HostPool.num_pages_for(spec, nbytes=host.bytes)
@@ -132,6 +144,32 @@ class Specs:
         logger.info("spec %s: host pool of %d pages, %d disk pages restored in %.1f s",
                     spec.fingerprint_hex, host_pages, restored, self.clock() - started)
         return manager
+
+    def _make_room(self) -> None:
+        """Before a new spec's manager: close the unused managers that cache nothing,
+        and at the limit the least recently registered unused one that the store can
+        rebuild; refuse the new spec if the limit still holds."""
+        for fingerprint, manager in list(self.managers.items()):
+            if _unused(manager) and manager.num_nodes == 0:
+                self._close(fingerprint, "it cached nothing")
+        self._registered_at = {fp: at for fp, at in self._registered_at.items()
+                               if fp in self.managers or fp in self._rebuilds}  # (a rebuild that failed)
+        limit = self.config.server.max_specs
+        if len(self.managers) + len(self._rebuilds) < limit:
+            return
+        rebuildable = sorted((self._registered_at.get(fp, 0.0), fp) for fp, m in self.managers.items()
+                             if _unused(m) and _rebuildable(m))
+        if rebuildable:
+            self._close(rebuildable[0][1], "all it cached is on disk, rebuilt at its next registration")
+            return
+        raise ResourceExhausted(f"the daemon keeps tiers for {limit} KV specs at most ([server].max_specs), each "
+                                f"in use or caching pages in memory only: a new spec waits for one to be unused")
+
+    def _close(self, fingerprint: bytes, why: str) -> None:
+        manager = self.managers.pop(fingerprint)
+        self._registered_at.pop(fingerprint, None)
+        manager.close()
+        logger.info("spec %s: tiers closed, no engine uses them and %s", manager.spec.fingerprint_hex, why)
 
     def wait(self, spec: KVSpec, session: Session, ranks: list[DevicePool], answer: Answer) -> None:
         """Call ``answer`` with the spec's manager once its rebuild is done (or with the
@@ -214,6 +252,18 @@ class Specs:
                 waiting.answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
         self._rebuilds.clear()
         self._resume_gc()
+
+
+def _unused(manager: TierManager) -> bool:
+    """No engine's pool in it (a session's pool is retired when it ends, and gone once
+    no transfer uses it), and nothing under way."""
+    return not list(manager.pools) and manager.idle() and manager.next_timer() is None
+
+
+def _rebuildable(manager: TierManager) -> bool:
+    """Everything it caches is on disk, and a rebuild brings all of it back (O(nodes))."""
+    return (manager.disk.enabled and manager.checkpoints is None and manager.windows is None
+            and not manager.deferred_backups and manager.durability()["not_on_disk_pages"] == 0)
 
 
 def _segments(pool) -> list:

@@ -15,7 +15,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
 
     [server]   socket, socket_mode, tcp, max_message_bytes, max_tokens, max_sessions,
                max_batch, lease_s, register_within_s, max_unregistered_per_peer,
-               drain_timeout_s
+               max_specs, drain_timeout_s
     [host]     bytes, ratio, max_bytes
     [disk]     enabled, path, capacity_bytes, sync
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
@@ -74,11 +74,12 @@ class ServerConfig:
     lease_s: float = 10.0
     register_within_s: float = 5.0  # a session that has not registered by then is ended
     max_unregistered_per_peer: int = 8  # sessions one user (ipc://) or address (tcp://) may hold unregistered
+    max_specs: int = 64  # KV specs (tier managers) kept at once; see hicache.daemon.specs
     drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s",
-                  "register_within_s", "max_unregistered_per_peer")
+                  "register_within_s", "max_unregistered_per_peer", "max_specs")
 
     @property
     def socket_path(self) -> Path:

@@ -32,9 +32,9 @@ class TierConfig:
     # Pages queued to the disk writer at most (written, not committed: their host pages
     # stay pinned meanwhile); 0: half the host tier.
     disk_write_backlog: int = 0
-    # Evicted page keys remembered for miss reasons (4 bytes each; see
-    # hicache.tiers.misses for the error bounds): the last quarter of this many
-    # evictions are reported exactly.
+    # Evicted page keys remembered for miss reasons (4 bytes each, allocated at the
+    # first eviction; see hicache.tiers.misses for the error bounds): the last quarter
+    # of this many evictions are reported exactly.
     eviction_log_slots: int = 1 << 22
     # "inclusive": a page may be cached in host and disk at once (under write_through to
     # disk the cache holds as much as the disk tier); "exclusive" (with disk_policy =

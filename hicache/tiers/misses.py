@@ -5,7 +5,8 @@ Evictions are remembered in a fixed-size, set-associative table (:class:`Evictio
 its set with its first 8 bytes and is stored as a tag of 29 bits from the other 8 (and a
 set bit, so that no entry is 0), with the tier in the low 2 bits. A set forgets its
 oldest entry when a new key arrives in a full set (FIFO per set). Memory is ``4 * slots`` bytes whatever the traffic (default 2^22
-slots: 16 MiB).
+slots: 16 MiB), from the first eviction on: a tier manager that never evicts (a KV spec
+registered and left, one of many models on a node) costs nothing for it.
 
 Stated error, for eviction counts measured in pages:
 
@@ -46,21 +47,28 @@ class EvictionLog:
     """The tier each recently evicted page key left last (see the module docstring)."""
 
     def __init__(self, slots: int = EVICTION_SLOTS) -> None:
-        num_sets = max(1, slots // WAYS)
-        self._sets = num_sets
-        # Written through now, not as evictions reach its sets: its memory is resident
-        # from the start (a fixed cost, not growth with the cache).
-        self._table = np.empty((num_sets, WAYS), dtype=np.uint32)
-        self._table.fill(0)
-        self._cursor = np.zeros(num_sets, dtype=np.uint8)  # the next way to overwrite, per set
+        self._sets = max(1, slots // WAYS)
+        self._table: np.ndarray | None = None  # made at the first eviction (see _allocate)
+        self._cursor = np.zeros(0, dtype=np.uint8)  # the next way to overwrite, per set
+
+    def _allocate(self) -> None:
+        """The table, at the first record. Written through now, not as evictions reach
+        its sets: its memory is resident from then on (a fixed cost, not growth with
+        the cache). The cursor first: a reader (:meth:`tier`, on another thread) looks
+        at the table only."""
+        self._cursor = np.zeros(self._sets, dtype=np.uint8)
+        table = np.empty((self._sets, WAYS), dtype=np.uint32)
+        table.fill(0)
+        self._table = table
 
     @property
     def slots(self) -> int:
-        return self._table.size
+        return self._sets * WAYS
 
     @property
     def nbytes(self) -> int:
-        return self._table.nbytes + self._cursor.nbytes
+        """Memory held: none until the first eviction."""
+        return 0 if self._table is None else self._table.nbytes + self._cursor.nbytes
 
     def _split(self, packed_keys: bytes) -> tuple[np.ndarray, np.ndarray]:
         words = np.frombuffer(packed_keys, dtype="<u8").reshape(-1, PAGE_KEY_BYTES // 8)
@@ -77,6 +85,8 @@ class EvictionLog:
         """These page keys (16 bytes each, concatenated) left ``tier``."""
         if not packed_keys:
             return
+        if self._table is None:
+            self._allocate()
         if len(packed_keys) <= _SMALL * PAGE_KEY_BYTES:  # a few keys: plain ints beat numpy's set-up
             code = _TIERS.index(tier)
             table, cursor = self._table, self._cursor
@@ -116,8 +126,11 @@ class EvictionLog:
 
     def tier(self, page_key: PageKey) -> Tier | None:
         """The tier this page was last evicted from, if it is remembered."""
+        table = self._table
+        if table is None:
+            return None
         s, t = self._locate(bytes(page_key))
-        for value in self._table[s].tolist():
+        for value in table[s].tolist():
             if value >> 2 == t:
                 return _TIERS[value & 3]
         return None

@@ -129,3 +129,13 @@ def test_batched_evictions_keep_their_order_across_tiers():
     misses.close()
     misses.evicted(node(many), Tier.HOST)  # after close: recorded on the caller's thread
     assert misses._log.tier(many[:PAGE_KEY_BYTES]) is Tier.HOST and not misses._recording
+
+
+def test_the_log_takes_its_memory_at_the_first_eviction():
+    """A tier manager that never evicts (a KV spec registered and left) holds no table."""
+    log = EvictionLog(slots=1 << 20)
+    key = random_keys(np.random.default_rng(9), 1)
+    assert log.nbytes == 0 and log.slots == 1 << 20 and log.tier(key) is None
+    log.record(key, Tier.HOST)
+    assert log.tier(key) is Tier.HOST
+    assert 4 * (1 << 20) <= log.nbytes <= 4 * (1 << 20) + (1 << 20) // WAYS

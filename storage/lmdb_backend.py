@@ -1079,6 +1079,8 @@ class LmdbBackend:
         self._check_usable()
         if batch is None:
             return self._decode_snapshot(self._read_meta(None, None))
+        if type(batch) is not int or batch < 1:
+            raise InvalidArgument(f"batch must be a positive int or None, got {batch!r}")
         return self._iter_batches(batch)
 
     def read_tokens(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -1480,6 +1482,12 @@ class LmdbBackend:
         if slab is None:
             slab = self._slabs[slot_bytes] = _Slab(self._slab_path(slot_bytes), slot_bytes,
                                                    np.empty(0, dtype=np.int64))
+            if self._sync:  # the new file's name is durable before any record names it
+                directory = os.open(self._path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(directory)
+                finally:
+                    os.close(directory)
         return slab
 
     def _close_env(self) -> None:

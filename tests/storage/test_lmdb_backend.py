@@ -904,6 +904,9 @@ def test_metadata_in_batches_lists_every_record_once(open_store):
     assert sorted(whole) == sorted(keys)
     for batch in (1, 2, 5, 22, 23, 24, 1000):
         assert [key for key, _ in store.iter_metadata(batch=batch)] == whole, batch
+    for bad in (0, -1, 2.5, "4"):
+        with pytest.raises(InvalidArgument):
+            store.iter_metadata(batch=bad)
     listed = []
     doomed = whole[10:15]
     for i, (key, _) in enumerate(store.iter_metadata(batch=4)):

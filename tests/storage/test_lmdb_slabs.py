@@ -502,3 +502,24 @@ def test_open_drops_legacy_payloads_that_no_legacy_record_names(open_store, tmp_
     assert sorted(dict(store.iter_metadata())) == sorted([keys[0], keys[2]])
     assert np.array_equal(read(store, keys[0], size), content(keys[0], size))
     store.check_invariants()
+
+
+def test_with_sync_a_new_slab_files_name_is_made_durable(open_store, monkeypatch):
+    """``sync=True``: a record is durable once its put resolves, so the directory entry
+    of a slab file made for it is too (fsync of the store's directory)."""
+    from hicache.storage import lmdb_backend
+
+    synced: list[str] = []
+    real_fsync = lmdb_backend.os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(lmdb_backend.os, "fsync", fsync)
+    store = open_store(sync=True)
+    store.put([record(key_of("durable"), 5000)], fingerprint=FP).result()
+    assert os.path.realpath(store.path) in synced
+    synced.clear()
+    store.put([record(key_of("again"), 5000)], fingerprint=FP).result()  # the same file: no new entry
+    assert os.path.realpath(store.path) not in synced

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,19 @@ from hicache.spec import KVSpec
 from tiers_util import SPEC, Engine
 
 HICACHE = str(Path(sys.executable).parent / "hicache")
+
+
+@contextmanager
+def clean_daemon(tmp_path: Path, **sections: dict) -> Iterator["DaemonProcess"]:
+    """A started daemon that, at the end, stops with status 0 (unless the test stopped
+    it) and logged no traceback and no internal error — what the hostile-input tests
+    hold every daemon to."""
+    proc = DaemonProcess(tmp_path, **sections).start()
+    yield proc
+    if proc.proc is not None:
+        assert proc.stop() == 0, proc.log.read_text()[-3000:]
+    log = proc.log.read_text()
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
 
 
 def write_config(directory: Path, **sections: dict) -> Path:

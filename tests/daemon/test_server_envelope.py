@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from daemon_util import ClientEngine, DaemonProcess, RawPeer
+from daemon_util import ClientEngine, RawPeer, clean_daemon
 from hicache import protocol as p
 from hicache.errors import ErrorCode
 from tiers_util import SPEC
@@ -33,11 +33,8 @@ def _dropped(raw: RawPeer) -> int:
 
 @pytest.fixture
 def daemon(tmp_path):
-    proc = DaemonProcess(tmp_path, server={"max_message_bytes": 1 << 20}).start()
-    yield proc
-    assert proc.stop() == 0, proc.log.read_text()[-3000:]
-    log = proc.log.read_text()
-    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    with clean_daemon(tmp_path, server={"max_message_bytes": 1 << 20}) as proc:
+        yield proc
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer
+from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer, clean_daemon
 from hicache import fdpass
 from hicache.client import CacheClient
 from hicache import protocol as p
@@ -81,12 +81,8 @@ class Victim:
 
 @pytest.fixture
 def daemon(tmp_path):
-    proc = DaemonProcess(tmp_path).start()
-    yield proc
-    if proc.proc is not None:
-        assert proc.stop() == 0, proc.log.read_text()[-3000:]
-    log = proc.log.read_text()
-    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    with clean_daemon(tmp_path) as proc:
+        yield proc
 
 
 @pytest.fixture

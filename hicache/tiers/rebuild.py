@@ -21,20 +21,22 @@ def rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     """:func:`_rebuild_steps`, with the cyclic garbage collector paused while a step
     works (not between steps). A rebuild makes several objects a record that live until
     it ends; the collector's passes over them took ~20% of a rebuild, and reclaim
-    nothing (the rebuild makes no reference cycles)."""
+    nothing (the rebuild makes no reference cycles). (The daemon pauses it for the whole
+    of a background rebuild already: ``hicache.daemon.specs``; this is for every other
+    caller, ``TierManager.rebuild_from_storage`` first.)"""
     return _collector_paused(_rebuild_steps(tree, storage, spec, every, checkpoints))
 
 
 def _collector_paused(steps: Generator[int, None, int]) -> Generator[int, None, int]:
     while True:
-        paused = gc.isenabled()
+        was_enabled = gc.isenabled()
         gc.disable()
         try:
             done = next(steps)
         except StopIteration as stop:
             return stop.value
         finally:
-            if paused:
+            if was_enabled:
                 gc.enable()
         yield done
 

@@ -762,7 +762,13 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
 
     monkeypatch.setattr(hicache.tiers.manager, "REBUILD_PROGRESS_EVERY", 2)
     progress = []
-    assert tm.rebuild_from_storage(progress=progress.append) == 2 + 3 + 1 + 1
+    import gc
+
+    collecting = []  # (paused while a step works:) on again between steps, and after
+    assert gc.isenabled()
+    assert tm.rebuild_from_storage(progress=lambda done: (progress.append(done),
+                                                          collecting.append(gc.isenabled()))) == 2 + 3 + 1 + 1
+    assert gc.isenabled() and all(collecting)
     # Reading the 11 records, indexing them by parent, walking the 7 reachable ones,
     # looking for the unreachable, then freeing the index of the 7 parents and the 11
     # records: a call every 2 of each.

@@ -127,6 +127,8 @@ def test_out_of_descriptors_refuses_and_rests_then_recovers(daemon, raw):
         refused = raw.register(session, [handle.to_dict() | {"token": token}])
         assert isinstance(refused, p.Error) and refused.code == ErrorCode.RESOURCE_EXHAUSTED, refused
         assert _num_fds(pid) <= held  # the offered pool was let go, nothing half-registered kept
+        # (which freed its descriptor: take that one away too, or an offer could use it)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_fd(pid), limit[1]))
         for _ in range(3):
             with pytest.raises((Unavailable, HicacheError)):
                 fdpass.offer(raw.fd_socket, handle.fd, timeout_s=1.0)

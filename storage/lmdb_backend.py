@@ -302,11 +302,15 @@ def _checksum_seed(fingerprint: bytes, size: int) -> int:
     return int.from_bytes(fingerprint[:8], "little") ^ int.from_bytes(fingerprint[8:], "little") ^ size
 
 
+def _record_seed(key: bytes, seed: int) -> int:
+    """The xxh3 seed of one record's checksum: its key (itself a hash) with ``seed``
+    (:func:`_checksum_seed`), so bytes stored for another key, spec or length do not pass."""
+    return int.from_bytes(key[:8], "little") ^ seed
+
+
 def _checksum(key: bytes, seed: int, payload) -> int:
-    """The record checksum: the payload's xxh3_64 seeded by the key (itself a hash) and
-    ``seed`` (:func:`_checksum_seed`), so bytes stored for another key, spec or length
-    do not pass."""
-    return xxhash.xxh3_64_intdigest(payload, seed=int.from_bytes(key[:8], "little") ^ seed)
+    """The record checksum: the payload's xxh3_64 seeded by :func:`_record_seed`."""
+    return xxhash.xxh3_64_intdigest(payload, seed=_record_seed(key, seed))
 
 
 def _legacy_checksum(value, length: int) -> int:
@@ -1021,7 +1025,7 @@ class LmdbBackend:
             seed = seeds.get(size)
             if seed is None:
                 seed = seeds[size] = _checksum_seed(fingerprint, size)
-            return int.from_bytes(keys[i][:8], "little") ^ seed
+            return _record_seed(keys[i], seed)
 
         reads.sort()
         out = []
@@ -1054,7 +1058,7 @@ class LmdbBackend:
         if slab is None or slot * slab.slot_bytes + length > os.fstat(slab.fd).st_size:
             return False  # (a length that damage made huge is never allocated)
         scratch = np.empty(min(length, _READ_PIECE_BYTES), dtype=np.uint8)
-        seed = int.from_bytes(key[:8], "little") ^ _checksum_seed(stored_fingerprint, length)
+        seed = _record_seed(key, _checksum_seed(stored_fingerprint, length))
         return _streamed_checksum(slab, slot, length, seed, lambda _, n: scratch[:n]) == checksum
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:

@@ -225,6 +225,20 @@ class MooncakeBackend:
                     raise RemoteUnavailable(f"the store refused to register {size} bytes (rc {rc})")
             self._registered.append((ptr, size))
 
+    def unregister(self, array: np.ndarray) -> None:
+        """Forget ``array`` (a closing manager's host pool): Mooncake refuses a region
+        that overlaps a registered one, and the next host pool is often mapped over the
+        freed range. Only what :meth:`register` registered itself is unregistered."""
+        ptr, size = _address(array)
+        with self._lock:
+            if (ptr, size) not in self._registered:
+                return
+            self._registered.remove((ptr, size))
+            if self._store is not None and not self._closed:
+                rc = self._store.unregister_buffer(ptr)
+                if rc != 0:
+                    logger.warning("the store did not unregister %d bytes (rc %s)", size, rc)
+
     def _scratch(self, header_bytes: int) -> np.ndarray:
         """This thread's registered header area: :attr:`BATCH` headers of ``header_bytes``."""
         area = getattr(self._local, "area", None)

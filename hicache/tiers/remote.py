@@ -174,7 +174,7 @@ class RemoteTier:
 
     def __init__(self, core: Core, store, settings: RemoteSettings) -> None:
         """``store``: a :class:`~hicache.storage.mooncake_backend.MooncakeBackend` (or
-        anything with its ``contains`` / ``get`` / ``put_batch`` / ``register``)."""
+        anything with its ``contains`` / ``get`` / ``put_batch`` / ``register`` / ``unregister``)."""
         self.core = core
         self.store = store
         self.settings = settings
@@ -535,5 +535,10 @@ class RemoteTier:
         fetch.finish(pages)
 
     def close(self) -> None:
+        """Stop the lanes, then take this manager's memory back from the store: the
+        store is shared with other specs' managers and outlives this one."""
         self._reads.close()
         self._writes.close()
+        self.store.unregister(self.core.host_pool.pages_array())
+        if self._staging is not None:
+            self.store.unregister(self._staging)

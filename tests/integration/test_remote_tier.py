@@ -191,3 +191,19 @@ def test_a_lookup_that_found_nothing_is_not_repeated_within_its_ttl(mooncake_sto
     finally:
         for node in (a, patient, eager):
             node.close()
+
+
+def test_a_closed_managers_host_pool_leaves_the_shared_store(mooncake_store):
+    """The daemon shares one store among every spec's manager and closes a manager
+    whose spec went unused (:mod:`daemon.specs`). The next manager's host pool is often
+    mapped over the freed range, and Mooncake refuses a region that overlaps a registered
+    one: a closed manager's host pool must leave the store with it."""
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+    store = MooncakeBackend(MooncakeConfig(master=mooncake_store.master))
+    try:
+        for host_pages in (32, 48, 64, 96, 128):
+            TierManager(SPEC, host_pages=host_pages, metrics=Metrics(), config=TierConfig(), remote=store,
+                        remote_settings=RemoteSettings()).close()
+    finally:
+        store.close()

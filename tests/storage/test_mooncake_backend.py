@@ -132,3 +132,23 @@ def test_records_one_by_one_round_trip(mooncake_store):
         assert np.array_equal(out, source)
     finally:
         backend.close()
+
+
+def test_an_unregistered_buffer_frees_its_range(mooncake_store):
+    """Mooncake refuses a region that overlaps a registered one: a buffer unregistered
+    (a closed manager's host pool) lets go of its range, now and — for a backend that
+    joins the store later — when it joins (it is not registered again then)."""
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+    memory = np.zeros((4, PAYLOAD), np.uint8)
+    joined = _backend(mooncake_store)
+    lazy = MooncakeBackend(MooncakeConfig(master=mooncake_store.master), lazy=True)
+    try:
+        for backend in (joined, lazy):
+            backend.register(memory[:2])
+            backend.unregister(memory[:2])
+            backend.register(memory[1:])
+            assert backend.contains([bytes(16)]) == [False]
+    finally:
+        joined.close()
+        lazy.close()

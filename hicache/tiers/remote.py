@@ -91,8 +91,12 @@ class RemoteSettings:
 
 @dataclass(eq=False)
 class Fetch:
-    """The remote pages after one local hit, on their way to host. ``pages``: how many
-    landed in the tree (known once ``done``)."""
+    """The remote pages after one local hit, on their way to host: the request's pages
+    from ``first`` on (``keys``). Requests below one hit often share their first pages
+    (a system prompt), and each needs its own after them: a fetch started while another
+    asks for its first ``shared`` pages (``after``) reads only the rest, and lands them
+    once that one's have. ``pages``: how many of the request's pages landed in the tree,
+    the shared ones included (known once ``done``)."""
 
     namespace: NamespaceId
     anchor: Node | None  # the deepest local node: the pages hang below it (pinned meanwhile);
@@ -100,13 +104,16 @@ class Fetch:
     first: int  # pages of the path up to and including ``anchor``
     packed: bytes  # the request's tokens up to the last page asked for
     keys: bytes
+    after: Fetch | None = None
+    shared: int = 0
     done: bool = False
     pages: int = 0
     waiters: list[Callable[[], None]] = field(default_factory=list)
 
     @property
-    def parent_key(self) -> bytes:
-        return ROOT_PARENT_KEY if self.anchor is None else self.anchor.last_page_key
+    def asked(self) -> bytes:
+        """The keys this fetch asks the store for (those after the shared ones)."""
+        return self.keys[self.shared * PAGE_KEY_BYTES :]
 
     @property
     def on_host(self) -> bool:
@@ -184,7 +191,10 @@ class RemoteTier:
         self._down_until = 0.0
         self._reads = _Lane("hicache-remote-read", settings.max_queued)
         self._writes = _Lane("hicache-remote-write", settings.max_queued)
-        self._fetches: dict[tuple[bytes, bytes], Fetch] = {}  # (namespace, anchor's last key) -> in flight
+        # (namespace, page keys asked for) -> in flight: requests below the same local
+        # prefix ask for different pages (the engine asking again for a waiting request
+        # asks for the same ones)
+        self._fetches: dict[tuple[bytes, bytes], Fetch] = {}
         self._token_bytes = core.spec.page_size * TOKEN_BYTES
         self._staging: np.ndarray | None = None  # write-back staging pages (see write_back)
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
@@ -390,30 +400,52 @@ class RemoteTier:
         if anchor is not None and not anchor.is_root and anchor.host_pages is None and not anchor.on_disk:
             return None  # (device-only prefix: nothing on host to hang the pages under)
         parent_key = ROOT_PARENT_KEY if anchor is None else anchor.last_page_key
-        key = (namespace, parent_key)
+        count = min(whole - first, self.settings.lookup_pages)
+        end = (first + count) * page_bytes
+        keys = chain_page_keys(namespace, parent_key, packed[first * page_bytes : end], core.spec.page_size)
+        key = (namespace, keys)
         fetch = self._fetches.get(key)
         if fetch is not None:
             return fetch
         if not self._usable():
             self._lookup("unavailable")
             return None
-        count = min(whole - first, self.settings.lookup_pages)
-        end = (first + count) * page_bytes
-        keys = chain_page_keys(namespace, parent_key, packed[first * page_bytes : end], core.spec.page_size)
         if self._recently_absent(keys[:PAGE_KEY_BYTES]):
             self._lookup("recent_miss")
             return None
-        fetch = Fetch(namespace, anchor, first, packed[:end], keys)
-        store = self.store
-        key_list = [keys[i : i + PAGE_KEY_BYTES] for i in range(0, len(keys), PAGE_KEY_BYTES)]
-        if not self._reads.submit(core, lambda: store.contains(key_list),
-                                  lambda found, error: self._looked_up(fetch, found, error)):
-            self._lookup("busy")
-            return None
+        after, shared = self._sharing(namespace, keys)
+        fetch = Fetch(namespace, anchor, first, packed[:end], keys, after, shared)
+        asked = fetch.asked
+        if asked:
+            store = self.store
+            key_list = [asked[i : i + PAGE_KEY_BYTES] for i in range(0, len(asked), PAGE_KEY_BYTES)]
+            if not self._reads.submit(core, lambda: store.contains(key_list),
+                                      lambda found, error: self._looked_up(fetch, found, error)):
+                self._lookup("busy")
+                return None
         if anchor is not None and not anchor.is_root:
             core.tree.pin(anchor)
         self._fetches[key] = fetch
+        if not asked:
+            self._end(fetch, 0)  # (all its pages are another fetch's: it ends with that one)
         return fetch
+
+    def _sharing(self, namespace: NamespaceId, keys: bytes) -> tuple[Fetch | None, int]:
+        """The fetch in flight that asks for the most of the first pages of ``keys``,
+        and how many (page keys chain: equal keys, equal pages before them too). O(fetches
+        in flight × pages shared)."""
+        best, most = None, 0
+        for (other_namespace, other_keys), fetch in self._fetches.items():
+            if other_namespace != namespace:
+                continue
+            pages = 0
+            for i in range(0, min(len(keys), len(other_keys)), PAGE_KEY_BYTES):
+                if keys[i : i + PAGE_KEY_BYTES] != other_keys[i : i + PAGE_KEY_BYTES]:
+                    break
+                pages += 1
+            if pages > most:
+                best, most = fetch, pages
+        return best, most
 
     def _recently_absent(self, key: bytes) -> bool:
         """Did a lookup find nothing at this page key within ``miss_ttl_s``? (An engine's
@@ -448,7 +480,7 @@ class RemoteTier:
         count = int(np.argmin(found)) if not all(found) else len(found)
         self._lookup("hit" if count else "miss")
         if not count:
-            self._note_absent(fetch.keys[:PAGE_KEY_BYTES])
+            self._note_absent(fetch.asked[:PAGE_KEY_BYTES])
             return self._end(fetch, 0)
         core = self.core
         pages = core.alloc_host(count)
@@ -461,7 +493,7 @@ class RemoteTier:
         core.host_staging += count
         transfer = Transfer(Kind.REMOTE_READ, None, [], fetch.anchor)
         core.inflight.add_detached(transfer)
-        keys = [fetch.keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in range(count)]
+        keys = [fetch.asked[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in range(count)]
         buffers = [core.host_pool.page_array(int(h)) for h in pages]
         store, fingerprint, token_bytes = self.store, core.spec.fingerprint, self._token_bytes
 
@@ -507,6 +539,9 @@ class RemoteTier:
         core = self.core
         tree = core.tree
         anchor = fetch.anchor
+        if len(pages) and fetch.after is not None and not fetch.after.done:
+            fetch.after.waiters.append(lambda: self._land(fetch, pages))  # (its pages hang below the shared ones)
+            return
         if len(pages) and not fetch.on_host and tree.is_live(anchor):
             reads = core.inflight.on(anchor, Kind.DISK_READ)
             if reads:
@@ -515,23 +550,30 @@ class RemoteTier:
         landed = 0
         core.host_staging -= len(pages)
         if len(pages):
-            end = (fetch.first + len(pages)) * self._token_bytes
+            start = fetch.first + fetch.shared
+            end = (start + len(pages)) * self._token_bytes
             try:
                 if anchor is None:
                     tree.add_namespace(fetch.namespace, core.spec.page_size)
-                _, duplicates = tree.add_host_path(fetch.namespace, fetch.packed[:end], fetch.first, pages)
+                _, duplicates = tree.add_host_path(fetch.namespace, fetch.packed[:end], start, pages)
                 core.host_alloc.free(duplicates)
                 landed = len(pages) - len(duplicates)
-            except (ResidencyError, HicacheError) as exc:  # the prefix left host meanwhile
+            except (ResidencyError, HicacheError) as exc:  # the prefix left host meanwhile (or never landed)
                 logger.debug("remote pages not kept: %s", exc)
                 core.host_alloc.free(pages)
                 core.metrics.missed("no_room", len(pages) * core.spec.page_size)
         self._end(fetch, landed)
 
     def _end(self, fetch: Fetch, pages: int) -> None:
+        after = fetch.after
+        if after is not None:
+            if not after.done:
+                after.waiters.append(lambda: self._end(fetch, pages))
+                return
+            pages += min(after.pages, fetch.shared)
         if fetch.anchor is not None and not fetch.anchor.is_root:
             self.core.tree.unpin(fetch.anchor)
-        self._fetches.pop((fetch.namespace, fetch.parent_key), None)
+        self._fetches.pop((fetch.namespace, fetch.keys), None)
         fetch.finish(pages)
 
     def close(self) -> None:

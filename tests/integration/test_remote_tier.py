@@ -193,6 +193,34 @@ def test_a_lookup_that_found_nothing_is_not_repeated_within_its_ttl(mooncake_sto
             node.close()
 
 
+def test_concurrent_lookups_below_one_prefix_each_get_their_own_pages(mooncake_store):
+    """Node A computed two conversations after one system prompt, S+X and S+Y. Node B,
+    with nothing cached, gets both at once, and a request for S+X's first pages, as a
+    router spreading a burst would send them. Each lookup gets the pages of its own
+    tokens and reports those as its remote pages; S's pages are read once."""
+    a, b = Node(mooncake_store), Node(mooncake_store)
+    try:
+        system = list(range(3000, 3000 + 2 * PS))
+        sx = system + list(range(4000, 4000 + 4 * PS))
+        sy = system + list(range(5000, 5000 + 4 * PS))
+        a.prefill(sx)
+        a.prefill(sy)
+        a.tm.flush()
+        assert a.tm.remote.counts["pages_put"] == 10
+        # (all three in flight: nothing lands before the owner thread polls, in wait)
+        lookups = [b.tm.lookup(NS, tokens, 0) for tokens in (sx, sy, sx[: 3 * PS])]
+        hits = [b.tm.wait(f) for f in lookups]
+        assert [(h.match.num_pages, h.remote_pages) for h in hits] == [(6, 6), (6, 6), (3, 3)]
+        assert b.tm.remote.counts["pages_got"] == 10
+        b.tm.check_invariants()
+        for tokens in (sx, sy):
+            _, loaded = b.load(tokens)
+            assert len(loaded.device_pages) == 6
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_closed_managers_host_pool_leaves_the_shared_store(mooncake_store):
     """The daemon shares one store among every spec's manager and closes a manager
     whose spec went unused (:mod:`daemon.specs`). The next manager's host pool is often

@@ -411,8 +411,13 @@ class TierManager:
             if not future.done():
                 result = self.tree.match(namespace, packed, pool_id, touch=False)
                 tickets = self._inflight.tickets_on(result.last_device_node, pool_id)
-                remote = fetch.pages if fetch is not None and fetch.done else 0
-                future.set_result(self._hit(result, pool, tickets)._replace(remote_pages=remote))
+                landed = self._hit(result, pool, tickets)
+                # (the fetch's pages are the path's from fetch.first on; a hit that a
+                # load cannot deliver whole is cut short of some of them)
+                remote = 0
+                if fetch is not None and fetch.done:
+                    remote = max(0, min(fetch.pages, landed.match.num_pages - fetch.first))
+                future.set_result(landed._replace(remote_pages=remote))
 
         end = fetch.anchor if fetch is not None else hit.match.node
         path = self.tree.path(end) if end is not None else []

@@ -221,6 +221,23 @@ def test_concurrent_lookups_below_one_prefix_each_get_their_own_pages(mooncake_s
         b.close()
 
 
+def test_remote_pages_of_a_hit_cut_to_what_a_load_delivers(mooncake_store):
+    """The device pool has no room for the remote pages: the hit is cut short of them,
+    and so is its count of remote pages (they are part of its host pages)."""
+    a, b = Node(mooncake_store), Node(mooncake_store)
+    try:
+        tokens = list(range(1000, 1000 + 10 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        b.tm.alloc(0, 28)  # (the engine's own pages: 4 free, less than the remote node's 10)
+        hit = b.lookup(tokens)
+        assert hit.unclipped.num_host_pages == 10 and hit.match.num_host_pages == 0
+        assert hit.remote_pages == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_closed_managers_host_pool_leaves_the_shared_store(mooncake_store):
     """The daemon shares one store among every spec's manager and closes a manager
     whose spec went unused (:mod:`daemon.specs`). The next manager's host pool is often

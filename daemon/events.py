@@ -198,6 +198,9 @@ class EventPublisher:
         self._max_queue_events = max_queue_events
         self._buffer_steps = buffer_steps
         self._streams: dict[bytes, EventStream] = {}
+        self._ending: set[bytes] = set()  # topics of streams whose last batch waits to go out (see end)
+        # What the streams that ended sent and dropped (the totals are counters: they never go down).
+        self._ended_batches = self._ended_events = self._ended_dropped = 0
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         context = context if context is not None else zmq.Context.instance()
@@ -223,9 +226,10 @@ class EventPublisher:
             raise
 
     def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
-        """The stream of ``topic``, created on first use (the first one created answers
-        vLLM's one-frame replay requests)."""
+        """The stream of ``topic``, created on first use (the oldest one answers vLLM's
+        one-frame replay requests); one that was ending goes on."""
         key = topic.encode() if isinstance(topic, str) else bytes(topic)
+        self._ending.discard(key)
         found = self._streams.get(key)
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
@@ -234,6 +238,13 @@ class EventPublisher:
             raise InvalidArgument(f"events stream {key!r} has data-parallel rank {found.data_parallel_rank}, "
                                   f"not {data_parallel_rank}")
         return found
+
+    def end(self, stream: EventStream) -> None:
+        """``stream`` is over (its pool is gone): its next batch, ``AllBlocksCleared``
+        (its subscribers forget every block it announced), is its last; once that went
+        out the publisher forgets it, its replay ring with it."""
+        stream.cleared()
+        self._ending.add(stream.topic)
 
     @property
     def streams(self) -> list[EventStream]:
@@ -246,15 +257,15 @@ class EventPublisher:
 
     @property
     def batches_sent(self) -> int:
-        return sum(s.batches_sent for s in self._streams.values())
+        return self._ended_batches + sum(s.batches_sent for s in self._streams.values())
 
     @property
     def events_sent(self) -> int:
-        return sum(s.events_sent for s in self._streams.values())
+        return self._ended_events + sum(s.events_sent for s in self._streams.values())
 
     @property
     def dropped(self) -> int:
-        return sum(s.dropped for s in self._streams.values())
+        return self._ended_dropped + sum(s.dropped for s in self._streams.values())
 
     def publish(self, now: float | None = None) -> int:
         """Send every stream's queued events as one batch each; returns batches sent. A
@@ -277,6 +288,12 @@ class EventPublisher:
             stream.batches_sent += 1
             stream.events_sent += num_events
             sent += 1
+        for topic in [t for t in self._ending if not self._streams[t].num_pending]:  # (a refused one: again)
+            self._ending.discard(topic)
+            stream = self._streams.pop(topic)
+            self._ended_batches += stream.batches_sent
+            self._ended_events += stream.events_sent
+            self._ended_dropped += stream.dropped
         return sent
 
     def serve_replay(self, limit: int | None = None) -> int:

@@ -15,7 +15,9 @@ wait in each stream's queue and go out as one batch per stream at the loop's nex
 what its pool sees (every node's pages in every tier it is in, top-down so a parent is
 announced before its children); so does a stream that lost events (see
 :attr:`EventStream.needs_resync`). A snapshot runs a slice of nodes per loop turn; events
-of changes meanwhile interleave, which leaves a subscriber with the tree as it is.
+of changes meanwhile interleave, which leaves a subscriber with the tree as it is. A
+stream ends with ``AllBlocksCleared`` when its pool goes (its engine's bye, an expired
+lease, the manager closed): nothing of that rank is cached for a router any more.
 
 A page whose node keeps no tokens (on disk only: see :mod:`hicache.tree`) gets them from
 the store's metadata for its ``BlockStored`` (routers such as Dynamo hash the tokens).
@@ -104,12 +106,24 @@ class ManagerEvents:
     # -- streams and snapshots ------------------------------------------------------------
 
     def sync_pools(self) -> None:
-        """A stream (and its snapshot) for each pool registered since the last call."""
-        for pool in self.manager.pools:
-            if pool.pool_id not in self.streams and not pool.retired:
-                stream = self.publisher.stream(f"{self.topic}{pool.pool_id}", data_parallel_rank=pool.pool_id)
-                self.streams[pool.pool_id] = stream
-                self._restart(pool.pool_id, stream)
+        """A stream (and its snapshot) for each pool registered since the last call; the
+        stream of each pool retired since ends (:meth:`_end`)."""
+        serving = [pool.pool_id for pool in self.manager.pools if not pool.retired]
+        for pool_id in [p for p in self.streams if p not in serving]:
+            self._end(pool_id)
+        for pool_id in serving:
+            if pool_id not in self.streams:
+                stream = self.publisher.stream(f"{self.topic}{pool_id}", data_parallel_rank=pool_id)
+                self.streams[pool_id] = stream
+                self._restart(pool_id, stream)
+
+    def _end(self, pool_id: int) -> None:
+        """The pool is gone (its engine said bye, its lease expired, or its manager
+        closed): its stream's last batch is ``AllBlocksCleared`` — a router stops
+        counting on that rank's blocks, the host and disk ones included — and the stream
+        stops (pool ids are not reused: nothing speaks on its topic again)."""
+        self._snapshots.pop(pool_id, None)
+        self.publisher.end(self.streams.pop(pool_id))
 
     def _restart(self, pool_id: int, stream: EventStream) -> None:
         stream.cleared()
@@ -161,6 +175,9 @@ class ManagerEvents:
                 del self._snapshots[pool_id]
 
     def close(self) -> None:
+        """The manager closed: its pools' streams end."""
+        for pool_id in list(self.streams):
+            self._end(pool_id)
         if self.manager.tree.observer is self:
             self.manager.tree.observer = None
 
@@ -201,6 +218,9 @@ class KvEvents:
         return {"batches": p.batches_sent, "events": p.events_sent, "dropped": p.dropped}
 
     def close(self) -> None:
+        """Every stream ends (the daemon's tiers serve nothing while it is down; a
+        daemon that comes back starts its streams over)."""
         for events in self._managers.values():
             events.close()
+        self.publisher.publish()
         self.publisher.close()

@@ -82,6 +82,15 @@ class Subscriber:
                     self._apply(topic, s, data)
             self._apply(topic, seq, payload)
 
+    def catch_up(self) -> None:
+        """:meth:`pump`, and what the streams published beyond what arrived from the
+        replay socket: a batch published before the subscription reached the publisher
+        is lost to it, and only a later batch would show the gap."""
+        self.pump()
+        for stream in self.daemon.events.publisher.streams:
+            for seq, payload in self.ask_replay(stream.topic, self.next_seq.get(stream.topic, 0)):
+                self._apply(stream.topic, seq, payload)
+
     def close(self) -> None:
         self.sub.close(0)
         self.replay.close(0)
@@ -100,13 +109,17 @@ def residency(daemon: Daemon, pool_id: int) -> set:
     return out
 
 
-@pytest.fixture
-def daemon(tmp_path):
+def make_daemon(tmp_path) -> Daemon:
     config = DaemonConfig.load(overrides={
         "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0, "server.lease_s": 30.0,
         "disk.path": str(tmp_path / "lmdb"), "disk.capacity_bytes": 64 * SPEC.host_page_bytes,
         "events.enabled": True})
-    d = Daemon(config, fds=FdExchange(tmp_path / "fds"))
+    return Daemon(config, fds=FdExchange(tmp_path / "fds"))
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = make_daemon(tmp_path)
     yield d
     d.close()
 
@@ -209,6 +222,71 @@ def test_a_subscriber_sees_the_trees_residency(daemon, tmp_path):
         context.destroy(linger=0)
         for engine in engines:
             engine.close()
+
+
+def _prefill(daemon: Daemon, sid: int, tokens: list[int]) -> None:
+    """An engine's request on a pool that holds none of it: match, compute, insert."""
+    packed = np.asarray(tokens, np.int32).tobytes()
+    answered(daemon, daemon.handle(p.Match(id=3, session=sid, tokens=packed)))
+    new = answered(daemon, daemon.handle(p.Alloc(id=6, session=sid, num_pages=len(tokens) // PS)))
+    answered(daemon, daemon.handle(p.Insert(id=7, session=sid, tokens=packed, pages=new.pages)))
+
+
+def test_a_gone_pools_stream_ends_with_all_blocks_cleared(daemon):
+    """Pool 1's engine says bye while pool 2's works on. A router must stop counting on
+    pool 1's rank: its stream's last batch clears every block it announced (the host
+    and disk ones too: they stay pool 2's, on its stream), and nothing is published on
+    it after — nor does the daemon keep a stream and its replay ring per pool it had."""
+    context = zmq.Context()
+    engines = [Engine(16), Engine(16)]
+    router = Subscriber(context, daemon)
+    try:
+        sid1, pool1 = register(daemon, engines[0])
+        sid2, pool2 = register(daemon, engines[1])
+        topic1, topic2 = str(pool1).encode(), str(pool2).encode()
+        manager = next(iter(daemon.managers.values()))
+        _prefill(daemon, sid1, list(range(2 * PS)))
+        manager.flush()
+        router.catch_up()
+        assert {medium for medium, _ in router.blocks[topic1]} == {"GPU", "CPU", "STORAGE"}
+        answered(daemon, daemon.handle(p.Bye(id=9, session=sid1)))
+        router.pump()
+        assert router.blocks[topic1] == set()
+        ended_at = router.next_seq[topic1]
+        _prefill(daemon, sid2, list(range(1000, 1000 + 3 * PS)))  # (host and disk events: every stream's)
+        manager.flush()
+        router.pump()
+        assert router.next_seq[topic1] == ended_at and router.blocks[topic1] == set()
+        assert router.blocks[topic2] == residency(daemon, pool2)
+        assert [stream.topic for stream in daemon.events.publisher.streams] == [topic2]
+    finally:
+        router.close()
+        context.destroy(linger=0)
+        for engine in engines:
+            engine.close()
+
+
+def test_every_stream_ends_when_the_daemon_closes(tmp_path):
+    """A daemon that shuts down closes its managers: a router must not keep routing to
+    its pools for blocks it no longer serves — each stream's last batch clears them."""
+    daemon = make_daemon(tmp_path)
+    context = zmq.Context()
+    engine = Engine(16)
+    router = Subscriber(context, daemon)
+    try:
+        sid, pool_id = register(daemon, engine)
+        _prefill(daemon, sid, list(range(2 * PS)))
+        router.catch_up()
+        assert router.blocks[str(pool_id).encode()]
+        daemon.close()
+        while router.sub.poll(50):  # (the daemon's loop no longer turns: its last batches)
+            topic, seq8, payload = router.sub.recv_multipart()
+            router._apply(topic, int.from_bytes(seq8, "big"), payload)
+        assert router.blocks[str(pool_id).encode()] == set()
+    finally:
+        router.close()
+        context.destroy(linger=0)
+        engine.close()
 
 
 def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):

@@ -287,6 +287,39 @@ def test_a_refused_batch_is_dropped_and_resynced(publisher):
     assert isinstance(event, AllBlocksCleared)
 
 
+def test_an_ended_stream_clears_once_then_is_forgotten(context, publisher):
+    """A stream that ends (its pool is gone) sends ``AllBlocksCleared`` — once the
+    socket takes it — and nothing after; the publisher forgets it and its ring, and its
+    counts stay in the totals (counters never go down)."""
+    class FullPub:
+        def send_multipart(self, *args, **kwargs):
+            raise zmq.Again()
+
+        def close(self, linger=None):
+            pass
+
+    gone, kept = publisher.stream("gone", 1), publisher.stream("kept", 2)
+    sub = subscribe(context, publisher, b"gone")
+    gone.stored([1, 2], None, [0] * 8, 4, MEDIUM_CPU)
+    publisher.publish()
+    batches_sent, events_sent = publisher.batches_sent, publisher.events_sent
+    publisher.end(gone)
+    gone.removed([1], MEDIUM_CPU)  # (an event of the tree's turn before it ended)
+    real, publisher._pub = publisher._pub, FullPub()
+    try:
+        publisher.publish()  # the last batch refused: it is sent again
+    finally:
+        publisher._pub = real
+    assert publisher.publish() == 1
+    assert publisher.publish() == 0
+    batches = [decode(payload).events for _, _, payload in receive(sub, 2)]
+    assert [type(e) for events in batches for e in events] == [BlockStored, AllBlocksCleared]
+    assert gone not in publisher.streams and kept in publisher.streams
+    assert (publisher.batches_sent, publisher.events_sent) == (batches_sent + 1, events_sent + 1)
+    assert publisher.dropped == 2  # (the refused batch: the clear and the removal)
+    sub.close()
+
+
 def test_a_late_subscriber_replays_missed_batches(publisher, dealer):
     first, second = publisher.stream("first"), publisher.stream("second", 2)
     for i in range(3):

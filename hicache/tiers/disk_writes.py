@@ -99,6 +99,7 @@ class DiskWriter:
                 return storage.put_batches(split_batch(path_batch(parts, host_pool), mask, kept),
                                            fingerprint=fingerprint)
 
+        core.remote.keep_on_disk(path)
         core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
         return True
 

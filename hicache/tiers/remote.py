@@ -167,6 +167,9 @@ class NoRemote:
     def write_back(self, leaving, storage) -> bool:
         return False
 
+    def keep_on_disk(self, nodes: list[Node]) -> None:
+        pass
+
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
 
@@ -200,6 +203,7 @@ class RemoteTier:
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
         self._absent: OrderedDict[bytes, float] = OrderedDict()  # first page key -> until when it is known absent
         self._deferred: deque[tuple[int, int]] = deque()  # writes waiting for room: (deepest node id, pages)
+        self._doomed: list[set[bytes]] = []  # each write-back in flight: the disk records it deletes when done
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_recent_miss", "lookup_unavailable",
                                      "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
@@ -270,7 +274,8 @@ class RemoteTier:
         """``policy = "write_back"``: the disk tier evicts these nodes' pages —
         ``(namespace, parent key, page keys)`` each, already out of the tree. Read their
         records from ``storage`` into staging pages and put them to the store, then delete
-        the records; True if it took them (else the caller deletes them now)."""
+        the records (but those written again meanwhile: :meth:`keep_on_disk`); True if it
+        took them (else the caller deletes them now)."""
         if self.settings.policy != "write_back":
             return False
         core = self.core
@@ -284,6 +289,7 @@ class RemoteTier:
         namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k in leaving)
         parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k in leaving)
         store, fingerprint = self.store, core.spec.fingerprint
+        doomed = set(keys)
         transfer = Transfer(Kind.REMOTE_WRITE, None, [], None)  # (detached: its pages left the tree)
         core.inflight.add_detached(transfer)
 
@@ -304,7 +310,8 @@ class RemoteTier:
             core.inflight.remove_detached(transfer)
             self._free_rows.extend(int(r) for r in rows)
             self.pending -= total
-            storage.delete(keys)
+            self._doomed = [d for d in self._doomed if d is not doomed]
+            storage.delete([k for k in keys if k in doomed])
             if error is not None:
                 self._failed("put", error)
                 self._skip_write(total)
@@ -321,8 +328,19 @@ class RemoteTier:
             self._free_rows.extend(int(r) for r in rows)
             self._skip_write(total)
             return False
+        self._doomed.append(doomed)
         self.pending += total
         return True
+
+    def keep_on_disk(self, nodes: list[Node]) -> None:
+        """The disk tier writes ``nodes`` again (pages it evicted stayed on host): a
+        write-back in flight of the same pages must not delete their new records (same
+        keys) when it is done. O(pages of ``nodes``) while a write-back is in flight."""
+        if not self._doomed:
+            return
+        keys = {k for n in nodes for k in n.page_key_list()}
+        for doomed in self._doomed:
+            doomed -= keys
 
     def _staging_area(self) -> np.ndarray:
         """The write-back's staging pages (allocated and registered with the store once)."""

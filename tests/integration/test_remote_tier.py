@@ -122,6 +122,31 @@ def test_write_back_puts_what_the_disk_tier_evicts(mooncake_store, tmp_path):
         b.close()
 
 
+def test_a_write_back_leaves_the_records_of_pages_written_to_disk_again(mooncake_store, tmp_path):
+    """The disk tier evicts pages that stay on host; before their write-back is done,
+    host eviction writes them to disk again (the same keys). The write-back deletes the
+    records it read, not the new ones: the disk tier still serves those pages."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    a = Node(mooncake_store, disk=disk, policy="write_back")
+    try:
+        tokens = list(range(100, 100 + 4 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        assert a.tm.evict(Tier.DISK, 4) == 4  # (the write-back in flight until the next poll)
+        a.tm.evict(Tier.HOST, 4)  # written to disk first
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert a.tm.remote.counts["pages_put"] == 4
+        assert a.tm.tree.sizes(Tier.DISK).cached == 4 and len(list(disk.iter_metadata())) == 4
+        a.tm.evict(Tier.DEVICE, 32, 0)
+        hit, loaded = a.load(tokens)
+        assert hit.match.num_disk_pages == 4 and len(loaded.device_pages) == 4
+    finally:
+        a.close()
+
+
 def test_remote_pages_after_a_prefix_on_disk_only(mooncake_store, tmp_path):
     """Node B holds the first pages on disk only: the remote pages after them wait for
     the disk read of that prefix, then join the tree below it; the accounts balance at

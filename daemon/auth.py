@@ -12,6 +12,12 @@ authentication protocol, RFC 27) before any of its messages reaches the loop:
 * a plain ``tcp://`` connection (only with ``[auth].insecure_tcp``) is the default
   identity.
 
+The KV events sockets (:mod:`hicache.daemon.events`) are on the server's context and
+ask the same handler, in their own domain (:data:`EVENTS_ZAP_DOMAIN`): a subscriber is
+admitted as above, and then only when its identity may read the events (``admin`` or
+``events``) — they carry every tenant's token ids, and a PUB socket cannot keep a topic
+from one subscriber.
+
 The handler names the admitted connection in its ZAP reply's user id —
 ``<identity>|<mechanism>|<peer address>|<public key>`` — which libzmq attaches to each
 message of the connection. The loop reads it from every message (not once per routing
@@ -41,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by libzmq: one handler per context
 ZAP_DOMAIN = b"hicache"  # set on the router so that plain connections are asked about too
+EVENTS_ZAP_DOMAIN = b"hicache-events"  # the KV events sockets': admins and identities with events only
 _POLL_MS = 200
 
 
@@ -56,11 +63,17 @@ class Identity:
     host_pages: int = 0
     disk_pages: int = 0
     keys: frozenset[bytes] = field(default=frozenset())
+    events: bool = False
 
     @classmethod
     def from_config(cls, c: IdentityConfig) -> "Identity":
         return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s, c.host_pages, c.disk_pages,
-                   frozenset(key.encode() for key in c.public_keys))
+                   frozenset(key.encode() for key in c.public_keys), c.events)
+
+    @property
+    def reads_events(self) -> bool:
+        """May subscribe to the KV events (every tenant's blocks and token ids)."""
+        return self.admin or self.events
 
     @property
     def default_tenant(self) -> str:
@@ -175,12 +188,17 @@ class ZapHandler:
             key = z85.encode(request[6])
         peer = address.decode("ascii", "replace")
         identity = None
-        if domain == ZAP_DOMAIN:
+        if domain in (ZAP_DOMAIN, EVENTS_ZAP_DOMAIN):
             identity = self._table().resolve(mechanism, peer, key)
         if identity is None:
             self._refused("unknown_key" if mechanism == "CURVE" else "unknown_user")
             logger.warning("refused a %s connection from %s%s", mechanism, peer or "?",
                            f" (key {key.decode()} is not listed)" if key else "")
+            return [version, request_id, b"400", b"not allowed", b"", b""]
+        if domain == EVENTS_ZAP_DOMAIN and not identity.reads_events:
+            self._refused("events")
+            logger.warning("refused a KV events subscriber from %s: identity %r may not read the events "
+                           "(admin or events = true)", peer or "?", identity.name)
             return [version, request_id, b"400", b"not allowed", b"", b""]
         return [version, request_id, b"200", b"OK", user_id(identity, mechanism, peer, key), b""]
 

@@ -31,7 +31,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
     [metrics]  enabled, address, port
     [auth]     secret_key_file, curve_ipc, insecure_tcp, default_identity,
                [[auth.identities]] (name, public_keys, uids, gids, tenants, admin,
-               max_locks, requests_per_s, host_pages, disk_pages)
+               events, max_locks, requests_per_s, host_pages, disk_pages)
 """
 
 from __future__ import annotations
@@ -177,7 +177,10 @@ class RemoteConfig:
 @dataclass(frozen=True, kw_only=True)
 class EventsConfig:
     """KV events for routers (see :mod:`hicache.daemon.kv_events`): a PUB socket and a
-    replay ROUTER. They carry token ids: ``tcp://`` needs ``insecure_tcp = true``."""
+    replay ROUTER. They carry every tenant's token ids: their subscribers are admitted as
+    the server's peers are, and only identities allowed ``events`` (or ``admin``); a
+    ``tcp://`` endpoint takes CURVE (``[auth].secret_key_file``) or, readable by anyone
+    who reaches it, ``insecure_tcp = true``."""
 
     enabled: bool = False
     endpoint: str = ""  # "" = ipc://<the server socket's directory>/hicache-events.sock
@@ -195,9 +198,10 @@ class EventsConfig:
                 continue
             if not endpoint.startswith(("ipc://", "tcp://")):
                 raise InvalidArgument(f"[events] endpoints are ipc:// or tcp://, got {endpoint!r}")
-            if endpoint.startswith("tcp://") and not self.insecure_tcp:
-                raise InvalidArgument("[events] on tcp:// sends token ids in the clear: set "
-                                      "[events].insecure_tcp = true on a network you trust")
+
+    @property
+    def uses_tcp(self) -> bool:
+        return any(e.startswith("tcp://") for e in (self.endpoint, self.replay_endpoint))
 
     def endpoints(self, socket_path: Path) -> tuple[str, str | None]:
         """(PUB endpoint, replay endpoint or None), defaults next to the server's socket."""
@@ -243,7 +247,8 @@ class IdentityConfig:
     uids: tuple[int, ...] = ()
     gids: tuple[int, ...] = ()
     tenants: tuple[str, ...] = (DEFAULT_TENANT,)
-    admin: bool = False  # may call stats, flush, check and reload
+    admin: bool = False  # may call stats, flush, check and reload (and read the KV events)
+    events: bool = False  # may subscribe to the KV events: every tenant's token ids (routers)
     max_locks: int = 0  # node locks its sessions hold together
     requests_per_s: float = 0.0  # sustained; bursts of up to one second's worth
     host_pages: int = 0  # host pages its tenants may hold together (per KV spec)
@@ -307,6 +312,9 @@ class DaemonConfig:
                                   "or, on a network you trust, [auth].insecure_tcp = true")
         if self.auth.curve_ipc and not self.auth.curve:
             raise InvalidArgument("[auth].curve_ipc needs [auth].secret_key_file")
+        if self.events.uses_tcp and not (self.auth.curve or self.events.insecure_tcp):
+            raise InvalidArgument("[events] on tcp:// needs CURVE ([auth].secret_key_file) or, since it then sends "
+                                  "token ids in the clear to whoever reaches it, [events].insecure_tcp = true")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "DaemonConfig":

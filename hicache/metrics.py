@@ -58,7 +58,9 @@ hicache_sessions_ended_total                    reason (bye, lease_expired, shut
 hicache_auth_refused_total                      reason (unknown_key: a CURVE key no identity
                                                 lists; unknown_user: an ipc:// user none
                                                 names; revoked: a message of a connection
-                                                a reload no longer allows)
+                                                a reload no longer allows; events: a KV
+                                                events subscriber whose identity may not
+                                                read them)
 hicache_quota_refused_total                     identity, quota (locks, requests: requests
                                                 refused; host_pages, disk_pages: copies to
                                                 that tier not made, the identity's own
@@ -124,7 +126,7 @@ BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone", "revoked")
-AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked")
+AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")

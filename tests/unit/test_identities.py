@@ -12,7 +12,7 @@ import zmq
 from hicache import protocol as p
 from hicache.auth import ClientKeys, read_secret, write_keypair
 from hicache.config import DaemonConfig
-from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler
+from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler
 from hicache.errors import ErrorCode, InvalidArgument
 from hicache.keys import namespace_id
 from test_daemon_service import Clock, engines, error, ok, session  # noqa: F401 (engines: a fixture)
@@ -48,11 +48,17 @@ def test_the_auth_section_is_validated(tmp_path):
         {"auth": {"identities": {"name": "a"}}},  # a table, not an array of tables
         {"server": {"tcp": "tcp://127.0.0.1:7400"}},  # tcp:// without CURVE
         {"auth": {"curve_ipc": True}},  # CURVE on ipc:// without a key pair
+        {"events": {"endpoint": "tcp://127.0.0.1:7401"}},  # KV events on tcp:// without CURVE
+        {"events": {"replay_endpoint": "tcp://127.0.0.1:7401"}},
+        auth({"name": "a", "events": 1}),
     ]
     for data in bad:
         with pytest.raises(InvalidArgument):
             config(data)
     assert config({"server": {"tcp": "tcp://127.0.0.1:7400"}, "auth": {"insecure_tcp": True}}).server.tcp
+    assert config({"events": {"endpoint": "tcp://127.0.0.1:7401", "insecure_tcp": True}}).events.uses_tcp
+    assert config({"events": {"endpoint": "tcp://127.0.0.1:7401"},
+                   "auth": {"secret_key_file": str(tmp_path / "server.key_secret")}}).events.uses_tcp  # CURVE
     with pytest.raises(InvalidArgument):
         make_daemon_with(auth({"name": "a"}, default_identity="nobody"), tmp_path)
 
@@ -103,6 +109,36 @@ def test_the_zap_handler_answers_every_request():
             reply = zap.answer(request)
             assert reply[2] in (b"400",) and len(reply) == 6, request
         assert refused.count("unknown_key") == 2
+    finally:
+        zap.close()
+        context.term()
+
+
+def test_the_zap_handler_admits_to_the_events_only_identities_allowed_to_read_them():
+    """The KV events carry every tenant's token ids: their domain admits administrators
+    and identities with ``events = true``, not any other identity the server's socket
+    takes (nor, as there, a peer no identity names)."""
+    table = IdentityTable(config(auth({"name": "router", "public_keys": [KEY], "events": True},
+                                      {"name": "engine", "public_keys": [KEY2]},
+                                      {"name": "ops", "uids": [1001], "admin": True},
+                                      default_identity="")).auth)
+    refused = []
+    context = zmq.Context()
+    zap = ZapHandler(context, lambda: table, refused.append)
+
+    def status(domain: bytes, mechanism: bytes, address: bytes, key: str = "") -> bytes:
+        credentials = [zmq.utils.z85.decode(key.encode())] if key else []
+        return zap.answer([b"1.0", b"1", domain, address, b"", mechanism, *credentials])[2]
+
+    try:
+        assert status(EVENTS_ZAP_DOMAIN, b"CURVE", b"127.0.0.1", KEY) == b"200"
+        assert status(EVENTS_ZAP_DOMAIN, b"NULL", b"localhost:1001:5:9") == b"200"  # an administrator
+        assert status(EVENTS_ZAP_DOMAIN, b"CURVE", b"127.0.0.1", KEY2) == b"400"
+        assert status(ZAP_DOMAIN, b"CURVE", b"127.0.0.1", KEY2) == b"200"  # (the server's socket takes it)
+        assert status(EVENTS_ZAP_DOMAIN, b"NULL", b"localhost:7:7:9") == b"400"  # no identity, no default
+        assert refused == ["events", "unknown_user"]
+        table = IdentityTable(config({}).auth)  # no [auth]: every local peer is the default administrator
+        assert status(EVENTS_ZAP_DOMAIN, b"NULL", b"localhost:7:7:9") == b"200"
     finally:
         zap.close()
         context.term()

@@ -192,8 +192,12 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, hwm: int = HWM,
                  max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS,
-                 context: zmq.Context | None = None, clock: Callable[[], float] = time.time) -> None:
-        """``clock``: the batches' timestamps (wall-clock seconds, as vLLM's)."""
+                 context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``context``: the sockets' (the daemon's server's, whose ZAP handler admits
+        the subscribers); ``secure(socket, endpoint)``: sets a socket's security options
+        (CURVE, ZAP domain) before it binds ``endpoint``; ``clock``: the batches'
+        timestamps (wall-clock seconds, as vLLM's)."""
         self._clock = clock
         self._max_queue_events = max_queue_events
         self._buffer_steps = buffer_steps
@@ -208,6 +212,8 @@ class EventPublisher:
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
+            if secure is not None:
+                secure(self._pub, endpoint)
             self._pub.bind(endpoint)
             self.endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # port 0 resolved
             if replay_endpoint is not None:
@@ -219,6 +225,8 @@ class EventPublisher:
                 self._replay.setsockopt(zmq.SNDHWM, max(hwm, buffer_steps + 1))
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+                if secure is not None:
+                    secure(self._replay, replay_endpoint)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except zmq.ZMQError:

@@ -76,7 +76,7 @@ import zmq
 
 from hicache.auth import read_secret
 from hicache.config import DaemonConfig
-from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
+from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
 from hicache.daemon.sd_notify import Notifier
@@ -130,7 +130,8 @@ class Server:
         self._wakers: list[zmq.Socket] = []
         self._wakers_lock = threading.Lock()
         try:
-            self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake))
+            # Its KV events sockets bind in bind(), behind the ZAP handler.
+            self.daemon = daemon or Daemon(config, completions=Completions(wakeup=self._wake), bind_events=False)
         except BaseException:
             self._state_lock.release()
             raise
@@ -177,12 +178,33 @@ class Server:
         except zmq.ZMQError:
             pass  # a wake-up is already queued, or we are shutting down
 
+    def _secure(self, sock: zmq.Socket, endpoint: str, domain: bytes = ZAP_DOMAIN) -> bool:
+        """Set ``sock``'s security for binding ``endpoint`` (options apply to the
+        endpoints bound after they are set): CURVE on ``tcp://`` (and ``ipc://`` with
+        ``curve_ipc``) when the daemon has a key pair, and the ZAP domain that has the
+        handler ask about plain connections too. True when CURVE."""
+        curve = self._server_keys is not None and (endpoint.startswith("tcp://") or self.config.auth.curve_ipc)
+        sock.setsockopt(zmq.CURVE_SERVER, int(curve))
+        if curve:
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._server_keys[1])
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain)
+        return curve
+
+    def _secure_events(self, sock: zmq.Socket, endpoint: str) -> None:
+        """The KV events sockets: as the server's, in the events' own ZAP domain — but a
+        plain ``tcp://`` endpoint (``[events].insecure_tcp``) asks nobody: whoever
+        reaches it reads (and replays) the events, as its setting says."""
+        if not self._secure(sock, endpoint, EVENTS_ZAP_DOMAIN) and endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"")
+            logger.warning("KV events on %s with NO AUTHENTICATION ([events].insecure_tcp): whoever reaches it "
+                           "reads every tenant's token ids", endpoint)
+
     def bind(self) -> list[str]:
         # The ZAP handler first: a CURVE handshake with no handler admits any key.
         self._zap = ZapHandler(self._context, lambda: self.daemon.identities, self.daemon.metrics.auth_refused)
+        self.daemon.bind_events(self._context, self._secure_events)
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)  # plain connections are asked about too
         # Messages a little over the limit still get an error reply; far over, the peer
         # is disconnected by the transport before we buffer them.
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.server.max_message_bytes)
@@ -197,11 +219,7 @@ class Server:
         self.daemon.fds = FdExchange(socket_path_for(socket_path), mode=self.config.server.socket_mode)
         router.bind(self._wake_endpoint)
         for endpoint in self.config.server.endpoints:
-            # Security options apply to the endpoints bound after they are set.
-            curve = self._server_keys is not None and (endpoint.startswith("tcp://") or self.config.auth.curve_ipc)
-            router.setsockopt(zmq.CURVE_SERVER, int(curve))
-            if curve:
-                router.setsockopt(zmq.CURVE_SECRETKEY, self._server_keys[1])
+            curve = self._secure(router, endpoint)
             router.bind(endpoint)
             self.endpoints.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
             logger.info("listening on %s (%s)", self.endpoints[-1], "CURVE" if curve else

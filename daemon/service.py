@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache import __version__
 from hicache import protocol as p
@@ -53,6 +53,9 @@ from hicache.errors import (
 from hicache.fdpass import FdExchange
 from hicache.jobs import Completions
 from hicache.metrics import Metrics, NullMetrics
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = ["LOCAL", "Daemon", "PeerCreds"]
 
@@ -97,9 +100,11 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | NullMetrics | None = None,
         fds: FdExchange | None = None,
+        bind_events: bool = True,
     ) -> None:
         """``fds``: the descriptor socket engines offer their CPU pools on (without
-        one, only CUDA pools can register); closed with the daemon."""
+        one, only CUDA pools can register); closed with the daemon. ``bind_events``:
+        False leaves the KV events sockets to :meth:`bind_events` (the server's)."""
         self.config = config
         self.fds = fds
         if metrics is None:
@@ -151,11 +156,13 @@ class Daemon:
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
         self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
         self.sessions.on_ended = self.registrar.session_ended
-        self.events = self._events(config)
+        self.events: KvEvents | None = None
+        if bind_events:
+            self.bind_events()
         ops = CacheOps(config, self.sessions, metrics, session_of=self._session,
                        defer=lambda fn, args: self._unsettled.append((fn, args)), identities=lambda: self.identities,
                        tenant_log=self.tenant_log,
-                       on_namespace=self.events.namespace if self.events is not None else None)
+                       on_namespace=self._namespace_made if config.events.enabled else None)
         handlers: dict[type, Callable[[Any], Any]] = {
             p.Hello: self._hello, p.Register: self._register, p.Attach: self._attach, p.Match: ops.match,
             p.MatchMany: ops.match_many, p.Lock: ops.lock, p.Unlock: ops.unlock,
@@ -439,22 +446,31 @@ class Daemon:
         self._idle_list.append((future, make_reply))
         return future
 
-    @staticmethod
-    def _events(config: DaemonConfig) -> KvEvents | None:
-        """The KV-event publisher ([events]), bound now; None when off."""
-        if not config.events.enabled:
-            return None
+    def bind_events(self, context: zmq.Context | None = None,
+                    secure: Callable[[zmq.Socket, str], None] | None = None) -> None:
+        """Bind the KV events sockets ([events]; nothing when off, or bound already).
+        ``context`` and ``secure``: the server's context, whose ZAP handler admits the
+        subscribers, and its security options (see
+        :class:`hicache.daemon.events.EventPublisher`); without them (tests) anyone who
+        can open the sockets reads the events."""
+        config = self.config
+        if not config.events.enabled or self.events is not None:
+            return
         from hicache.daemon.events import EventPublisher
 
         endpoint, replay = config.events.endpoints(config.server.socket_path)
         publisher = EventPublisher(endpoint, replay_endpoint=replay, hwm=config.events.hwm,
                                    max_queue_events=config.events.max_queue_events,
-                                   buffer_steps=config.events.buffer_steps)
+                                   buffer_steps=config.events.buffer_steps, context=context, secure=secure)
         for bound in (publisher.endpoint, publisher.replay_endpoint):
-            if bound and bound.startswith("ipc://"):  # (token ids: readable as the server's socket is)
+            if bound and bound.startswith("ipc://"):  # (token ids: no wider than the server's socket)
                 os.chmod(bound[len("ipc://"):], config.server.socket_mode)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
-        return KvEvents(publisher, config.events.topic)
+        self.events = KvEvents(publisher, config.events.topic)
+
+    def _namespace_made(self, namespace: bytes, extra_key: str) -> None:
+        if self.events is not None:
+            self.events.namespace(namespace, extra_key)
 
     def refresh_snapshot(self) -> None:
         """The figures the metrics collector serves, copied on the owner thread."""

@@ -1,4 +1,4 @@
-"""Running a real daemon process for tests, and engines that talk to it."""
+"""Running a real daemon process for tests, engines that talk to it, and KV events subscribers."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from zmq.utils.monitor import recv_monitor_message
+
 from hicache import fdpass
+from hicache.auth import ClientKeys
 from hicache.client import CacheClient
 from hicache import protocol as p
 from hicache.errors import Unavailable
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
+from kv_event_shapes import BlockStored, decode
 from tiers_util import SPEC, Engine
 
 HICACHE = str(Path(sys.executable).parent / "hicache")
@@ -238,3 +242,47 @@ class RawPeer:
         self.sock.close(linger=0)
         if self._own_context:
             self._context.term()
+
+
+_HANDSHAKES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "admitted", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused",
+               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "refused", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "refused"}
+
+
+def events_socket(kind: int, endpoint: str, keys: dict | None = None, who: str = "") -> tuple[zmq.Socket, zmq.Socket]:
+    """A KV events socket (SUB, subscribed to everything, or a replay DEALER)
+    connected to ``endpoint`` (with ``who``'s CURVE key from ``keys``, if any: test_auth's
+    fixture), and the monitor that tells how its handshake went (see :func:`handshake`)."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if who:
+        ClientKeys.load(keys["server"]["public"], keys[who]["secret"]).apply(sock)
+    monitor = sock.get_monitor_socket(sum(_HANDSHAKES))
+    if kind == zmq.SUB:
+        sock.subscribe(b"")
+    sock.connect(endpoint)
+    return sock, monitor
+
+
+def handshake(monitor: zmq.Socket) -> str:
+    """How the socket's first handshake went: "admitted" or "refused" (a refused
+    subscriber can never have received anything)."""
+    assert monitor.poll(30_000), "no handshake"
+    return _HANDSHAKES[recv_monitor_message(monitor)["event"]]
+
+
+def token_ids(payloads: list[bytes]) -> set[int]:
+    """The token ids of every BlockStored of these batches."""
+    return {t for payload in payloads for event in decode(payload).events if isinstance(event, BlockStored)
+            for t in event.token_ids}
+
+
+def replayed(sock: zmq.Socket) -> list[bytes]:
+    """The first stream's batches still in the ring (vLLM's request: a start seq)."""
+    sock.send((0).to_bytes(8, "big"))
+    payloads = []
+    while True:
+        assert sock.poll(30_000), "no answer from the replay socket"
+        frames = sock.recv_multipart()
+        if frames[-2] == (-1).to_bytes(8, "big", signed=True):
+            return payloads
+        payloads.append(frames[-1])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess
+from daemon_util import HICACHE, ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
 from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
@@ -31,10 +31,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 def keys(tmp_path):
-    """Key pairs by name: the server's and five clients' (the files hicache keygen writes)."""
+    """Key pairs by name: the server's and the clients' (the files hicache keygen writes)."""
     out = {}
     (tmp_path / "keys").mkdir()
-    for name in ("server", "x", "y", "limited", "stranger", "x2", "s"):
+    for name in ("server", "x", "y", "limited", "stranger", "x2", "s", "router"):
         public, secret = write_keypair(tmp_path / "keys" / name)
         out[name] = {"public": public, "secret": secret, "z85": read_public(public).decode()}
     return out
@@ -376,4 +376,73 @@ def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
         finally:
             keyed.close()
     finally:
+        d.stop()
+
+
+# -- KV events: every tenant's token ids, for the identities allowed to read them ------
+
+
+def test_a_peer_the_daemon_refuses_reads_no_kv_events(tmp_path, keys):
+    """With [auth] (no default identity: this process's user, plain on ipc://, is
+    nobody) the events sockets refuse it as the daemon's socket does; before, they
+    were bound outside the ZAP handler's reach and it read tenant a's token ids."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=_auth(keys), events={"enabled": True},
+                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    d.start()
+    sub, sub_monitor = events_socket(zmq.SUB, f"ipc://{tmp_path / 'hicache-events.sock'}")
+    replay, replay_monitor = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")
+    x = ClientEngine(d.tcp, **_creds(keys, "x"))
+    try:
+        assert handshake(sub_monitor) == "refused"
+        assert handshake(replay_monitor) == "refused"
+        x.prefill(_tokens(99, 2))
+        assert not sub.poll(0)  # (refused: nothing can arrive)
+        assert "refused a NULL connection" in d.log.read_text()
+    finally:
+        x.close()
+        for sock in (sub, sub_monitor, replay, replay_monitor):
+            sock.close(0)
+        d.stop()
+
+
+def test_kv_events_reach_only_identities_allowed_to_read_them(tmp_path, keys):
+    """Events on tcp:// take CURVE as the daemon's socket does: a key listed with
+    ``events = true`` subscribes and replays, and reads tenant a's tokens; an engine's
+    identity (listed, not allowed the events), an unlisted key and a plain client get
+    nothing, counted as refused."""
+    router = {"name": "router", "public_keys": [keys["router"]["z85"]], "events": True}
+    auth = _auth(keys)
+    auth["identities"].append(router)
+    endpoint, pub, replay_endpoint = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=auth,
+                      events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint},
+                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    d.start()
+    subs = {who: events_socket(zmq.SUB, pub, keys, who) for who in ("router", "x", "stranger", "")}
+    replays = {who: events_socket(zmq.DEALER, replay_endpoint, keys, who) for who in ("router", "x")}
+    x = ClientEngine(d.tcp, **_creds(keys, "x"))
+    try:
+        assert {who: handshake(monitor) for who, (_, monitor) in subs.items()} == {
+            "router": "admitted", "x": "refused", "stranger": "refused", "": "refused"}
+        assert {who: handshake(monitor) for who, (_, monitor) in replays.items()} == {
+            "router": "admitted", "x": "refused"}
+        secret = _tokens(99, 2)
+        x.prefill(secret)
+        sub = subs["router"][0]
+        seen: list[bytes] = []
+        while not set(secret) <= token_ids(seen):
+            assert sub.poll(30_000), "the router's subscription got no events"
+            seen.append(sub.recv_multipart()[2])
+        assert set(secret) <= token_ids(replayed(replays["router"][0]))
+        assert not any(s.poll(0) for who, (s, _) in subs.items() if who != "router")
+        log = d.log.read_text()
+        assert "refused a KV events subscriber" in log and "identity 'team-x' may not read the events" in log
+    finally:
+        x.close()
+        for sock, monitor in (*subs.values(), *replays.values()):
+            sock.close(0)
+            monitor.close(0)
         d.stop()

@@ -334,3 +334,28 @@ def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):
         engine.close()
         context.destroy(linger=0)
         assert daemon.stop() == 0
+
+
+def test_without_auth_any_local_subscriber_reads_and_replays_the_events(tmp_path):
+    """A daemon without [auth] (every local peer the default administrator): a plain
+    subscriber of the socket's user is admitted on both sockets, as before identities."""
+    from daemon_util import ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
+
+    daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
+    sub, sub_monitor = events_socket(zmq.SUB, f"ipc://{tmp_path / 'hicache-events.sock'}")
+    replay, replay_monitor = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        assert handshake(sub_monitor) == handshake(replay_monitor) == "admitted"
+        tokens = np.random.default_rng(5).integers(1, 30_000, 2 * PS).tolist()
+        engine.prefill(tokens)
+        seen: list[bytes] = []
+        while not set(tokens) <= token_ids(seen):
+            assert sub.poll(30_000), "the subscription got no events"
+            seen.append(sub.recv_multipart()[2])
+        assert set(tokens) <= token_ids(replayed(replay))
+    finally:
+        engine.close()
+        for sock in (sub, sub_monitor, replay, replay_monitor):
+            sock.close(0)
+        assert daemon.stop() == 0

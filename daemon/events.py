@@ -61,6 +61,7 @@ _PAGE_KEY_BYTES = 16
 _U64_MASK = (1 << 64) - 1
 _MAX_REQUEST_BYTES = 64 * 1024  # a replay request is a topic and 8 bytes
 _NOBLOCK = int(zmq.NOBLOCK)
+_REBIND_S = 2.0  # how long a rebind waits for the old listener to let its port go
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
@@ -184,6 +185,20 @@ class EventStream:
         return list(islice(self._ring, max(0, start_seq - self._ring[0][0]), None))
 
 
+def _bind_again(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind ``endpoint`` that ``sock`` just unbound: libzmq closes the old listener on
+    its I/O thread, so a ``tcp://`` port may be in use for a moment (milliseconds)."""
+    deadline = time.monotonic() + _REBIND_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.001)
+
+
 class EventPublisher:
     """A PUB socket bound to ``endpoint`` carrying several streams (one per topic), and
     optionally the replay ROUTER bound to ``replay_endpoint``. Runs on its owner's
@@ -232,6 +247,16 @@ class EventPublisher:
         except zmq.ZMQError:
             self.close()
             raise
+
+    def rebind(self) -> None:
+        """Drop every subscriber and listen again on the same endpoints, so that each
+        is admitted anew (a reload of the identities: one no longer allowed gets
+        nothing more). One still allowed reconnects by itself, and replays the batches
+        it missed meanwhile."""
+        for sock, endpoint in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
+            if sock is not None:
+                sock.unbind(endpoint)
+                _bind_again(sock, endpoint)
 
     def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
         """The stream of ``topic``, created on first use (the oldest one answers vLLM's

@@ -29,6 +29,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from hicache import __version__
 from hicache import protocol as p
 from hicache.config import AuthConfig, DaemonConfig
@@ -55,7 +57,7 @@ from hicache.jobs import Completions
 from hicache.metrics import Metrics, NullMetrics
 
 if TYPE_CHECKING:
-    import zmq
+    from hicache.daemon.events import EventPublisher
 
 __all__ = ["LOCAL", "Daemon", "PeerCreds"]
 
@@ -321,7 +323,8 @@ class Daemon:
     def reload_auth(self, auth: AuthConfig) -> tuple[int, int]:
         """Take a new ``[auth]``: the table the ZAP handler and every request use from
         now on; sessions whose identity, key or user it no longer allows end
-        (``revoked``), the others see their identity's new tenants and quotas. Returns
+        (``revoked``), the others see their identity's new tenants and quotas, and the
+        KV events' subscribers are admitted anew. Returns
         ``(identities, sessions ended)``."""
         table = self._table(auth)
         ended = 0
@@ -343,6 +346,14 @@ class Daemon:
         self._buckets = {name: b for name, b in self._buckets.items() if name in table.by_name}
         self.metrics.identities(table.by_name)
         self.on_reload(table)
+        if self.events is not None:  # its subscribers admitted anew: one no longer allowed reads no more
+            try:
+                self.events.publisher.rebind()
+            except zmq.ZMQError as exc:
+                logger.error("reload: the KV events sockets could not listen again (%s): no events until a "
+                             "restart", exc)
+            else:
+                self._restrict_events(self.events.publisher)
         logger.info("reloaded [auth]: %d identities, %d sessions ended", len(table.by_name), ended)
         return len(table.by_name), ended
 
@@ -462,11 +473,15 @@ class Daemon:
         publisher = EventPublisher(endpoint, replay_endpoint=replay, hwm=config.events.hwm,
                                    max_queue_events=config.events.max_queue_events,
                                    buffer_steps=config.events.buffer_steps, context=context, secure=secure)
-        for bound in (publisher.endpoint, publisher.replay_endpoint):
-            if bound and bound.startswith("ipc://"):  # (token ids: no wider than the server's socket)
-                os.chmod(bound[len("ipc://"):], config.server.socket_mode)
+        self._restrict_events(publisher)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
         self.events = KvEvents(publisher, config.events.topic)
+
+    def _restrict_events(self, publisher: EventPublisher) -> None:
+        """The events' ipc:// sockets (token ids) no wider open than the server's."""
+        for bound in (publisher.endpoint, publisher.replay_endpoint):
+            if bound and bound.startswith("ipc://"):
+                os.chmod(bound[len("ipc://"):], self.config.server.socket_mode)
 
     def _namespace_made(self, namespace: bytes, extra_key: str) -> None:
         if self.events is not None:

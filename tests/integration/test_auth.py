@@ -407,20 +407,29 @@ def test_a_peer_the_daemon_refuses_reads_no_kv_events(tmp_path, keys):
         d.stop()
 
 
+def _events_auth(keys, **router) -> dict:
+    auth = _auth(keys)
+    auth["identities"].append({"name": "router", "public_keys": [keys["router"]["z85"]], "events": True, **router})
+    return auth
+
+
+def _events_daemon(tmp_path, keys) -> tuple[DaemonProcess, str, str]:
+    """A daemon with its events on tcp:// (CURVE), and the identity "router" allowed
+    them: (daemon, PUB endpoint, replay endpoint)."""
+    endpoint, pub, replay_endpoint = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=_events_auth(keys),
+                      events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint},
+                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    return d.start(), pub, replay_endpoint
+
+
 def test_kv_events_reach_only_identities_allowed_to_read_them(tmp_path, keys):
     """Events on tcp:// take CURVE as the daemon's socket does: a key listed with
     ``events = true`` subscribes and replays, and reads tenant a's tokens; an engine's
     identity (listed, not allowed the events), an unlisted key and a plain client get
     nothing, counted as refused."""
-    router = {"name": "router", "public_keys": [keys["router"]["z85"]], "events": True}
-    auth = _auth(keys)
-    auth["identities"].append(router)
-    endpoint, pub, replay_endpoint = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))
-    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=auth,
-                      events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint},
-                      probe={"endpoint": endpoint, **_creds(keys, "y")})
-    d.tcp = endpoint
-    d.start()
+    d, pub, replay_endpoint = _events_daemon(tmp_path, keys)
     subs = {who: events_socket(zmq.SUB, pub, keys, who) for who in ("router", "x", "stranger", "")}
     replays = {who: events_socket(zmq.DEALER, replay_endpoint, keys, who) for who in ("router", "x")}
     x = ClientEngine(d.tcp, **_creds(keys, "x"))
@@ -443,6 +452,38 @@ def test_kv_events_reach_only_identities_allowed_to_read_them(tmp_path, keys):
     finally:
         x.close()
         for sock, monitor in (*subs.values(), *replays.values()):
+            sock.close(0)
+            monitor.close(0)
+        d.stop()
+
+
+def test_a_reload_admits_the_kv_events_subscribers_anew(tmp_path, keys):
+    """A reload that withdraws the router's events right cuts its subscription off (the
+    events sockets take their connections anew); an administrator's reconnects."""
+    d, pub, replay_endpoint = _events_daemon(tmp_path, keys)
+    subs = {who: events_socket(zmq.SUB, pub, keys, who) for who in ("router", "y")}
+    admin = _client(d, keys, "y")
+    x = ClientEngine(d.tcp, **_creds(keys, "x"))
+    try:
+        assert {who: handshake(monitor) for who, (_, monitor) in subs.items()} == {"router": "admitted", "y": "admitted"}
+        d.rewrite(server={"tcp": d.tcp}, auth=_events_auth(keys, events=False),
+                  events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint})
+        admin.reload()
+        assert {who: handshake(monitor) for who, (_, monitor) in subs.items()} == {"router": "refused", "y": "admitted"}
+        for sock, _ in subs.values():  # (what came before the reload)
+            while sock.poll(0):
+                sock.recv_multipart()
+        secret = _tokens(98, 2)
+        x.prefill(secret)
+        seen: list[bytes] = []
+        while not set(secret) <= token_ids(seen):
+            assert subs["y"][0].poll(30_000), "the administrator's subscription got no events"
+            seen.append(subs["y"][0].recv_multipart()[2])
+        assert not subs["router"][0].poll(0)
+    finally:
+        x.close()
+        admin.close()
+        for sock, monitor in subs.values():
             sock.close(0)
             monitor.close(0)
         d.stop()

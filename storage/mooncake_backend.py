@@ -239,6 +239,24 @@ class MooncakeBackend:
                 if rc != 0:
                     logger.warning("the store did not unregister %d bytes (rc %s)", size, rc)
 
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes registered with the store now (host pools, staging and scratch areas)."""
+        with self._lock:
+            return sum(size for _, size in self._registered)
+
+    def release_scratch(self) -> None:
+        """Unregister and free the calling thread's scratch area, if it has one (a thread
+        that calls the store for the last time: a closing manager's lanes — the store
+        outlives them)."""
+        area = getattr(self._local, "area", None)
+        if area is None:
+            return
+        self._local.area = None
+        self.unregister(area)
+        with self._lock:
+            self._keep = [a for a in self._keep if a is not area]
+
     def _scratch(self, header_bytes: int) -> np.ndarray:
         """This thread's registered header area: :attr:`BATCH` headers of ``header_bytes``."""
         area = getattr(self._local, "area", None)

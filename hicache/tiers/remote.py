@@ -153,7 +153,10 @@ class _Lane:
         core.completions.forward(self._pool.submit(run), done)
         return True
 
-    def close(self) -> None:
+    def close(self, last: Callable[[], None] | None = None) -> None:
+        """Run what is queued, then ``last`` on the lane's thread, and end the thread."""
+        if last is not None:
+            self._pool.submit(last)
         self._pool.shutdown(wait=True)
 
 
@@ -184,7 +187,8 @@ class RemoteTier:
 
     def __init__(self, core: Core, store, settings: RemoteSettings) -> None:
         """``store``: a :class:`~hicache.storage.mooncake_backend.MooncakeBackend` (or
-        anything with its ``contains`` / ``get`` / ``put_batch`` / ``register`` / ``unregister``)."""
+        anything with its ``contains`` / ``get`` / ``put_batch`` / ``register`` / ``unregister``
+        / ``release_scratch``)."""
         self.core = core
         self.store = store
         self.settings = settings
@@ -597,8 +601,9 @@ class RemoteTier:
     def close(self) -> None:
         """Stop the lanes, then take this manager's memory back from the store: the
         store is shared with other specs' managers and outlives this one."""
-        self._reads.close()
-        self._writes.close()
+        # (each lane's thread has its own registered scratch area in the store)
+        self._reads.close(self.store.release_scratch)
+        self._writes.close(self.store.release_scratch)
         self.store.unregister(self.core.host_pool.pages_array())
         if self._staging is not None:
             self.store.unregister(self._staging)

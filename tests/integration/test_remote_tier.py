@@ -277,3 +277,41 @@ def test_a_closed_managers_host_pool_leaves_the_shared_store(mooncake_store):
                         remote_settings=RemoteSettings()).close()
     finally:
         store.close()
+
+
+def test_a_closed_manager_leaves_no_memory_registered_with_the_shared_store(mooncake_store):
+    """Each lane thread of a manager's remote tier registers a header scratch area with
+    the store the first time it calls it. The store outlives the manager (the daemon
+    closes unused specs' managers): what the manager registered — host pool, scratch
+    areas — leaves with it, however many managers come and go."""
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+    a = Node(mooncake_store)
+    store = MooncakeBackend(MooncakeConfig(master=mooncake_store.master))
+    try:
+        tokens = list(range(7000, 7000 + 4 * PS + 1))
+        a.prefill(tokens)
+        a.tm.flush()
+        before = store.registered_bytes
+        for turn in range(3):
+            engine = Engine(num_pages=32)
+            tm = TierManager(SPEC, host_pages=32, metrics=Metrics(), config=TierConfig(), remote=store,
+                             remote_settings=RemoteSettings(prefetch_policy="wait_complete"))
+            tm.add_namespace(NS)
+            tm.register_pool(0, [engine.pool])
+            hit = tm.lookup(NS, tokens, 0)  # a read lane's lookup and gets
+            hit = tm.wait(hit) if hasattr(hit, "result") else hit
+            assert hit.remote_pages == 4, turn
+            fresh = list(range(9000 + 100 * turn, 9000 + 100 * turn + 2 * PS))
+            new = tm.alloc(0, 2)
+            engine.compute(NS, fresh, new)
+            tm.insert(NS, fresh, 0, new)
+            tm.flush()  # a write lane's puts
+            assert tm.remote.counts["pages_put"] == 2, turn
+            assert store.registered_bytes > before
+            tm.close()
+            engine.close()
+            assert store.registered_bytes == before, turn
+    finally:
+        store.close()
+        a.close()

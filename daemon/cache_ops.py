@@ -32,12 +32,15 @@ class CacheOps:
     def __init__(self, config: DaemonConfig, sessions: Sessions, metrics, *,
                  session_of: Callable[[int], Session], defer: Callable[[Callable[..., None], tuple], None],
                  identities: Callable[[], object] = lambda: None, tenant_log=None,
-                 on_namespace: Callable[[bytes, str], None] | None = None) -> None:
+                 on_namespace: Callable[[bytes, str], None] | None = None,
+                 clock_ns: Callable[[], int] = p.monotonic_ns) -> None:
         """``identities()``: the identity table in force (its space limits go to each
         tier manager a session names a namespace on); ``tenant_log``: where the
         namespaces' tenants are kept across restarts; ``on_namespace(namespace, extra
-        key)``: told of each namespace a session names (the KV events' extra keys)."""
+        key)``: told of each namespace a session names (the KV events' extra keys);
+        ``clock_ns``: the clock of a store's deadline (the host's ``CLOCK_MONOTONIC``)."""
         self.sessions = sessions
+        self._clock_ns = clock_ns
         self._tenant_log = tenant_log
         self._on_namespace = on_namespace
         self._identities = identities
@@ -243,7 +246,11 @@ class CacheOps:
             done: Future = Future()
             done.set_result(p.StoreReply(id=m.id, node=-1, copied=0, cached=0))
             return done
-        future = manager.store(namespace, tokens, session.pool_id, m.pages)
+        expired = None
+        if m.deadline_ns is not p.UNSET:
+            deadline_ns, clock_ns = m.deadline_ns, self._clock_ns
+            expired = lambda: clock_ns() >= deadline_ns  # noqa: E731
+        future = manager.store(namespace, tokens, session.pool_id, m.pages, expired=expired)
         out: Future = Future()
 
         def answer(f: Future) -> None:

@@ -231,6 +231,7 @@ class CacheClient:
         self._admin_socket: zmq.Socket | None = None
         self._admin_lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._store_deadlines = False  # the daemon honours Store.deadline_ns (its hello says so)
         self._session = 0  # the registered session's id; 0 before the first registration
         self.epoch = 0
         self._down_since: float | None = None
@@ -435,6 +436,7 @@ class CacheClient:
         counters = CountersHandle.from_dict(p.as_dict(reply.counters))
         waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
         self._session = hello.session
+        self._store_deadlines = hello.store_deadlines
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
@@ -447,10 +449,11 @@ class CacheClient:
         logger.info("registered with %s (epoch %d)", self.endpoint, self.epoch)
 
     def _request(self, message: p._Request, timeout_s: float | None = None, *,
-                 epoch: int | None = None) -> p.Reply | None:
+                 epoch: int | None = None, stamp: Callable[[p._Request], None] | None = None) -> p.Reply | None:
         """A session request; ``None`` in degraded mode (the daemon is unreachable).
         ``epoch``: a request naming a node handle of that epoch, never sent in another
-        (after a reconnect the handle is an orphan: ``None``)."""
+        (after a reconnect the handle is an orphan: ``None``). ``stamp(message)`` right
+        before each send (a retry after a reconnect is sent again)."""
         if self._registration is None:
             raise InvalidArgument("register the engine's pool first")
         if self._down_since is not None and not self._try_reconnect():  # degraded: no wait
@@ -459,6 +462,8 @@ class CacheClient:
             if epoch is not None and epoch != self.epoch:
                 return None
             message.session = self._session
+            if stamp is not None:
+                stamp(message)
             try:
                 return self._call(message, timeout_s)
             except Unavailable:
@@ -703,12 +708,23 @@ class CacheClient:
               tenant: str | None = None) -> Stored:
         """Engine-owned pools: cache the whole pages of ``tokens`` from the engine's blocks
         ``pages`` (one per whole page, from the first). The answer comes once the copy is
-        done: then the blocks may be reused. In degraded mode nothing is stored."""
+        done: then the blocks may be reused. In degraded mode nothing is stored.
+
+        A store that is not answered within ``timeout_s`` is given up (degraded mode),
+        and the engine reuses the blocks; so it carries that moment as its deadline,
+        and the daemon caches nothing of it once the deadline has passed (a daemon that
+        was only slow would otherwise copy blocks holding other requests' KV by then)."""
         ids = as_page_ids(pages)
         # (a plain call's timeout: the copy is from memory; a daemon that is gone must
         # not hold the engine's step for a load's timeout)
+        timeout_ns = max(1, int(self.timeout_s * 1000)) * 1_000_000  # (what _call waits: whole ms)
+
+        def stamp(message: p.Store) -> None:  # (sent at once: the call's wait starts after this)
+            if self._store_deadlines:
+                message.deadline_ns = p.monotonic_ns() + timeout_ns
+
         reply = self._request(p.Store(id=0, session=0, tokens=pack_tokens(tokens), pages=ids.tobytes(),
-                                      extra_key=extra_key, tenant=self._tenant(tenant)))
+                                      extra_key=extra_key, tenant=self._tenant(tenant)), stamp=stamp)
         if reply is None:
             return Stored(None, 0, 0)
         handle = NodeHandle(reply.node, self.epoch) if reply.node >= 0 else None

@@ -106,6 +106,13 @@ class WaitTimeout(HicacheError, TimeoutError):
     code = ErrorCode.TIMEOUT
 
 
+class DeadlinePassed(HicacheError, TimeoutError):
+    """A request's deadline passed before it was done: its caller gave up on it, and
+    nothing of it took effect."""
+
+    code = ErrorCode.TIMEOUT
+
+
 class StorageUnavailable(HicacheError, RuntimeError):
     """The store is closed, failed to open, or is used from a process that did not open it."""
 

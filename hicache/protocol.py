@@ -22,6 +22,7 @@ left out stays out (``UNSET``), so the domain type's own default applies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union
 
@@ -37,6 +38,13 @@ PROTOCOL_VERSION = 2  # 2: memfd pools over the descriptor socket, per-session n
 
 class ProtocolError(HicacheError, ValueError):
     code = ErrorCode.INVALID_ARGUMENT
+
+
+def monotonic_ns() -> int:
+    """The clock of :attr:`Store.deadline_ns`: the host's ``CLOCK_MONOTONIC``, which an
+    engine-owned pool's engine shares with the daemon (its blocks are in the daemon's
+    host memory, or on its GPUs)."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
 # gc=False: messages hold only bytes, numbers, strings and plain containers of them — never
@@ -247,13 +255,17 @@ class Release(_Request, tag="release"):
 class Store(_Request, tag="store"):
     """Engine-owned pools: copy the blocks of the whole pages of ``tokens`` (one block
     id per page, from the first) into the host tier; answered once the engine may reuse
-    them."""
+    them. ``deadline_ns`` (:func:`monotonic_ns`; only to a daemon whose hello says
+    ``store_deadlines``): when the engine stops waiting and may reuse the blocks — a
+    store the daemon receives after it is refused (``TIMEOUT``), and one whose copy
+    ends after it caches nothing."""
 
     session: int
     tokens: bytes
     pages: bytes
     extra_key: str = ""
     tenant: str | UnsetType = UNSET
+    deadline_ns: int | UnsetType = UNSET
 
 
 class LoadInto(_Request, tag="load_into"):
@@ -330,6 +342,7 @@ class HelloReply(_Reply, tag="hello"):
     daemon: str
     lease_s: float
     fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
+    store_deadlines: bool = False  # honours Store.deadline_ns (older daemons: absent, and refuse the field)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -221,16 +221,21 @@ class TierManager:
                                   "hicache's: use alloc, insert and load)")
         return pool
 
-    def store(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, blocks: PageIdsLike) -> Future:
+    def store(self, namespace: NamespaceId, tokens: Tokens, pool_id: PoolId, blocks: PageIdsLike, *,
+              expired: Callable[[], bool] | None = None) -> Future:
         """Copy the engine's blocks of the whole pages of ``tokens`` that are not on host
         yet into host pages, and cache them; a future of
-        :class:`~hicache.tiers.owned.Stored`, done once the engine may reuse the blocks."""
+        :class:`~hicache.tiers.owned.Stored`, done once the engine may reuse the blocks.
+        ``expired()``: the engine no longer waits (it may reuse the blocks): raises
+        :class:`~hicache.errors.DeadlinePassed` if so now, and the future fails with it
+        (nothing cached) if so when the copy is done."""
         pool = self._owned_pool(pool_id)
         ids = pool.checked_ids(blocks)
         packed = pack_tokens(tokens)
         if len(ids) != len(packed) // TOKEN_BYTES // self.spec.page_size:
             raise InvalidArgument("one block per whole page of tokens")
-        return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * TOKEN_BYTES], ids)
+        return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * TOKEN_BYTES], ids,
+                                 expired)
 
     def load_into(self, node: Node, pool_id: PoolId, blocks: PageIdsLike, first: int = 0) -> Future:
         """Copy pages ``first ..`` of ``node``'s path (host / disk) into the engine's

@@ -9,7 +9,11 @@ engine keeps its own device prefix cache, and hicache is the tier below it.
   to the tree as host copies (then on to disk per the disk policy). The future
   completes then: from that moment the engine may reuse its blocks. Pages already on
   host are not copied; the pages before the first copied one stay pinned meanwhile, so
-  the new ones always extend a host-resident path.
+  the new ones always extend a host-resident path. A store may say when its engine
+  stops waiting (``expired``): from then on the engine may reuse the blocks, so a store
+  expired on arrival is refused, and one whose copy is done only after that caches
+  nothing — the copy may have read blocks the engine had handed to another request.
+  (The check runs on the owner thread after the copy landed: never early.)
 * :meth:`OwnedTransfers.load_into` copies pages ``first ..`` of a locked node's path
   into the engine's blocks, layer by layer, with a ticket on the pool's layer counters
   (as a :meth:`~hicache.tiers.loads.Loads.load`). Disk-only pages are read to host
@@ -21,13 +25,14 @@ engine keeps its own device prefix cache, and hicache is the tier below it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple
 
 import numpy as np
 
 from hicache.counters import Ticket
-from hicache.errors import InvalidArgument, UnknownNode
+from hicache.errors import DeadlinePassed, InvalidArgument, UnknownNode
 from hicache.keys import TOKEN_BYTES, NamespaceId
 from hicache.pages import PageIds
 from hicache.tiers.core import Core
@@ -68,9 +73,12 @@ class OwnedTransfers:
 
     # -- store ---------------------------------------------------------------------
 
-    def store(self, pool: DevicePoolState, namespace: NamespaceId, tokens: bytes, blocks: PageIds) -> Future:
+    def store(self, pool: DevicePoolState, namespace: NamespaceId, tokens: bytes, blocks: PageIds,
+              expired: Callable[[], bool] | None = None) -> Future:
         """A future of :class:`Stored` (see the module docstring). ``tokens`` are
         packed and hold exactly ``len(blocks)`` whole pages; ``blocks`` are checked."""
+        if expired is not None and expired():
+            raise DeadlinePassed("store: its deadline passed before it arrived; nothing copied")
         core = self.core
         tree = core.tree
         future: Future = Future()
@@ -106,6 +114,11 @@ class OwnedTransfers:
             core.unstage(transfer, Tier.HOST)
             if prefix is not None:
                 tree.unpin(prefix)
+            if error is None and expired is not None and expired():
+                core.host_alloc.free(host_pages)
+                future.set_exception(DeadlinePassed(f"store: the copy of {count} pages ended after its deadline; "
+                                                    "nothing cached"))
+                return
             if error is not None:
                 logger.error("store from pool %s failed: %s", pool.pool_id, error)
                 core.host_alloc.free(host_pages)

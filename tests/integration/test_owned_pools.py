@@ -377,3 +377,65 @@ def test_a_daemon_restart_degrades_both_sides_and_revive_brings_the_pool_back(tm
         worker.close()
         if daemon.proc is not None:
             assert daemon.stop() == 0
+
+
+def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(daemon, monkeypatch):
+    """A store carries when its engine stops waiting (the host's CLOCK_MONOTONIC): one
+    the daemon gets after that is refused (``TIMEOUT``), nothing copied."""
+    from hicache import protocol
+
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="late")
+    scheduler = CacheClient(daemon.endpoint)
+    try:
+        seq = toks(300, 3)
+        engine.compute(seq, [1, 2, 3])
+        real = protocol.monotonic_ns
+        monkeypatch.setattr(protocol, "monotonic_ns", lambda: real() - 60 * 10**9)  # sent a minute ago
+        with pytest.raises(RemoteError) as refused:
+            engine.client.store(seq, [1, 2, 3])
+        assert refused.value.code == ErrorCode.TIMEOUT
+        monkeypatch.setattr(protocol, "monotonic_ns", real)
+        scheduler.attach("late")
+        assert scheduler.match(seq).handle is None
+        stats = stats_and_check(daemon.endpoint)
+        assert host_account(stats)["cached_evictable"] == 0 and host_account(stats)["staging"] == 0
+        assert engine.client.store(seq, [1, 2, 3]).num_cached == 3  # in time: stored
+    finally:
+        scheduler.close()
+        engine.close()
+
+
+def test_a_store_its_engine_gave_up_on_never_copies_the_blocks_reused_since(tmp_path):
+    """The engine's store times out (the daemon is stopped here: a stall, swap), the
+    engine reuses the blocks for another request; the daemon, resumed, executes the
+    store it received: it must cache none of it (before, it copied the new contents
+    under the old tokens)."""
+    import os
+    import signal
+
+    daemon = DaemonProcess(tmp_path, server={"lease_s": 30.0}, **sections(tmp_path)).start()
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="slow", timeout_s=0.3)
+    scheduler = CacheClient(daemon.endpoint)
+    status = admin(daemon.endpoint)
+    try:
+        scheduler.attach("slow")
+        seq = toks(400, 3)
+        engine.compute(seq, [1, 2, 3])
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            assert engine.client.store(seq, [1, 2, 3]).num_cached == 0  # given up: degraded
+            engine.compute(toks(9000, 3), [1, 2, 3])  # the blocks' next owner
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not any(key.startswith("store/") for key in status.stats()["requests"]):
+            assert time.monotonic() < deadline, "the daemon never answered the store"
+            time.sleep(0.05)
+        assert status.stats()["requests"].get("store/TIMEOUT") == 1
+        assert scheduler.match(seq).handle is None
+    finally:
+        status.close()
+        scheduler.close()
+        engine.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0

@@ -117,3 +117,18 @@ def test_stats_are_typed_with_the_map_they_always_were(storage):
     assert p.encode(p.StatsReply(id=3, stats=typed)) == p.encode(p.StatsReply(id=3, stats=plain))
     assert p.as_dict(p.decode_reply(p.encode(p.StatsReply(id=3, stats=plain))).stats) == plain
 
+
+
+def test_a_store_deadline_is_optional_both_ways():
+    """``Store.deadline_ns`` is left out by older clients (no deadline), and a client
+    sends it only to a daemon whose hello says ``store_deadlines`` (an older daemon's
+    hello has no such field, and it refuses fields it does not know)."""
+    plain = p.decode_request(p.encode(p.Store(id=1, session=2, tokens=b"", pages=b"")))
+    assert plain.deadline_ns is p.UNSET
+    timed = p.decode_request(p.encode(p.Store(id=1, session=2, tokens=b"", pages=b"", deadline_ns=123)))
+    assert timed.deadline_ns == 123
+    old_hello = {"op": "hello", "id": 1, "session": 2, "version": p.PROTOCOL_VERSION, "daemon": "hicache 0.0",
+                 "lease_s": 5.0}
+    import msgpack
+
+    assert p.decode_reply(msgpack.packb(old_hello)).store_deadlines is False

@@ -1278,3 +1278,37 @@ def test_flush_reports_progress_while_writes_wait_and_durability_at_the_end(tmp_
         tm.close()
         store.close()
         engine.close()
+
+
+def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
+    """``expired()`` says the engine gave up on the store (and may reuse its blocks):
+    on arrival, the store is refused before anything changes; once the copy is done,
+    its pages are not cached (they may hold another request's KV by then) and go back
+    to the host pool."""
+    import torch
+
+    from hicache.errors import DeadlinePassed
+    from hicache.foreign import ForeignPool
+    from owned_util import OWNED_SPEC, layer_major
+
+    layout = layer_major(8)
+    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
+    tm = TierManager(OWNED_SPEC, host_pages=8)
+    try:
+        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+        tm.add_namespace(ns)
+        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
+        free = tm.host_alloc.num_free
+        with pytest.raises(DeadlinePassed):
+            tm.store(ns, toks, 0, [1, 2, 3], expired=lambda: True)
+        answers = iter([False, True])  # in time on arrival, late when the copy is done
+        with pytest.raises(DeadlinePassed):
+            tm.wait(tm.store(ns, toks, 0, [1, 2, 3], expired=lambda: next(answers)))
+        tm.flush()
+        tm.check_invariants()
+        assert tm.tree.match(ns, toks, 0, touch=False).num_host_pages == 0
+        assert tm.host_alloc.num_free == free
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3], expired=lambda: False)).num_cached == 3
+    finally:
+        tm.close()

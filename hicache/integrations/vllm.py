@@ -36,13 +36,19 @@ How the two sides work (they are separate processes):
   unlocks (the load keeps its own hold until it lands); the tickets travel to the worker
   in the connector metadata.
 
-The cache salt and the LoRA name go into the namespace (``extra_key``). A daemon that is
+The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks on: the
+cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
+place) and prompt embeddings (:func:`extra_key_of`); the spec's model identity has what
+else changes the KV of one checkpoint: quantization, KV cache dtype, the model's config
+and ``hf_overrides`` (:func:`model_identity`). A daemon that is
 down or restarting means misses (each call waits ``hicache.timeout_s`` at most, then the
 client answers at once until the daemon is back), never a failed or hung request.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -113,11 +119,73 @@ class _Request:
 
 
 def extra_key_of(request: "Request") -> str:
-    """The namespace part a request adds: its LoRA and cache salt (none: "")."""
+    """The namespace part a request adds ("" for a plain prompt): everything besides its
+    token ids that vLLM's own prefix cache keys its blocks on
+    (``kv_cache_utils.generate_block_hash_extra_keys``) — the LoRA adapter (its name and
+    its path: a name pointed at another adapter must not reuse the old one's KV, and
+    hicache outlives the engine), the cache salt, each multimodal input's identifier and
+    place (an image's positions hold the same placeholder ids for every image) and the
+    prompt embeddings (their positions hold a sentinel id). The name and salt are
+    spelled out (KV events carry them); the rest goes in as one digest."""
+    parts, inputs = [], []
     lora = getattr(request, "lora_request", None)
-    lora_name = getattr(lora, "lora_name", None) or ""
+    if lora is not None:
+        name = getattr(lora, "lora_name", None) or ""
+        parts.append(f"lora={name}")
+        inputs.append(("lora", name, str(getattr(lora, "lora_path", None) or "")))
     salt = getattr(request, "cache_salt", None) or ""
-    return f"vllm:lora={lora_name}:salt={salt}" if lora_name or salt else ""
+    if salt:
+        parts.append(f"salt={salt}")
+    for feature in getattr(request, "mm_features", None) or ():
+        place = feature.mm_position
+        inputs.append(("mm", str(feature.identifier), int(place.offset), int(place.length)))
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        mask = getattr(request, "prompt_is_token_ids", None)
+        inputs.append(("embeds", _tensor_digest(embeds), None if mask is None else bytes(map(bool, mask)).hex()))
+    if inputs:
+        parts.append("in=" + hashlib.blake2b(repr(inputs).encode(), digest_size=16).hexdigest())
+    return "vllm:" + ":".join(parts) if parts else ""
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().to("cpu").contiguous()
+    h = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
+    h.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+# Keys of a Hugging Face config that name or date the checkpoint rather than change
+# what it computes (the model's name and revision are in the identity already).
+_NOT_MODEL_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash",
+                             "_attn_implementation_autoset"})
+
+
+def model_identity(config: "VllmConfig") -> str:
+    """The spec's weights identity: ``model@revision#digest``, the digest over what else
+    changes the K/V one checkpoint computes for the same tokens in the same cache
+    geometry — the quantization (an fp8 engine of a bf16 checkpoint), the KV cache
+    dtype, the model's config as vLLM loaded it (rope scaling and theta, with
+    ``hf_overrides`` applied) and the overrides themselves."""
+    model = config.model_config
+
+    def plain(value: Any) -> Any:  # what json cannot write: named by type, never by address
+        if callable(value):
+            return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        return f"{type(value).__module__}.{type(value).__qualname__}:{value}"
+
+    factors: dict[str, Any] = {
+        "quantization": getattr(model, "quantization", None),
+        "cache_dtype": str(getattr(config.cache_config, "cache_dtype", "") or ""),
+        "hf_overrides": getattr(model, "hf_overrides", None) or None,
+    }
+    hf_config = getattr(model, "hf_config", None)
+    if hf_config is not None:
+        values = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        factors["hf_config"] = {k: v for k, v in values.items() if k not in _NOT_MODEL_KEYS}
+    text = json.dumps(factors, sort_keys=True, default=plain)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return f"{model.model}@{model.revision or ''}#{digest}"
 
 
 def _request_amx() -> None:
@@ -223,8 +291,9 @@ class HicacheConnector(KVConnectorBase_V1):
         client = self._scheduler_client()
         if client is None:
             return 0, False
+        known = self._requests.get(request.request_id)
         try:
-            m = client.match(tokens[:limit], extra_key_of(request))
+            m = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
         except HicacheError as exc:
             logger.warning("hicache: match failed: %s", exc)
             return 0, False
@@ -369,7 +438,7 @@ class HicacheConnector(KVConnectorBase_V1):
         layout_name = f"vllm/{first.device.type}/{getattr(kv_config, 'kv_cache_layout', '')}/{self._isa(first)}"
         spec = KVSpec.mha(num_layers=len(names), num_kv_heads=heads, head_dim=head_size,
                           page_size=self._block_size, dtype=dtype,
-                          model=f"{model.model}@{model.revision or ''}", layout=layout_name)
+                          model=model_identity(config), layout=layout_name)
         allocations = tuple(
             Allocation(t.size, tuple(self._layer_index[name] for name in t.layers), t.layer_stride, t.block_stride,
                        t.offset) for t in kv_config.kv_cache_tensors)

@@ -1,0 +1,145 @@
+"""The hicache vLLM connector driven step by step, both roles in this process, with
+fake vLLM scheduler objects (field names as in vLLM 0.32's
+``vllm/v1/core/sched/output.py`` / ``vllm/v1/request.py``) and a real daemon over real
+sockets: no engine to start. What the worker's forward would write into a block is
+``fill(block, value)``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hicache.integrations.vllm import HicacheConnector, KVConnectorRole
+
+BS = 16  # vLLM block size (tokens)
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 32
+NUM_BLOCKS = 32
+BLOCK_BYTES = HEADS * BS * 2 * HEAD_DIM * 2  # [H, N, 2*D] bf16
+LAYER_STRIDE = NUM_BLOCKS * BLOCK_BYTES
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def vllm_config(endpoint: str, engine_id: str = "e1", **extra) -> SimpleNamespace:
+    transfer = SimpleNamespace(
+        kv_connector_extra_config={"hicache.endpoint": endpoint, **extra},
+        engine_id=engine_id, kv_load_failure_policy="fail", is_kv_producer=False)
+    model = SimpleNamespace(get_num_kv_heads=lambda parallel: HEADS, get_head_size=lambda: HEAD_DIM,
+                            model="test/tiny", revision=None)
+    return SimpleNamespace(
+        kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=BS),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=model)
+
+
+def kv_cache_config() -> SimpleNamespace:
+    tensor = SimpleNamespace(size=LAYERS * LAYER_STRIDE, layers=list(LAYER_NAMES), layer_stride=LAYER_STRIDE,
+                             block_stride=BLOCK_BYTES, offset=0)
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor], kv_cache_layout="LBHNC",
+                           kv_cache_groups=[object()])
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    """One flat allocation, one [B, H, N, 2D] bf16 view per layer (as vLLM 0.32 on CPU)."""
+    flat = torch.zeros(LAYERS * LAYER_STRIDE, dtype=torch.int8)
+    out = {}
+    for i, name in enumerate(LAYER_NAMES):
+        part = flat[i * LAYER_STRIDE : (i + 1) * LAYER_STRIDE]
+        out[name] = part.view(torch.bfloat16).view(NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM)
+    return out
+
+
+def request(req_id: str, tokens: list[int], *, cache_salt=None, lora_request=None, mm_features=None,
+            prompt_embeds=None, prompt_is_token_ids=None) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), cache_salt=cache_salt,
+                           lora_request=lora_request, mm_features=mm_features or [],
+                           prompt_embeds=prompt_embeds, prompt_is_token_ids=prompt_is_token_ids,
+                           num_prompt_tokens=len(tokens))
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def cached_output(req_id: str, num_computed: int, num_scheduled: int) -> SimpleNamespace:
+    """A running request scheduled again (no new blocks)."""
+    cached = SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                             num_computed_tokens=[num_computed])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={req_id: num_scheduled})
+
+
+def new_req_output(req_id: str, block_ids: list[int], num_computed: int, num_scheduled: int) -> SimpleNamespace:
+    new = SimpleNamespace(req_id=req_id, block_ids=(list(block_ids),), num_computed_tokens=num_computed)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={req_id: num_scheduled})
+
+
+def empty_output() -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+
+
+class Engine:
+    """A scheduler connector and a worker connector of one vLLM engine."""
+
+    def __init__(self, endpoint: str, engine_id: str = "e1", **extra) -> None:
+        self.caches = kv_caches()
+        self.worker = HicacheConnector(vllm_config(endpoint, engine_id, **extra), KVConnectorRole.WORKER,
+                                       kv_cache_config())
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = HicacheConnector(vllm_config(endpoint, engine_id, **extra), KVConnectorRole.SCHEDULER,
+                                          kv_cache_config())
+
+    def block(self, layer: int, block: int) -> torch.Tensor:
+        return self.caches[LAYER_NAMES[layer]][block]
+
+    def fill(self, block_ids, value: float) -> None:
+        for b in block_ids:
+            for layer in range(LAYERS):
+                self.block(layer, b).fill_(value)
+
+    def values(self, block_ids) -> list[set[float]]:
+        return [{float(v) for layer in range(LAYERS) for v in self.block(layer, b).unique()} for b in block_ids]
+
+    def step(self, output, forward=None) -> set[int]:
+        """The worker's side of one step: metadata, loads, (the forward), stores; the
+        blocks reported as failed loads."""
+        meta = self.scheduler.build_connector_meta(output)
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for name in LAYER_NAMES:
+            w.wait_for_layer_load(name)
+        if forward is not None:
+            forward()
+        w.wait_for_save()
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        return errors
+
+    def prefill(self, req, block_ids: list[int], value: float, local_hit: int = 0) -> tuple[int, set[int]]:
+        """A request scheduled whole: match beyond vLLM's ``local_hit``, alloc, load,
+        forward (writes ``value`` into the blocks it computes), store. Returns the
+        external hit and the failed blocks."""
+        s = self.scheduler
+        s.on_new_request(req)
+        ext, _ = s.get_num_new_matched_tokens(req, local_hit)
+        ext = ext or 0
+        s.update_state_after_alloc(req, blocks(block_ids), ext)
+        computed = local_hit + ext
+        n = len(req.prompt_token_ids)
+        first_computed_block = computed // BS
+        errors = self.step(new_req_output(req.request_id, block_ids, computed, n - computed),
+                           forward=lambda: self.fill(block_ids[first_computed_block:], value))
+        return ext, errors
+
+    def finish(self, req, block_ids) -> None:
+        self.scheduler.request_finished(req, list(block_ids))
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()

@@ -1,0 +1,161 @@
+"""The vLLM connector driven step by step (``connector_harness``: both roles in this
+process, fake vLLM scheduler objects, a real daemon over real sockets) — what needs no
+engine: stores and loads across requests, namespaces, the spec's model identity."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from connector_harness import (  # noqa: E402
+    BS,
+    Engine,
+    blocks,
+    kv_cache_config,
+    kv_caches,
+    new_req_output,
+    request,
+    vllm_config,
+)
+from daemon_util import DaemonProcess  # noqa: E402
+from hicache.integrations.vllm import HicacheConnector, KVConnectorRole, model_identity  # noqa: E402
+
+STALE = 3.0  # what a block holds from the request that used it before
+PAGE_BYTES = 2 * 2 * 16 * 2 * 32 * 2  # one page of every layer of the harness's spec
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}).start()
+    yield d
+    if d.proc is not None:
+        d.stop()
+
+
+@pytest.fixture
+def small_daemon(tmp_path):
+    """Host room for 6 pages, no disk: a page that is evicted is gone."""
+    d = DaemonProcess(tmp_path, host={"bytes": 6 * PAGE_BYTES}, disk={"enabled": False}).start()
+    yield d
+    if d.proc is not None:
+        d.stop()
+
+
+def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
+    e = Engine(daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
+        assert ext == 0 and not errors
+        e.finish(request("r1", p), [1, 2, 3, 4, 5])
+        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 4 * BS and not errors
+        assert e.values([6, 7, 8, 9]) == [{7.0}] * 4
+        assert e.values([10]) == [{9.0}]
+    finally:
+        e.close()
+
+
+def mm_feature(identifier: str, offset: int, length: int) -> SimpleNamespace:
+    """vLLM 0.32's MultiModalFeatureSpec: the fields its prefix cache hashes."""
+    return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_two_images_behind_the_same_placeholder_tokens_do_not_share_kv(daemon):
+    """An image's positions hold the same placeholder ids for every image; vLLM's own
+    prefix cache keys those blocks by the image's hash (``mm_features[i].identifier``).
+    The same image at the same place is a hit; another image, or the same one
+    elsewhere, is not."""
+    e = Engine(daemon.endpoint)
+    try:
+        p = [1, 2, 3, 4] + [9999] * (3 * BS) + list(range(10, 10 + BS))  # image placeholders at 4..52
+        a = request("a", p, mm_features=[mm_feature("sha-of-image-A", 4, 3 * BS)])
+        e.prefill(a, [1, 2, 3, 4, 5], 7.0)
+        e.finish(a, [1, 2, 3, 4, 5])
+        s = e.scheduler
+        same = request("a2", p, mm_features=[mm_feature("sha-of-image-A", 4, 3 * BS)])
+        assert s.get_num_new_matched_tokens(same, 0)[0] == 4 * BS
+        other = request("b", p, mm_features=[mm_feature("sha-of-image-B", 4, 3 * BS)])
+        assert s.get_num_new_matched_tokens(other, 0)[0] == 0
+        moved = request("c", p, mm_features=[mm_feature("sha-of-image-A", 5, 3 * BS - 1)])
+        assert s.get_num_new_matched_tokens(moved, 0)[0] == 0
+    finally:
+        e.close()
+
+
+def test_prompt_embeds_behind_placeholder_tokens_do_not_share_kv(daemon):
+    """Mixed prompts (token ids and prompt embeds, ``prompt_is_token_ids``): the
+    positions an embedding fills hold a sentinel id; vLLM's prefix cache adds a hash of
+    the embeds. Other embeds behind the same ids are a miss; the same ones a hit."""
+    import torch
+
+    e = Engine(daemon.endpoint)
+    try:
+        n = 3 * BS + 1
+        sentinel = 128001
+        p = list(range(10, 14)) + [sentinel] * (2 * BS) + list(range(20, 20 + n - 4 - 2 * BS))
+        mask = [t != sentinel for t in p]
+        a = request("a", p, prompt_embeds=torch.ones(n, 8), prompt_is_token_ids=mask)
+        e.prefill(a, [1, 2, 3, 4], 7.0)
+        e.finish(a, [1, 2, 3, 4])
+        s = e.scheduler
+        same = request("a2", p, prompt_embeds=torch.ones(n, 8), prompt_is_token_ids=mask)
+        assert s.get_num_new_matched_tokens(same, 0)[0] == 3 * BS
+        other = request("b", p, prompt_embeds=torch.full((n, 8), 2.0), prompt_is_token_ids=mask)
+        assert s.get_num_new_matched_tokens(other, 0)[0] == 0
+    finally:
+        e.close()
+
+
+def test_a_lora_name_pointed_at_another_adapter_does_not_reuse_the_old_adapters_kv(daemon):
+    """vLLM keys LoRA blocks by name and path, so that a name pointed at another
+    adapter does not reuse KV computed with the previous one; hicache's cache outlives
+    the engine, so an engine restarted with ``sql`` -> v2 must not hit what v1 computed."""
+    e = Engine(daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 3 * BS + 1))
+
+        def lora(path):
+            return SimpleNamespace(lora_name="sql", lora_path=path, lora_int_id=1)
+
+        v1 = request("a", p, lora_request=lora("/adapters/sql-v1"))
+        e.prefill(v1, [1, 2, 3, 4], 7.0)
+        e.finish(v1, [1, 2, 3, 4])
+        s = e.scheduler
+        assert s.get_num_new_matched_tokens(request("a2", p, lora_request=lora("/adapters/sql-v1")), 0)[0] == 3 * BS
+        assert s.get_num_new_matched_tokens(request("b", p, lora_request=lora("/adapters/sql-v2")), 0)[0] == 0
+        assert s.get_num_new_matched_tokens(request("c", p), 0)[0] == 0  # nor the base model
+    finally:
+        e.close()
+
+
+def test_what_changes_the_models_kv_is_in_the_spec_model_identity():
+    """One checkpoint served quantized (fp8) or with other rope settings computes other
+    K/V for the same tokens in the same cache geometry: another spec fingerprint. The
+    same configuration gives the same identity (engines of it share the cache)."""
+
+    def identity(quantization=None, rope_theta=10000.0, hf_overrides=None):
+        config = vllm_config("ipc:///nowhere")
+        config.model_config.quantization = quantization
+        config.model_config.hf_overrides = hf_overrides
+        hf = {"model_type": "llama", "rope_theta": rope_theta, "transformers_version": "4.99",
+              "_name_or_path": "/models/tiny"}
+        config.model_config.hf_config = SimpleNamespace(to_dict=lambda: dict(hf))
+        return model_identity(config)
+
+    base = identity()
+    assert base == identity() and base.startswith("test/tiny@")
+    assert len({base, identity(quantization="fp8"), identity(rope_theta=500000.0),
+                identity(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})}) == 4
+
+    specs = []
+    for quantization in (None, "fp8"):  # through the worker's spec
+        config = vllm_config("ipc:///nowhere")
+        config.model_config.quantization = quantization
+        worker = HicacheConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+        spec, _ = worker._describe(kv_caches())
+        specs.append(spec.fingerprint_hex)
+    assert specs[0] != specs[1], "an fp8-quantized and an unquantized engine share one namespace"

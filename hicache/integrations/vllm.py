@@ -28,7 +28,10 @@ How the two sides work (they are separate processes):
   prefill included; generated tokens are not stored): the daemon copies those not yet on host and answers when done. It
   waits, per layer, on the tickets of the loads the scheduler started
   (``wait_for_layer_load``), and reports blocks whose load fell short or failed
-  (``get_block_ids_with_load_errors``) so that vLLM recomputes them.
+  (``get_block_ids_with_load_errors``) so that vLLM recomputes them; a store stops before
+  the first such block (it holds what it held before, and the blocks after it were
+  computed on top of it), and the scheduler stores those pages again once vLLM has
+  recomputed them.
 * **Scheduler** (attached to the worker's pool): ``get_num_new_matched_tokens`` matches the
   prompt beyond vLLM's own hit — whole blocks, never the last prompt token — and
   ``update_state_after_alloc`` locks the matched node, starts ``load_into`` the blocks
@@ -345,7 +348,7 @@ class HicacheConnector(KVConnectorBase_V1):
             if req is None:  # (on_new_request saw it first: its cache salt is there)
                 continue
             req.blocks = list(new.block_ids[0])
-            self._store_if_due(req, new.num_computed_tokens + scheduled[new.req_id], meta)
+            self._store_if_due(req, new.num_computed_tokens, scheduled[new.req_id], meta)
         cached = out.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for i, req_id in enumerate(cached.req_ids):
@@ -358,10 +361,17 @@ class HicacheConnector(KVConnectorBase_V1):
                     req.blocks = list(new_blocks[0])
                 else:
                     req.blocks.extend(new_blocks[0])
-            self._store_if_due(req, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+            self._store_if_due(req, cached.num_computed_tokens[i], scheduled[req_id], meta)
 
-    def _store_if_due(self, req: _Request, computed: int, meta: HicacheConnectorMetadata) -> None:
-        pages = min(computed, len(req.tokens)) // self._block_size
+    def _store_if_due(self, req: _Request, num_computed: int, num_scheduled: int,
+                      meta: HicacheConnectorMetadata) -> None:
+        """Store the whole prompt pages the step completes. A step that starts below the
+        pages stored already recomputes them: vLLM found blocks whose load failed (the
+        worker stored nothing from the first of them on) and truncated the request, or
+        resumed it; those pages are stored again (the daemon copies only what it lacks)."""
+        bs = self._block_size
+        req.stored_pages = min(req.stored_pages, num_computed // bs)
+        pages = min(num_computed + num_scheduled, len(req.tokens)) // bs
         pages = min(pages, len(req.blocks))
         if pages <= req.stored_pages:
             return
@@ -520,10 +530,24 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         with self._lock:
             for store in self._get_connector_metadata().stores:
+                pages = self._valid_pages(store)
+                if not pages:
+                    continue
                 try:
-                    self._client.store(store.tokens, store.blocks, store.extra_key)
+                    self._client.store(store.tokens[: pages * self._block_size], store.blocks[:pages],
+                                       store.extra_key)
                 except HicacheError as exc:
                     logger.warning("hicache: store failed: %s", exc)
+
+    def _valid_pages(self, store: StoreMeta) -> int:
+        """The pages of ``store`` before its first block whose load failed this step:
+        that block holds what it held before, and every later one of the request was
+        computed on top of it (vLLM recomputes them, and the scheduler stores them then)."""
+        for i, block in enumerate(store.blocks):
+            if block in self._load_errors:
+                return i
+        return len(store.blocks)
+
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

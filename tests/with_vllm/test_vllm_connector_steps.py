@@ -1,6 +1,6 @@
 """The vLLM connector driven step by step (``connector_harness``: both roles in this
 process, fake vLLM scheduler objects, a real daemon over real sockets) — what needs no
-engine: stores and loads across requests, namespaces, the spec's model identity."""
+engine: stores and loads across requests, failed loads, namespaces, the spec's model identity."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from connector_harness import (  # noqa: E402
     BS,
     Engine,
     blocks,
+    cached_output,
     kv_cache_config,
     kv_caches,
     new_req_output,
@@ -55,6 +56,51 @@ def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon)
         assert ext == 4 * BS and not errors
         assert e.values([6, 7, 8, 9]) == [{7.0}] * 4
         assert e.values([10]) == [{9.0}]
+    finally:
+        e.close()
+
+
+def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
+    """A hit that cannot be loaded (here its pages are evicted between the match and
+    the alloc; likewise a short load, a failed disk read, a timed-out wait) leaves the
+    target blocks with what they held before, and the rest of the prompt is computed on
+    top of them. The worker reports them, vLLM recomputes the request — and none of
+    those blocks may be stored under the prompt's tokens meanwhile; the recomputed ones
+    are."""
+    e = Engine(small_daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
+        assert ext == 0 and not errors
+        e.finish(request("r1", p), [1, 2, 3, 4, 5])
+
+        r2 = request("r2", p)
+        s = e.scheduler
+        s.on_new_request(r2)
+        ext, _ = s.get_num_new_matched_tokens(r2, 0)
+        assert ext == 4 * BS  # a hit...
+        # ... evicted before vLLM allocates: another prompt fills the host tier.
+        q = list(range(5000, 5000 + 6 * BS + 1))
+        e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
+        e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
+
+        r2_blocks = [11, 12, 13, 14, 15]
+        e.fill(r2_blocks, STALE)
+        s.update_state_after_alloc(r2, blocks(r2_blocks), ext)
+        # vLLM: num_computed_tokens = local + external; the rest of the prompt scheduled.
+        errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext),
+                        forward=lambda: e.fill(r2_blocks[4:], STALE))
+        assert set(r2_blocks[:4]) <= errors  # reported: vLLM recomputes them next step
+        # vLLM's recompute step (num_computed_tokens truncated to the first failed block)
+        e.step(cached_output("r2", 0, len(p)), forward=lambda: e.fill(r2_blocks, 7.0))
+        e.finish(r2, r2_blocks)
+
+        r3 = request("r3", p)
+        r3_blocks = [16, 17, 18, 19, 27]
+        e.fill(r3_blocks, 0.0)
+        ext, errors = e.prefill(r3, r3_blocks, 7.0)
+        assert ext == 4 * BS and not errors  # the recompute was stored
+        assert e.values(r3_blocks[:4]) == [{7.0}] * 4
     finally:
         e.close()
 

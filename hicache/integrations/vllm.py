@@ -43,9 +43,15 @@ The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks 
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
 place) and prompt embeddings (:func:`extra_key_of`); the spec's model identity has what
 else changes the KV of one checkpoint: quantization, KV cache dtype, the model's config
-and ``hf_overrides`` (:func:`model_identity`). A daemon that is
-down or restarting means misses (each call waits ``hicache.timeout_s`` at most, then the
-client answers at once until the daemon is back), never a failed or hung request.
+and ``hf_overrides`` (:func:`model_identity`).
+
+A daemon that is down or restarting means misses, never a failed or hung request, and
+never a scheduler loop or a worker step that waits for it: each side registers
+(attaches) once when the engine starts, and if the daemon does not answer, a thread of
+the connector retries every second while matches miss and steps store nothing, at once.
+A daemon that goes away later costs one call its ``hicache.timeout_s``; then the client
+answers at once until the daemon is back, and the worker's thread registers the pool
+again as soon as it answers. ``shutdown`` stops that thread before it closes a client.
 """
 
 from __future__ import annotations
@@ -54,9 +60,8 @@ import hashlib
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -238,6 +243,15 @@ class HicacheConnector(KVConnectorBase_V1):
         if not self._enabled:
             logger.warning("hicache connector: tensor / pipeline parallelism is not supported yet; "
                            "running without hicache")
+        # ``_client`` is published (under ``_lock``) only once it is registered or
+        # attached; until then a thread of this connector (``_connecting``) owns its
+        # client and makes every further attempt, so that neither vLLM's scheduler loop
+        # nor the worker's step waits for a daemon that is not there. On the worker the
+        # same thread then brings the pool back after a daemon restart, and the step's
+        # calls take ``_lock`` too.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._connecting: threading.Thread | None = None
         if role == KVConnectorRole.SCHEDULER:
             if extra.get("hicache.recompute_on_load_error", True) and transfer.kv_load_failure_policy != "recompute":
                 # A best-effort cache: a load that falls short is recomputed, never an error.
@@ -245,44 +259,70 @@ class HicacheConnector(KVConnectorBase_V1):
             self._requests: dict[str, _Request] = {}
             self._matches: dict[str, tuple[Any, int]] = {}  # req id -> (node handle, num_computed_tokens)
             self._loads: list[LoadMeta] = []
-            self._next_attach = 0.0
+            if self._enabled:  # (vLLM makes the scheduler after the workers registered their pools)
+                client = self._new_client("vllm-scheduler")
+                self._start_connecting(client, lambda: client.attach(self._pool_name),
+                                       f"attach to pool {self._pool_name!r}")
         else:
             self._buffers: list[SharedBuffer] = []
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
             self._num_layers = 0
-            # The worker's client is used by the step (stores, waits) and by a thread that
-            # brings the pool back to a daemon that returned while the engine was idle.
-            self._lock = threading.Lock()
-            self._stop = threading.Event()
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: nothing must be delivered
 
-    # ---------------------------------------------------------------- scheduler side
+    # ------------------------------------------------------- connecting (both sides)
 
-    def _scheduler_client(self) -> CacheClient | None:
-        if not self._enabled:
-            return None
-        if self._client is not None:
-            return self._client
-        now = time.monotonic()
-        if now < self._next_attach:
-            return None
-        self._next_attach = now + _RETRY_ATTACH_S
-        client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
-                             name="vllm-scheduler", reconnect_interval_s=_RETRY_ATTACH_S, **self._client_args)
+    def _new_client(self, name: str) -> CacheClient:
+        return CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
+                           name=name, reconnect_interval_s=_RETRY_ATTACH_S, **self._client_args)
+
+    def _start_connecting(self, client: CacheClient, register: Callable[[], None], what: str,
+                          then: Callable[[CacheClient], None] | None = None) -> None:
+        """``register()`` once now, at the engine's start (the daemon is usually there,
+        and the first request then finds the pool), and if that fails again in a
+        thread of this connector every ``_RETRY_ATTACH_S`` until it succeeds; then
+        ``then(client)`` on that thread, if given. Misses meanwhile, at once."""
+        connected = self._attempt(register, what, warn=True)
+        if connected:
+            self._client = client
+        if connected and then is None:
+            return
+        self._connecting = threading.Thread(target=self._connecting_main,
+                                            args=(client, register, what, connected, then),
+                                            name="hicache-connect", daemon=True)
+        self._connecting.start()
+
+    def _attempt(self, register: Callable[[], None], what: str, warn: bool) -> bool:
         try:
-            client.attach(self._pool_name)
+            register()
         except HicacheError as exc:
-            logger.warning("hicache: cannot attach to pool %r at %s yet (%s): misses until it can",
-                           self._pool_name, self._endpoint, exc)
-            client.close()
-            return None
-        self._client = client
-        return client
+            log = logger.warning if warn else logger.debug
+            log("hicache: cannot %s at %s yet (%s): misses until it can", what, self._endpoint, exc)
+            return False
+        logger.info("hicache: %s at %s: done", what, self._endpoint)
+        return True
+
+    def _connecting_main(self, client: CacheClient, register: Callable[[], None], what: str, connected: bool,
+                         then: Callable[[CacheClient], None] | None) -> None:
+        while not connected:
+            if self._stop.wait(_RETRY_ATTACH_S):
+                client.close()  # (never published: this thread's own)
+                return
+            if self._attempt(register, what, warn=False):
+                with self._lock:
+                    if self._stop.is_set():
+                        client.close()
+                        return
+                    self._client = client
+                connected = True
+        if then is not None:
+            then(client)
+
+    # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self._block_size
@@ -291,7 +331,7 @@ class HicacheConnector(KVConnectorBase_V1):
         self._matches.pop(request.request_id, None)
         if limit <= num_computed_tokens:
             return 0, False
-        client = self._scheduler_client()
+        client = self._client  # None: not attached yet (a thread is at it): a miss, at once
         if client is None:
             return 0, False
         known = self._requests.get(request.request_id)
@@ -405,31 +445,27 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         handle = OwnedPoolHandle(layout, tuple(SharedMemory("memfd", b.nbytes, fd=b.fd) for b in memory),
                                  self._pool_name)
-        self._client = CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
-                                   name="vllm-worker", reconnect_interval_s=_RETRY_ATTACH_S,
-                                   **self._client_args)
-        try:
-            self._client.register_owned(spec, handle)
-            logger.info("hicache: registered pool %r (%d blocks, spec %s) at %s", self._pool_name,
-                        layout.num_blocks, spec.fingerprint_hex, self._endpoint)
-        except HicacheError as exc:  # retried by the reviver
-            logger.warning("hicache: cannot register with %s yet (%s): misses until it can", self._endpoint, exc)
-        threading.Thread(target=self._revive, name="hicache-revive", daemon=True).start()
+        client = self._new_client("vllm-worker")
+        self._start_connecting(client, lambda: client.register_owned(spec, handle),
+                               f"register pool {self._pool_name!r} ({layout.num_blocks} blocks, spec "
+                               f"{spec.fingerprint_hex})", then=self._keep_registered)
 
-    def _revive(self) -> None:
+    def _keep_registered(self, client: CacheClient) -> None:
         """Re-register the pool as soon as a daemon that went away answers again, so
-        that the scheduler can attach before the next request comes."""
+        that the scheduler can attach before the next request comes. Registered once,
+        the client has its probing thread: ``revive()`` reconnects only when a probe
+        found the daemon answering, and answers at once otherwise."""
         while not self._stop.wait(_RETRY_ATTACH_S):
-            client = self._client
-            if client is None:
-                return
-            if client.degraded or client.session_id is None:
-                with self._lock:
-                    try:
-                        if client.revive():
-                            logger.info("hicache: pool %r registered again", self._pool_name)
-                    except Exception:  # noqa: BLE001 - tried again in a second
-                        logger.debug("hicache: revive failed", exc_info=True)
+            if not client.degraded:
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    if client.revive():
+                        logger.info("hicache: pool %r registered again", self._pool_name)
+                except Exception:  # noqa: BLE001 - tried again in a second
+                    logger.debug("hicache: revive failed", exc_info=True)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[KVSpec, ForeignLayout]:
         """The spec and foreign layout of vLLM's KV cache (from ``KVCacheTensor``)."""
@@ -511,6 +547,8 @@ class HicacheConnector(KVConnectorBase_V1):
         kept = []
         for load in self._pending:
             try:
+                if self._client is None:
+                    raise HicacheError("the connector shut down")
                 self._client.wait_layer([Ticket(*t) for t in load.tickets], layer, timeout_s=self._load_timeout_s)
                 kept.append(load)
             except Exception as exc:  # noqa: BLE001 - failed, stale, timed out: vLLM recomputes these blocks
@@ -531,7 +569,7 @@ class HicacheConnector(KVConnectorBase_V1):
         with self._lock:
             for store in self._get_connector_metadata().stores:
                 pages = self._valid_pages(store)
-                if not pages:
+                if not pages or self._client is None:
                     continue
                 try:
                     self._client.store(store.tokens[: pages * self._block_size], store.blocks[:pages],
@@ -548,14 +586,22 @@ class HicacheConnector(KVConnectorBase_V1):
                 return i
         return len(store.blocks)
 
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        if self.role == KVConnectorRole.WORKER:
-            self._stop.set()
-        client, self._client = self._client, None
+        """Stop the connecting thread, then close the client. A thread still inside an
+        attempt after the wait closes its own client when the attempt ends; the
+        published one is closed under the lock, never while a step or a revive uses it."""
+        self._stop.set()
+        thread = self._connecting
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self._timeout_s + max(self._timeout_s, self._load_timeout_s) + 1.0)
+            if thread.is_alive():
+                logger.warning("hicache: the %s thread is still in a call to the daemon; it closes its client "
+                               "when the call ends", thread.name)
+        with self._lock:
+            client, self._client = self._client, None
         if client is not None:
             client.close()

@@ -1,9 +1,17 @@
 """The vLLM connector driven step by step (``connector_harness``: both roles in this
 process, fake vLLM scheduler objects, a real daemon over real sockets) — what needs no
-engine: stores and loads across requests, failed loads, namespaces, the spec's model identity."""
+engine: stores and loads across requests, failed loads, namespaces, the spec's model
+identity, a daemon that is down, slow or stopped, and shutdown."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +20,7 @@ pytest.importorskip("vllm")
 
 from connector_harness import (  # noqa: E402
     BS,
+    LAYER_NAMES,
     Engine,
     blocks,
     cached_output,
@@ -22,8 +31,11 @@ from connector_harness import (  # noqa: E402
     vllm_config,
 )
 from daemon_util import DaemonProcess  # noqa: E402
+from hicache.client import CacheClient  # noqa: E402
+from hicache.errors import Unavailable  # noqa: E402
 from hicache.integrations.vllm import HicacheConnector, KVConnectorRole, model_identity  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
 STALE = 3.0  # what a block holds from the request that used it before
 PAGE_BYTES = 2 * 2 * 16 * 2 * 32 * 2  # one page of every layer of the harness's spec
 
@@ -43,6 +55,15 @@ def small_daemon(tmp_path):
     yield d
     if d.proc is not None:
         d.stop()
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for an event the test cannot be told of (a thread's retry, the daemon's
+    bookkeeping); the bound only keeps a broken build from hanging."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
 
 
 def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
@@ -205,3 +226,198 @@ def test_what_changes_the_models_kv_is_in_the_spec_model_identity():
         spec, _ = worker._describe(kv_caches())
         specs.append(spec.fingerprint_hex)
     assert specs[0] != specs[1], "an fp8-quantized and an unquantized engine share one namespace"
+
+
+class Sessions:
+    """Every session a ``CacheClient`` opens (hello + register / attach), with the
+    thread it ran on, and every call to the daemon made on the test's thread."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.opened: list[str] = []
+        self.calls_here: list[str] = []
+        open_session, call = CacheClient._open_session, CacheClient._call
+
+        def recorded_open(client, *args, **kwargs):
+            self.opened.append(threading.current_thread().name)
+            return open_session(client, *args, **kwargs)
+
+        def recorded_call(client, message, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                self.calls_here.append(type(message).__name__)
+            return call(client, message, *args, **kwargs)
+
+        monkeypatch.setattr(CacheClient, "_open_session", recorded_open)
+        monkeypatch.setattr(CacheClient, "_call", recorded_call)
+
+    def reset(self) -> None:
+        self.opened.clear()
+        self.calls_here.clear()
+
+
+def test_the_scheduler_never_waits_for_a_daemon_that_is_down_and_attaches_once_it_is_up(tmp_path, monkeypatch):
+    """While the daemon is away, every match is a miss at once: the attempts to attach
+    (a hello that waits ``hicache.timeout_s`` for a daemon that is not there) run on
+    the connector's own thread, never on vLLM's scheduler loop. Once the daemon is
+    there, the pool registered, the scheduler attaches and hits."""
+    sessions = Sessions(monkeypatch)
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False})
+    e = Engine(d.endpoint)  # (one attempt each at the engine's start: the daemon is usually there)
+    try:
+        sessions.reset()
+        p = list(range(100, 100 + 3 * BS + 1))
+        for i in range(5):
+            assert e.scheduler.get_num_new_matched_tokens(request(f"r{i}", p), 0) == (0, False)
+        assert sessions.calls_here == [], "the scheduler's matches waited for the daemon"
+
+        d.start()
+        wait_until(lambda: e.worker._client is not None and e.scheduler._client is not None,
+                   "the worker registered and the scheduler attached")
+        assert "MainThread" not in sessions.opened
+        ext, errors = e.prefill(request("a", p), [1, 2, 3, 4], 7.0)
+        assert ext == 0 and not errors
+        assert e.scheduler.get_num_new_matched_tokens(request("b", p), 0)[0] == 3 * BS
+    finally:
+        e.close()
+        if d.proc is not None:
+            d.stop()
+
+
+def run_worker_step(e: Engine, i: int) -> None:
+    """One request through the scheduler's bookkeeping, then the worker's step (with
+    a store of its two whole pages)."""
+    p = list(range(1000 * i, 1000 * i + 2 * BS + 1))
+    r = request(f"r{i}", p)
+    e.scheduler.on_new_request(r)
+    meta = e.scheduler.build_connector_meta(new_req_output(r.request_id, [1, 2, 3], 0, len(p)))
+    e.scheduler.request_finished(r, [1, 2, 3])
+    w = e.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in LAYER_NAMES:
+        w.wait_for_layer_load(name)
+    w.wait_for_save()
+    w.get_block_ids_with_load_errors()
+    w.clear_connector_metadata()
+
+
+def test_worker_steps_never_wait_for_a_daemon_that_is_down(tmp_path, monkeypatch):
+    """The registration failed at the engine's start (no daemon): the steps' stores are
+    skipped while the connector's thread retries (before, each store reconnected with
+    a hello that waited ``hicache.timeout_s``, and the reviver held the step's lock
+    through its own). Once the daemon is there, the pool is registered and stored to."""
+    sessions = Sessions(monkeypatch)
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False})
+    e = Engine(d.endpoint)
+    try:
+        sessions.reset()
+        for i in range(5):
+            run_worker_step(e, i + 1)
+        assert sessions.calls_here == [], "the worker's steps waited for the daemon"
+        assert "MainThread" not in sessions.opened
+
+        d.start()
+        wait_until(lambda: e.worker._client is not None and e.scheduler._client is not None,
+                   "the worker registered and the scheduler attached")
+        run_worker_step(e, 9)
+        assert sessions.calls_here == ["Store"]
+        p = list(range(9000, 9000 + 2 * BS + 1))
+        assert e.scheduler.get_num_new_matched_tokens(request("again", p), 0)[0] == 2 * BS
+    finally:
+        e.close()
+        if d.proc is not None:
+            d.stop()
+
+
+def test_a_store_that_timed_out_does_not_copy_blocks_vllm_has_reused(tmp_path):
+    """The worker's store waits ``hicache.timeout_s`` and gives up; the step ends and
+    vLLM may reuse the blocks. A daemon that was only slow (stopped here) executes the
+    store later, when the blocks hold another request's KV: it must cache none of it
+    (the store carries its deadline)."""
+    d = DaemonProcess(tmp_path, server={"lease_s": 30.0}, host={"bytes": 64 << 20},
+                      disk={"enabled": False}).start()
+    e = Engine(d.endpoint)
+    admin = CacheClient(d.endpoint, heartbeat=False)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        r1 = request("r1", p)
+        e.scheduler.on_new_request(r1)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            e.step(new_req_output("r1", [1, 2, 3, 4, 5], 0, len(p)),
+                   forward=lambda: e.fill([1, 2, 3, 4, 5], 7.0))  # the store times out
+            e.scheduler.request_finished(r1, [1, 2, 3, 4, 5])
+            e.fill([1, 2, 3, 4, 5], STALE)  # the blocks' next owner writes its own KV
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+
+        def stores_answered() -> int:
+            return sum(n for key, n in admin.stats()["requests"].items() if key.startswith("store/"))
+
+        wait_until(lambda: stores_answered() >= 1, "the daemon answered the store")
+        r3 = request("r3", p)
+        r3_blocks = [16, 17, 18, 19, 27]
+        e.fill(r3_blocks, 0.0)
+        ext, _ = e.prefill(r3, r3_blocks, 7.0)
+        loaded = e.values(r3_blocks[: ext // BS])
+        assert STALE not in set().union(*loaded), f"a timed-out store copied reused blocks: r3 loaded {loaded}"
+        assert ext == 0
+    finally:
+        admin.close()
+        e.close()
+        if d.proc is not None:
+            d.stop()
+
+
+def test_shutdown_never_closes_a_client_a_connecting_thread_is_using(tmp_path, monkeypatch):
+    """``shutdown()`` while the daemon is down: the connector's thread is inside an
+    attempt (a hello waiting for the daemon). Closing that client under it aborted the
+    process in ZeroMQ (``signaler.cpp``) or hung in ``context.term()``; shutdown stops
+    the thread and the client is closed only once no attempt uses it."""
+    inside = threading.Event()
+    release = threading.Event()
+    attempts: list[str] = []
+    closed_during_attempt: list[bool] = []
+    close = CacheClient.close
+
+    def open_session(client, in_use):
+        if threading.current_thread() is threading.main_thread():
+            raise Unavailable("no daemon")  # the attempts at the engine's start
+        attempts.append(client.name)
+        inside.set()
+        release.wait(30)
+        attempts.remove(client.name)
+        raise Unavailable("no daemon")
+
+    def recorded_close(client):
+        closed_during_attempt.append(client.name in attempts)
+        release.set()  # (a close under the attempt: let it end)
+        close(client)
+
+    monkeypatch.setattr(CacheClient, "_open_session", open_session)
+    monkeypatch.setattr(CacheClient, "close", recorded_close)
+    e = Engine(f"ipc://{tmp_path / 'nobody.sock'}", **{"hicache.timeout_s": 0.2, "hicache.load_timeout_s": 0.2})
+    assert inside.wait(30)
+    e.worker.shutdown()  # (its thread stays inside the attempt)
+    release.set()
+    e.scheduler.shutdown()
+    for thread in threading.enumerate():
+        if thread.name == "hicache-connect":
+            thread.join(30)
+            assert not thread.is_alive()
+    assert closed_during_attempt and not any(closed_during_attempt), closed_during_attempt
+
+
+def test_shutdown_while_the_daemon_is_down_neither_aborts_nor_hangs(tmp_path):
+    """The same in a process of its own, shut down at several points of the
+    connecting threads' attempts: a clean exit every time."""
+    script = HERE / "connector_shutdown_run.py"
+    outcomes = []
+    for delay in (0.0, 0.5, 1.0, 1.7):
+        try:
+            proc = subprocess.run([sys.executable, str(script), str(delay), str(tmp_path / "nobody.sock")],
+                                  capture_output=True, text=True, timeout=60)
+            outcomes.append((delay, proc.returncode, "Assertion failed" in proc.stderr))
+        except subprocess.TimeoutExpired:
+            outcomes.append((delay, "hung", False))
+    bad = [o for o in outcomes if o[1] != 0]
+    assert not bad, f"shutdowns that aborted or hung (delay, exit, zmq assertion): {bad}"

@@ -6,7 +6,9 @@ session), ``register`` attaches the engine's device pool, and from then on the s
 holds node locks, and private pages in its pool (the tier manager keeps those: each
 pool belongs to exactly one session). An unregistered session lives
 ``server.register_within_s`` at most, and each peer (a user on ``ipc://``, an address on
-``tcp://``) may hold ``server.max_unregistered_per_peer`` of them. Every request of a
+``tcp://``; on a CURVE connection, that and the identity its key is, so that one
+identity's sessions never count against another's behind the same address) may hold
+``server.max_unregistered_per_peer`` of them. Every request of a
 registered session renews its lease, and a request still waiting for its answer keeps
 it; ``bye``, an expired lease (a killed engine) or a drain ends it: its locks are
 released and its pool retired — its private pages freed and the pool unmapped once no
@@ -56,28 +58,32 @@ class PeerCreds:
     uid: int | None
     gid: int | None
     pid: int | None
-    key: str  # what the per-peer limits count by: the user on ipc://, the address on tcp://
+    # What the per-peer limits count by: the user on ipc://, the address on tcp://; on a
+    # CURVE connection, with the identity (whose key proves it, unlike an address).
+    key: str
     identity: Identity | None = None  # who the ZAP handler admitted (None: handled without a socket)
     mechanism: str = "NULL"  # CURVE or NULL
     public_key: bytes = b""  # CURVE: the client's key (Z85)
+    host: str = ""  # tcp://: the peer's numeric address
 
     @classmethod
     def parse(cls, address: str, identity: Identity | None = None, mechanism: str = "NULL",
               public_key: bytes = b"") -> "PeerCreds":
         """libzmq's ``Peer-Address``: ``localhost:<uid>:<gid>:<pid>`` on ipc://, the
         numeric host on tcp://."""
+        proven = f" as {identity.name}" if mechanism == "CURVE" and identity is not None else ""
         if address.startswith("localhost:"):
             parts = address.split(":")[1:]
             if len(parts) == 3 and all(part.isdigit() for part in parts):
                 uid, gid, pid = map(int, parts)
-                return cls(uid, gid, pid, f"uid:{uid}", identity, mechanism, public_key)
-        return cls(None, None, None, address, identity, mechanism, public_key)
+                return cls(uid, gid, pid, f"uid:{uid}{proven}", identity, mechanism, public_key)
+        return cls(None, None, None, f"{address}{proven}", identity, mechanism, public_key, address)
 
     @property
     def address(self) -> str:
         if self.uid is not None:
             return f"localhost:{self.uid}:{self.gid}:{self.pid}"
-        return self.key
+        return self.host or self.key
 
 
 LOCAL = PeerCreds(os.getuid(), os.getgid(), os.getpid(), "local")  # requests handled without a socket

@@ -73,7 +73,8 @@ class ServerConfig:
     max_batch: int = 256  # lookups in one batched match
     lease_s: float = 10.0
     register_within_s: float = 5.0  # a session that has not registered by then is ended
-    max_unregistered_per_peer: int = 8  # sessions one user (ipc://) or address (tcp://) may hold unregistered
+    # Sessions one user (ipc://) or address (tcp://; CURVE: an identity at it) may hold unregistered.
+    max_unregistered_per_peer: int = 8
     max_specs: int = 64  # KV specs (tier managers) kept at once; see hicache.daemon.specs
     drain_timeout_s: float = 60.0
 

@@ -487,3 +487,27 @@ def test_a_reload_admits_the_kv_events_subscribers_anew(tmp_path, keys):
             sock.close(0)
             monitor.close(0)
         d.stop()
+
+
+def test_one_identitys_unregistered_sessions_do_not_lock_out_another_on_the_same_address(tmp_path, keys):
+    """``max_unregistered_per_peer`` counts a CURVE peer by address *and* identity: team-x
+    holding its share of sessions that never register leaves team-y, on the same host
+    (or behind the same NAT), free to say hello — while team-x itself is held back."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint, "max_unregistered_per_peer": 2, "register_within_s": 30.0},
+                      auth=_auth(keys), probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    d.start()
+    squatter, other = _client(d, keys, "x"), _client(d, keys, "y")
+    hello = p.Hello(id=0, version=p.PROTOCOL_VERSION, client="test", pid=1)
+    try:
+        for _ in range(2):
+            squatter._call(hello)
+        with pytest.raises(RemoteError) as excinfo:
+            squatter._call(hello)
+        assert _code(excinfo) == ErrorCode.RESOURCE_EXHAUSTED
+        assert other._call(hello).session
+    finally:
+        squatter.close()
+        other.close()
+        d.stop()

@@ -10,6 +10,7 @@ import pytest
 from hicache.config import DaemonConfig
 from hicache import protocol as p
 from hicache.daemon import sessions, specs
+from hicache.daemon.auth import Identity
 from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.fdpass import FdExchange
 from hicache.engine.kv_pool import export_kv_pool
@@ -215,7 +216,13 @@ def test_peer_addresses():
     assert PeerCreds.parse("localhost:1000:100:4242") == PeerCreds(1000, 100, 4242, "uid:1000")
     for address in ("127.0.0.1", "::1", "2001:db8::1:2:3", "", "localhost", "localhost:a:b:c", "host:1:2:3"):
         creds = PeerCreds.parse(address)
-        assert creds.uid is None and creds.key == address
+        assert creds.uid is None and creds.key == address and creds.address == address
+    # On CURVE the identity is proven: one identity's sessions never count against another's.
+    x, y = (Identity(name, ("t",)) for name in ("x", "y"))
+    keys = {PeerCreds.parse(address, who, "CURVE").key for who in (x, y) for address in ("10.0.0.1", "localhost:7:7:1")}
+    assert len(keys) == 4
+    assert PeerCreds.parse("10.0.0.1", x, "CURVE").address == "10.0.0.1"
+    assert PeerCreds.parse("10.0.0.1", x, "NULL").key == "10.0.0.1"
 
 
 def test_a_session_waiting_for_an_answer_keeps_its_lease(tmp_path, engines):

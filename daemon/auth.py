@@ -32,6 +32,7 @@ configured as before behaves as before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class Identity:
     tenants: tuple[str, ...]
     admin: bool = False
     max_locks: int = 0
+    max_sessions: int = 0  # 0: none beyond [server].max_sessions
     requests_per_s: float = 0.0
     host_pages: int = 0
     disk_pages: int = 0
@@ -66,9 +68,10 @@ class Identity:
     events: bool = False
 
     @classmethod
-    def from_config(cls, c: IdentityConfig) -> "Identity":
-        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.requests_per_s, c.host_pages, c.disk_pages,
-                   frozenset(key.encode() for key in c.public_keys), c.events)
+    def from_config(cls, c: IdentityConfig, max_sessions: int = 0) -> "Identity":
+        """``max_sessions``: the default of an identity that names none."""
+        return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.max_sessions or max_sessions, c.requests_per_s,
+                   c.host_pages, c.disk_pages, frozenset(key.encode() for key in c.public_keys), c.events)
 
     @property
     def reads_events(self) -> bool:
@@ -89,11 +92,15 @@ class IdentityTable:
 
     def __init__(self, auth: AuthConfig) -> None:
         self.auth = auth
-        self.by_name: dict[str, Identity] = {c.name: Identity.from_config(c) for c in auth.identities}
+        per_identity = auth.max_sessions_per_identity
+        self.by_name: dict[str, Identity] = {c.name: Identity.from_config(c, per_identity) for c in auth.identities}
         if auth.default_identity and auth.default_identity not in self.by_name:
             if auth.default_identity != DEFAULT_TENANT:
                 raise ValueError(f"[auth].default_identity {auth.default_identity!r} names no identity")
-            self.by_name[DEFAULT_TENANT] = BUILTIN_DEFAULT
+            # Beside listed identities, the built-in one is one of them: it takes no more
+            # than its share of the daemon's sessions.
+            self.by_name[DEFAULT_TENANT] = (dataclasses.replace(BUILTIN_DEFAULT, max_sessions=per_identity)
+                                            if auth.identities else BUILTIN_DEFAULT)
         self.default = self.by_name.get(auth.default_identity) if auth.default_identity else None
         self.by_key = {key: identity for identity in self.by_name.values() for key in identity.keys}
         self.rated = any(identity.requests_per_s for identity in self.by_name.values())

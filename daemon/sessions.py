@@ -125,6 +125,7 @@ class Sessions(Mapping[int, Session]):
         self._serials = itertools.count(1)
         self.unregistered: Counter = Counter()  # peer key -> its sessions not registered yet
         self.identity_locks: Counter = Counter()  # identity name -> locks its sessions hold
+        self.identity_sessions: Counter = Counter()  # identity name -> its open sessions
         self._random: Iterator[int] = iter(())
         self.next_lease_check = 0.0
         self.on_ended: Callable[[Session], None] = lambda session: None  # after a session ended
@@ -140,8 +141,14 @@ class Sessions(Mapping[int, Session]):
 
     def open(self, peer: bytes, creds: PeerCreds, client: str, pid: int) -> Session:
         """A new, unregistered session for the connection ``peer``, within the limits
-        on sessions and on a peer's unregistered ones."""
+        on sessions, on its identity's and on a peer's unregistered ones."""
         config = self.config
+        identity = creds.identity
+        if identity is not None and identity.max_sessions:
+            if self.identity_sessions[identity.name] >= identity.max_sessions:
+                self.metrics.quota_refused(identity.name, "sessions")
+                raise ResourceExhausted(f"identity {identity.name!r} holds its {identity.max_sessions} sessions "
+                                        f"(max_sessions): end some first")
         if len(self._by_id) >= config.max_sessions:
             raise ResourceExhausted(f"too many sessions ({config.max_sessions})")
         if self.unregistered[creds.key] >= config.max_unregistered_per_peer:
@@ -154,6 +161,8 @@ class Sessions(Mapping[int, Session]):
                           self.clock() + config.register_within_s, peer=peer, creds=creds)
         self._by_id[session_id] = session
         self.unregistered[creds.key] += 1
+        if identity is not None:
+            self.identity_sessions[identity.name] += 1
         logger.info("session #%d opened by %r (pid %d, peer %s)", session.serial, session.client, pid, creds.key)
         return session
 
@@ -203,6 +212,11 @@ class Sessions(Mapping[int, Session]):
         for attached in list(session.attached):  # they use this session's pool: they go first
             self.end(attached, reason if reason == "shutdown" else "pool_gone")
         del self._by_id[session.session_id]
+        identity = session.creds.identity
+        if identity is not None:
+            self.identity_sessions[identity.name] -= 1
+            if self.identity_sessions[identity.name] <= 0:
+                del self.identity_sessions[identity.name]
         self.metrics.session_ended(reason)
         manager = session.manager
         num_private = 0
@@ -336,6 +350,10 @@ class Sessions(Mapping[int, Session]):
                 held[s.creds.identity.name] += sum(s.locks.values())
         if held != self.identity_locks:
             raise InvariantBroken(f"locks per identity: counted {dict(self.identity_locks)}, held {dict(held)}")
+        opened = Counter(s.creds.identity.name for s in self._by_id.values() if s.creds.identity is not None)
+        if opened != self.identity_sessions:
+            raise InvariantBroken(f"sessions per identity: counted {dict(self.identity_sessions)}, "
+                                  f"open {dict(opened)}")
         waiting = Counter(s.creds.key for s in self._by_id.values() if s.manager is None)
         if waiting != self.unregistered:
             raise InvariantBroken(f"unregistered sessions per peer: counted {dict(self.unregistered)}, "

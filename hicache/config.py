@@ -30,8 +30,9 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
     [sharing]  enabled, disabled_extra_keys
     [metrics]  enabled, address, port
     [auth]     secret_key_file, curve_ipc, insecure_tcp, default_identity,
-               [[auth.identities]] (name, public_keys, uids, gids, tenants, admin,
-               events, max_locks, requests_per_s, host_pages, disk_pages)
+               max_sessions_per_identity, [[auth.identities]] (name, public_keys, uids,
+               gids, tenants, admin, events, max_locks, max_sessions, requests_per_s,
+               host_pages, disk_pages)
 """
 
 from __future__ import annotations
@@ -251,6 +252,7 @@ class IdentityConfig:
     admin: bool = False  # may call stats, flush, check and reload (and read the KV events)
     events: bool = False  # may subscribe to the KV events: every tenant's token ids (routers)
     max_locks: int = 0  # node locks its sessions hold together
+    max_sessions: int = 0  # sessions (each with its pool) its clients hold together; 0: [auth]'s default
     requests_per_s: float = 0.0  # sustained; bursts of up to one second's worth
     host_pages: int = 0  # host pages its tenants may hold together (per KV spec)
     disk_pages: int = 0  # disk pages likewise
@@ -267,7 +269,7 @@ class IdentityConfig:
         for value in (*self.uids, *self.gids):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"identity {self.name!r}: uids and gids are non-negative integers")
-        for limit in ("max_locks", "requests_per_s", "host_pages", "disk_pages"):
+        for limit in ("max_locks", "max_sessions", "requests_per_s", "host_pages", "disk_pages"):
             if getattr(self, limit) < 0:
                 raise InvalidArgument(f"identity {self.name!r}: {limit} must be >= 0 (0: no limit)")
 
@@ -278,9 +280,14 @@ class AuthConfig:
     curve_ipc: bool = False  # CURVE on ipc:// too (else its peers are known by Unix user)
     insecure_tcp: bool = False  # allow tcp:// without CURVE: any peer that reaches it is default_identity
     default_identity: str = DEFAULT_TENANT  # peers no identity names; "" = refuse them
+    # Sessions one identity may hold together, unless it says (its max_sessions): so that no
+    # identity takes all of [server].max_sessions. Only with identities listed (without, the
+    # default identity is every client, and max_sessions its limit).
+    max_sessions_per_identity: int = 64
     identities: tuple[IdentityConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        _positive(self, "max_sessions_per_identity")
         names = [identity.name for identity in self.identities]
         if len(set(names)) != len(names):
             raise InvalidArgument("[[auth.identities]] names must be unique")

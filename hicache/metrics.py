@@ -61,8 +61,8 @@ hicache_auth_refused_total                      reason (unknown_key: a CURVE key
                                                 a reload no longer allows; events: a KV
                                                 events subscriber whose identity may not
                                                 read them)
-hicache_quota_refused_total                     identity, quota (locks, requests: requests
-                                                refused; host_pages, disk_pages: copies to
+hicache_quota_refused_total                     identity, quota (locks, requests, sessions:
+                                                requests refused; host_pages, disk_pages: copies to
                                                 that tier not made, the identity's own
                                                 pages being all protected)
 hicache_tenant_pages                   (gauge)  tenant, tier (host, disk): pages cached for
@@ -127,7 +127,7 @@ MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk"
                 "corrupt_record", "load_failed", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone", "revoked")
 AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events")
-QUOTAS = ("locks", "requests", "host_pages", "disk_pages")
+QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")
 

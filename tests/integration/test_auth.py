@@ -511,3 +511,27 @@ def test_one_identitys_unregistered_sessions_do_not_lock_out_another_on_the_same
         squatter.close()
         other.close()
         d.stop()
+
+
+def test_one_identity_cannot_take_every_session_of_the_daemon(tmp_path, keys):
+    """An identity holds at most its ``max_sessions`` (default ``[auth]
+    max_sessions_per_identity``) sessions, pools with them: team-x's tiny pools stop at
+    its share, and team-y's engine still registers."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint, "max_sessions": 3},
+                      auth=_auth(keys, max_sessions_per_identity=2), probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.start()
+    engines = []
+    try:
+        for _ in range(2):
+            engines.append(ClientEngine(endpoint, num_pages=2, **_creds(keys, "x")))
+        with pytest.raises(RemoteError) as excinfo:
+            engines.append(ClientEngine(endpoint, num_pages=2, **_creds(keys, "x")))
+        assert _code(excinfo) == ErrorCode.RESOURCE_EXHAUSTED and "team-x" in excinfo.value.message
+        engines.append(ClientEngine(endpoint, **_creds(keys, "y")))
+        engines.pop(0).close()  # an ended session makes room for its identity again
+        engines.append(ClientEngine(endpoint, num_pages=2, **_creds(keys, "x")))
+    finally:
+        for engine in engines:
+            engine.close()
+        d.stop()

@@ -89,6 +89,18 @@ def test_the_table_resolves_keys_users_and_the_default():
     insecure = IdentityTable(config({"auth": {"insecure_tcp": True}}).auth)
     assert insecure.resolve("NULL", "10.0.0.1").name == "default"
     assert insecure.by_name["default"].admin  # a daemon without [auth] is as it was
+    assert insecure.by_name["default"].max_sessions == 0  # the only identity: [server].max_sessions is its
+
+
+def test_each_identity_has_a_share_of_the_sessions():
+    table = IdentityTable(config(auth({"name": "k", "public_keys": [KEY]}, {"name": "few", "max_sessions": 3},
+                                      max_sessions_per_identity=10)).auth)
+    assert table.by_name["k"].max_sessions == 10 and table.by_name["few"].max_sessions == 3
+    assert table.by_name["default"].max_sessions == 10  # the built-in default beside them, too
+    assert IdentityTable(config(auth({"name": "k"})).auth).by_name["k"].max_sessions == 64
+    for bad in (auth({"name": "k"}, max_sessions_per_identity=0), auth({"name": "k", "max_sessions": -1})):
+        with pytest.raises(InvalidArgument):
+            config(bad)
 
 
 def test_the_zap_handler_answers_every_request():

@@ -15,7 +15,10 @@ An *engine-owned* pool (:mod:`hicache.foreign`: the engine's own blocks, in its 
 layout, e.g. vLLM's) registers the same way, with one shared buffer per backing
 allocation instead of one pool per TP rank, and optionally a name: ``attach`` lets
 another session of the same user (the engine's scheduler, in another process) join that
-pool, to match, lock and load into it. Attached sessions end with the pool's own.
+pool, to match, lock and load into it. Attached sessions end with the pool's own. A
+name is its identity's (and, where the transport tells, its Unix user's): another
+identity may use the same name for a pool of its own, and ``attach`` answers a name
+another identity registered as it answers a name nobody did.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Registrar:
         if m.owned is not p.UNSET:
             if m.pools or m.in_use:
                 raise InvalidArgument("an engine-owned pool registers its buffers alone (no pools, no in_use)")
-            owned = self._owned_handle(spec, m.owned)
+            owned = self._owned_handle(session, spec, m.owned)
         elif len(m.pools) != spec.tp_size:
             raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
                                   f"got {len(m.pools)}")
@@ -128,21 +131,23 @@ class Registrar:
         self.specs.wait(spec, session, ranks, rebuilt)
         return out
 
-    def _owned_handle(self, spec: KVSpec, m: p.OwnedPoolMsg) -> OwnedPoolHandle:
+    def _owned_handle(self, session: Session, spec: KVSpec, m: p.OwnedPoolMsg) -> OwnedPoolHandle:
         data = p.as_dict(m.layout)
         data["spec"] = spec.to_dict()
         layout = ForeignLayout.from_dict(data)
         buffers = tuple(SharedMemory(b.kind, b.nbytes, b.token or b"", p.as_dict(b.cuda_ipc) if b.cuda_ipc else None)
                         for b in m.buffers)
         handle = OwnedPoolHandle(layout, buffers, m.name or "")
-        if handle.name and self.owned_pool(handle.name) is not None:
+        if handle.name and self.owned_pool(session, handle.name) is not None:
             raise InvalidArgument(f"a pool named {handle.name!r} is registered already")
         return handle
 
-    def owned_pool(self, name: str) -> tuple[TierManager, PoolId] | None:
-        """The serving engine-owned pool registered under ``name``."""
+    def owned_pool(self, session: Session, name: str) -> tuple[TierManager, PoolId] | None:
+        """The serving engine-owned pool registered under ``name`` by the session's
+        identity and user."""
+        scoped = _scoped(session, name)
         for manager in self.specs.all_managers():
-            pool_id = manager.owned_pool(name)
+            pool_id = manager.owned_pool(scoped)
             if pool_id is not None:
                 return manager, pool_id
         return None
@@ -171,14 +176,17 @@ class Registrar:
         """``attach``: see the module docstring."""
         if session.manager is not None or session.registering:
             raise InvalidArgument("this session has registered its pool already")
-        found = self.owned_pool(m.name)
+        # One answer whether nobody registered the name or another identity (or user)
+        # did: an attach tells nothing of the others' pools.
+        unknown = InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r} by this user")
+        found = self.owned_pool(session, m.name)
         if found is None:
-            raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r}")
+            raise unknown
         manager, pool_id = found
         owner = self.sessions.owner_of(manager, pool_id)
         if owner is None or (session.creds.uid is not None and owner.creds.uid != session.creds.uid) or (
                 _identity_name(owner) != _identity_name(session)):
-            raise InvalidArgument(f"no engine-owned pool is registered under the name {m.name!r} by this user")
+            raise unknown
         counters = manager.pools.get(pool_id).counters
         token = self._publish(session, counters)
         self.sessions.attach(session, manager, pool_id, owner=owner)
@@ -208,9 +216,9 @@ class Registrar:
         pool_id = PoolId(next(self._pool_ids))
         try:
             if name is not None:
-                if name and self.owned_pool(name) is not None:  # (registered while this one waited)
+                if name and self.owned_pool(session, name) is not None:  # (registered while this one waited)
                     raise InvalidArgument(f"a pool named {name!r} is registered already")
-                counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], name)
+                counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], _scoped(session, name))
             else:
                 counters = _out_of_fds(manager.register_pool, pool_id, ranks)
         except BaseException:
@@ -279,3 +287,13 @@ class _CudaOwner:
 def _identity_name(session: Session) -> str | None:
     identity = session.creds.identity
     return None if identity is None else identity.name
+
+
+def _scoped(session: Session, name: str) -> str:
+    """An engine-owned pool's name as the tier managers know it: within the session's
+    identity and (on ipc://) Unix user, so that nobody can take or probe another's
+    (identity names have no ``/``; ``""`` names no pool)."""
+    if not name:
+        return ""
+    uid = session.creds.uid
+    return f"{_identity_name(session) or ''}/{'' if uid is None else uid}/{name}"

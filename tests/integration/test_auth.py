@@ -18,6 +18,7 @@ from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
 from hicache.errors import ErrorCode, Unavailable
+from owned_util import OwnedEngine, layer_major
 from tiers_util import SPEC
 
 PS = SPEC.page_size
@@ -535,3 +536,28 @@ def test_one_identity_cannot_take_every_session_of_the_daemon(tmp_path, keys):
         for engine in engines:
             engine.close()
         d.stop()
+
+
+def test_engine_owned_pool_names_are_each_identitys_own(daemon, keys):
+    """team-x's pool "vllm-worker" neither keeps team-y from a pool of that name nor
+    shows through ``attach``: team-y is answered for it as for a name nobody used, and
+    its own scheduler attaches to its own pool."""
+    x_worker = OwnedEngine(daemon.tcp, layer_major(16), name="vllm-worker", heartbeat=False, **_creds(keys, "x"))
+    y_worker = None
+    probe = _client(daemon, keys, "y")
+    try:
+        messages = []
+        for name in ("vllm-worker", "no-such-pool"):
+            with pytest.raises(RemoteError) as excinfo:
+                probe.attach(name)
+            assert _code(excinfo) == ErrorCode.INVALID_ARGUMENT
+            messages.append(excinfo.value.message.replace(name, "NAME"))
+        assert messages[0] == messages[1]
+        y_worker = OwnedEngine(daemon.tcp, layer_major(16), name="vllm-worker", heartbeat=False, **_creds(keys, "y"))
+        probe.attach("vllm-worker")
+        assert probe.session_id is not None
+    finally:
+        probe.close()
+        for worker in (x_worker, y_worker):
+            if worker is not None:
+                worker.close()

@@ -25,9 +25,12 @@ id: a client may choose its routing id, a departed connection's included) and re
 against the current table, so that a reload which drops a key or a user refuses that
 connection's next message.
 
-Without an ``[auth]`` section the table holds one identity, ``default`` (tenant
-``default``, administrator, no quotas), and every ``ipc://`` peer is it: a daemon
-configured as before behaves as before.
+Without an ``[auth]`` section (or with one that lists no identities) the table holds
+one identity, ``default`` (tenant ``default``, administrator, no quotas), and every
+``ipc://`` peer is it: a daemon configured as before behaves as before. Once identities
+are listed, the built-in ``default`` that unlisted local users get (unless
+``default_identity`` says otherwise) is no administrator: an operator who lists
+identities grants ``admin`` by listing it.
 """
 
 from __future__ import annotations
@@ -97,10 +100,12 @@ class IdentityTable:
         if auth.default_identity and auth.default_identity not in self.by_name:
             if auth.default_identity != DEFAULT_TENANT:
                 raise ValueError(f"[auth].default_identity {auth.default_identity!r} names no identity")
-            # Beside listed identities, the built-in one is one of them: it takes no more
-            # than its share of the daemon's sessions.
-            self.by_name[DEFAULT_TENANT] = (dataclasses.replace(BUILTIN_DEFAULT, max_sessions=per_identity)
-                                            if auth.identities else BUILTIN_DEFAULT)
+            # Beside listed identities, the built-in one is one of them: no administrator
+            # (every unlisted local user would be one), and no more than its share of the
+            # daemon's sessions.
+            self.by_name[DEFAULT_TENANT] = (
+                dataclasses.replace(BUILTIN_DEFAULT, admin=False, max_sessions=per_identity)
+                if auth.identities else BUILTIN_DEFAULT)
         self.default = self.by_name.get(auth.default_identity) if auth.default_identity else None
         self.by_key = {key: identity for identity in self.by_name.values() for key in identity.keys}
         self.rated = any(identity.requests_per_s for identity in self.by_name.values())

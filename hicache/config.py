@@ -279,7 +279,9 @@ class AuthConfig:
     secret_key_file: str = ""  # the daemon's CURVE key pair (``hicache keygen``): CURVE on tcp://
     curve_ipc: bool = False  # CURVE on ipc:// too (else its peers are known by Unix user)
     insecure_tcp: bool = False  # allow tcp:// without CURVE: any peer that reaches it is default_identity
-    default_identity: str = DEFAULT_TENANT  # peers no identity names; "" = refuse them
+    # Peers no identity names; "" = refuse them. The built-in "default" (tenant "default") is
+    # an administrator only while no identities are listed.
+    default_identity: str = DEFAULT_TENANT
     # Sessions one identity may hold together, unless it says (its max_sessions): so that no
     # identity takes all of [server].max_sessions. Only with identities listed (without, the
     # default identity is every client, and max_sessions its limit).

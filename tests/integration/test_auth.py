@@ -561,3 +561,22 @@ def test_engine_owned_pool_names_are_each_identitys_own(daemon, keys):
         for worker in (x_worker, y_worker):
             if worker is not None:
                 worker.close()
+
+
+def test_unlisted_local_users_are_no_administrators_once_identities_are_listed(tmp_path):
+    """Identities listed, ``default_identity`` left out: this process's user, whom no
+    identity lists, is the built-in default — its engine works on tenant "default", but
+    ``stats`` (every tenant's occupancy), ``flush``, ``check`` and ``reload`` are refused."""
+    engines = {"name": "engines", "uids": [os.getuid() + 4242], "tenants": ["prod"], "admin": True}
+    d = DaemonProcess(tmp_path, auth={"identities": [engines]})
+    d.start()
+    engine = ClientEngine(d.endpoint, timeout_s=5.0)
+    try:
+        engine.prefill(_tokens(5, 2))
+        for admin_call in (engine.client.stats, engine.client.flush, engine.client.check):
+            with pytest.raises(RemoteError) as excinfo:
+                admin_call()
+            assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+    finally:
+        engine.close()
+        d.stop()

@@ -81,6 +81,7 @@ def test_the_table_resolves_keys_users_and_the_default():
     assert table.resolve("NULL", "localhost:1001:5:9").name == "u"
     assert table.resolve("NULL", "localhost:7:2002:9").name == "g"
     assert table.resolve("NULL", "localhost:7:7:9").name == "default"  # the built-in default
+    assert not table.by_name["default"].admin  # beside listed identities: admin is granted by listing it
     assert table.resolve("NULL", "localhost:bad") is None
     assert table.resolve("NULL", "127.0.0.1") is None  # plain tcp:// only with insecure_tcp
     assert table.resolve("PLAIN", "localhost:1001:5:9") is None

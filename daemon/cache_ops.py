@@ -56,11 +56,21 @@ class CacheOps:
         self._sharing: SharingPolicy = RadixSharing() if config.sharing.enabled else self._no_sharing
         self._no_sharing_keys = frozenset(config.sharing.disabled_extra_keys)
 
-    def _namespace(self, session: Session, extra_key: str, tenant) -> NamespaceId:
+    def _namespace(self, session: Session, extra_key: str, tenant, *, storing: bool = False) -> NamespaceId:
         """The namespace of the session's model, a tenant its identity may use (``UNSET``
-        or ``""``: its first) and the extra key."""
-        ns = session.namespaces.get((tenant, extra_key))
-        if ns is None:
+        or ``""``: its first) and the extra key; its tenant recorded if it holds pages or
+        the request stores (``storing``): see :meth:`_claim`."""
+        ns, owner = self._resolve(session, extra_key, tenant)
+        if storing and self._sharing_for(extra_key) is not self._no_sharing:
+            self._claim(session.manager, ns, owner)
+        else:
+            self._claim_if_known(session.manager, ns, owner)
+        return ns
+
+    def _resolve(self, session: Session, extra_key: str, tenant) -> tuple[NamespaceId, str]:
+        """``(namespace, its tenant)``, checked against the session's identity."""
+        known = session.namespaces.get((tenant, extra_key))
+        if known is None:
             if len(extra_key) > _MAX_EXTRA_KEY:
                 raise InvalidArgument(f"extra_key is longer than {_MAX_EXTRA_KEY} characters")
             identity = session.creds.identity
@@ -74,15 +84,27 @@ class CacheOps:
             table = self._identities()
             if table is not None and manager.quotas.source is not table:
                 manager.set_space_limits(table.space_limits, table)
-            manager.assign(ns, name or DEFAULT_TENANT)  # its pages count as the tenant's
             if self._on_namespace is not None:
                 self._on_namespace(ns, extra_key)
-            if self._tenant_log is not None:
-                self._tenant_log.note(manager.spec.fingerprint, ns, name or DEFAULT_TENANT)
             if len(session.namespaces) >= _MAX_NAMESPACES:
                 session.namespaces.clear()  # a cache: a client naming ever new extra keys does not grow it
-            session.namespaces[(tenant, extra_key)] = ns
-        return ns
+            known = session.namespaces[(tenant, extra_key)] = (ns, name or DEFAULT_TENANT)
+        return known
+
+    def _claim(self, manager, ns: NamespaceId, tenant: str) -> None:
+        """The namespace's pages count as ``tenant``'s (its quotas, its occupancy), and
+        after a restart too (the tenant log). Only for a namespace that holds pages or is
+        about to: what the tree and the log keep of a namespace they keep for good, and a
+        lookup naming ever new extra keys (a per-request salt, a hostile client) must
+        leave nothing behind. O(1) when recorded already."""
+        if manager.assign(ns, tenant) and self._tenant_log is not None:
+            self._tenant_log.note(manager.spec.fingerprint, ns, tenant)
+
+    def _claim_if_known(self, manager, ns: NamespaceId, tenant: str) -> None:
+        """:meth:`_claim` a namespace the tree has (a lookup may bring pages into it:
+        from disk, or the remote tier)."""
+        if manager.has_namespace(ns):
+            self._claim(manager, ns, tenant)
 
     def _tokens(self, tokens: bytes) -> bytes:
         if len(tokens) % TOKEN_BYTES:
@@ -131,18 +153,22 @@ class CacheOps:
         session = self._session(m.session)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
-        namespace = self._namespace(session, m.extra_key, m.tenant)
+        namespace, tenant = self._resolve(session, m.extra_key, m.tenant)
+        manager = session.manager
+        self._claim_if_known(manager, namespace, tenant)
         tokens = self._tokens(m.tokens)
-        hit = sharing.match(session.manager, namespace, tokens, session.pool_id)
+        hit = sharing.match(manager, namespace, tokens, session.pool_id)
         if isinstance(hit, Future):
             out: Future = Future()
 
             def answer(f: Future) -> None:
+                self._claim_if_known(manager, namespace, tenant)  # (pages the remote tier brought)
                 self._account_match(session, namespace, tokens, f.result(), sharing_off)
                 out.set_result(self._match_reply(session, f.result()))
 
             hit.add_done_callback(answer)
             return out
+        self._claim_if_known(manager, namespace, tenant)
         self._defer(self._account_match, (session, namespace, tokens, hit, sharing_off))
         return self._match_reply(session, hit)
 
@@ -150,7 +176,8 @@ class CacheOps:
         session = self._session(m.session)
         if len(m.tokens) > self._max_batch:
             raise InvalidArgument(f"more than {self._max_batch} lookups in one batch")
-        ns = self._namespace(session, m.extra_key, m.tenant)
+        ns, tenant = self._resolve(session, m.extra_key, m.tenant)
+        self._claim_if_known(session.manager, ns, tenant)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
         batch = [self._tokens(tokens) for tokens in m.tokens]  # all checked before any is looked up
@@ -163,6 +190,7 @@ class CacheOps:
             r = self._match_reply(session, hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
                                          disk_pages=r.disk_pages, wait=r.wait, remote_pages=r.remote_pages))
+        self._claim_if_known(session.manager, ns, tenant)
         return p.MatchManyReply(id=m.id, results=results)
 
     def lock(self, m: p.Lock) -> p.Ok:
@@ -213,7 +241,7 @@ class CacheOps:
         manager.check_checkpoints(session.pool_id, len(pages), m.checkpoints)  # (before anything changes)
         manager.check_ends(len(pages), m.ends)
         ends = sorted(set(m.ends) | {n for n, _ in m.checkpoints}) if m.checkpoints else m.ends
-        namespace = self._namespace(session, m.extra_key, m.tenant)
+        namespace = self._namespace(session, m.extra_key, m.tenant, storing=len(pages) > 0)
         result = self._sharing_for(m.extra_key).insert(manager, session.pool_id, namespace, tokens, pages, ends)
         if result is None:  # not stored: the pages went back to the pool
             return p.InsertReply(id=m.id, node=-1, device_pages=b"", freed=pages.tobytes(), prefix_pages=0)
@@ -240,7 +268,7 @@ class CacheOps:
         session = self._session(m.session)
         tokens = self._tokens(m.tokens)
         manager = session.manager
-        namespace = self._namespace(session, m.extra_key, m.tenant)
+        namespace = self._namespace(session, m.extra_key, m.tenant, storing=True)
         if self._sharing_for(m.extra_key) is self._no_sharing:  # nothing is kept for these keys
             manager.page_ids(session.pool_id, m.pages)  # (still checked)
             done: Future = Future()

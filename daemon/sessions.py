@@ -102,7 +102,7 @@ class Session:
     pool_id: PoolId = PoolId(-1)
     locks: Counter = field(default_factory=Counter)  # node id -> locks this session holds
     locked_since: dict[int, float] = field(default_factory=dict)  # node id -> when its first lock was taken
-    namespaces: dict[tuple, NamespaceId] = field(default_factory=dict)  # (tenant, extra key) -> namespace
+    namespaces: dict[tuple, tuple] = field(default_factory=dict)  # (tenant, extra key) -> (namespace, its tenant)
     registering: bool = False  # a register waits for its spec's disk tier to be rebuilt
     handles: dict[int, int] = field(default_factory=dict)  # handle -> node id, oldest first
     handle_of: dict[int, int] = field(default_factory=dict)  # node id -> handle

@@ -6,9 +6,11 @@ tenants' again after a restart (occupancy, space quotas) rather than as "unattri
 until each tenant's next request, the daemon appends each namespace it first sees, with
 its spec and tenant, to a small log next to the disk tier (``<store>/tenants``, one line
 ``<spec fingerprint hex> <namespace hex> <tenant>``), reads it back at start, and names
-a new tier manager's namespaces from it. Bounded: past :data:`MAX_ENTRIES` namespaces
-(a client naming ever new extra keys) it stops appending, and says so once. A line that
-does not parse is skipped.
+a new tier manager's namespaces from it. Only namespaces that store pages are noted (see
+``CacheOps._claim``). Bounded per tenant: past :data:`MAX_ENTRIES` namespaces of one
+tenant (a client storing under ever new extra keys) it stops appending that tenant's,
+and says so once — the other tenants' are still kept (tenants are named by the
+configuration, so the log is bounded too). A line that does not parse is skipped.
 """
 
 from __future__ import annotations
@@ -17,23 +19,26 @@ import logging
 import os
 from pathlib import Path
 
+from collections import Counter
+
 from hicache.config import check_name
 from hicache.errors import InvalidArgument
 from hicache.keys import PAGE_KEY_BYTES
 
 logger = logging.getLogger(__name__)
 
-MAX_ENTRIES = 100_000
+MAX_ENTRIES = 100_000  # namespaces kept per tenant
 
 
 class TenantLog:
     def __init__(self, path: Path | None, max_entries: int = MAX_ENTRIES) -> None:
-        """``path``: the log (``None``: nothing kept, no disk tier)."""
+        """``path``: the log (``None``: nothing kept, no disk tier); ``max_entries``:
+        namespaces kept per tenant."""
         self.path = path
         self.max_entries = max_entries
         self._by_spec: dict[bytes, dict[bytes, str]] = {}  # spec fingerprint -> namespace -> tenant
-        self._entries = 0
-        self._full_said = False
+        self._entries: Counter = Counter()  # tenant -> namespaces kept
+        self._full_said: set[str] = set()  # tenants whose namespaces are no longer kept (said once)
         self._file = None
         if path is not None:
             self._read(path)
@@ -63,8 +68,10 @@ class TenantLog:
 
     def _set(self, fingerprint: bytes, namespace: bytes, tenant: str) -> None:
         known = self._by_spec.setdefault(fingerprint, {})
-        if namespace not in known:
-            self._entries += 1
+        old = known.get(namespace)
+        if old is not None:
+            self._entries[old] -= 1
+        self._entries[tenant] += 1
         known[namespace] = tenant
 
     def tenants_of(self, fingerprint: bytes) -> dict[bytes, str]:
@@ -78,12 +85,12 @@ class TenantLog:
         known = self._by_spec.get(fingerprint)
         if known is not None and known.get(namespace) == tenant:
             return
-        if self._entries >= self.max_entries and (known is None or namespace not in known):
-            if not self._full_said:
-                self._full_said = True
-                logger.warning("tenant log %s holds %d namespaces: no more are kept (after a restart, pages of "
-                               "the others count as unattributed until their tenant's next request)",
-                               self.path, self.max_entries)
+        if self._entries[tenant] >= self.max_entries:
+            if tenant not in self._full_said:
+                self._full_said.add(tenant)
+                logger.warning("tenant log %s holds %d namespaces of tenant %s: no more of its are kept (after a "
+                               "restart, pages of the others count as unattributed until their next request)",
+                               self.path, self.max_entries, tenant)
             return
         self._set(fingerprint, namespace, tenant)
         try:

@@ -408,6 +408,10 @@ class HiRadixTree:
     def namespaces(self) -> list[NamespaceId]:
         return list(self._namespaces)
 
+    def has_namespace(self, namespace: NamespaceId) -> bool:
+        """Whether the namespace has a root (something was stored in it once). O(1)."""
+        return namespace in self._namespaces
+
     def page_size(self, namespace: NamespaceId) -> int:
         return self._namespace(namespace).page_size
 
@@ -809,12 +813,14 @@ class HiRadixTree:
             if parent is not None and parent in index.leaves and (where is None or where(parent)):
                 heapq.heappush(heap, (key(parent), parent.node_id, parent))
 
-    def set_group(self, namespace: NamespaceId, group: str) -> None:
+    def set_group(self, namespace: NamespaceId, group: str) -> bool:
         """Count ``namespace``'s host and disk pages under ``group`` (a tenant) from now
-        on, those it holds already included."""
+        on, those it holds already included; False when it was ``group``'s already.
+        Kept for good (a namespace's group is what its pages would count under, pages or
+        not): name only namespaces that hold pages, or are about to."""
         old = self._group_of.get(namespace, "")
         if old == group:
-            return
+            return False
         if group:
             self._group_of[namespace] = group
         else:
@@ -826,6 +832,7 @@ class HiRadixTree:
             for i in (0, 1):
                 before[i] -= counts[i]
                 after[i] += counts[i]
+        return True
 
     def group_of(self, namespace: NamespaceId) -> str:
         return self._group_of.get(namespace, "")

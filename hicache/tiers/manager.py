@@ -178,6 +178,9 @@ class TierManager:
     def add_namespace(self, namespace: NamespaceId) -> Node:
         return self.tree.add_namespace(namespace, self.spec.page_size)
 
+    def has_namespace(self, namespace: NamespaceId) -> bool:
+        return self.tree.has_namespace(namespace)
+
     def find(self, node_id: int) -> Node | None:
         """The live node with this id, if any."""
         return self.tree.find(node_id)
@@ -629,9 +632,10 @@ class TierManager:
         from ``source`` (kept to tell when they are out of date)."""
         self.quotas.set_limits(limits, source)
 
-    def assign(self, namespace: NamespaceId, group: str) -> None:
-        """``namespace`` is a tenant's: its pages count under that tenant's quotas."""
-        self.tree.set_group(namespace, group)
+    def assign(self, namespace: NamespaceId, group: str) -> bool:
+        """``namespace`` is a tenant's: its pages count under that tenant's quotas
+        (False: it was already). Kept for good: see :meth:`HiRadixTree.set_group`."""
+        return self.tree.set_group(namespace, group)
 
     def _evict_host_nodes(self, num_pages: int, namespaces: set | None = None) -> int:
         freed = 0

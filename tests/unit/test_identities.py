@@ -297,3 +297,50 @@ def test_stored_pages_count_as_their_tenants_after_a_restart(tmp_path, engines):
         assert ok(daemon.handle(p.Stats(id=5))).stats.tenants == {"b": {"host_pages": 0, "disk_pages": 3}}
     finally:
         daemon.close()
+
+
+def test_only_namespaces_that_store_pages_are_kept(tmp_path, engines):
+    """Lookups naming ever new extra keys (a per-request salt, a hostile client) leave
+    nothing behind — neither the tree's tenant of a namespace nor a line in the tenant
+    log; a namespace is recorded when pages are stored in it."""
+    store = {"disk": {"enabled": True, "path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * SPEC.host_page_bytes}}
+    daemon = make_daemon_with({**auth(_me(tenants=["a", "b"], admin=True)), **store}, tmp_path)
+    log = tmp_path / "lmdb" / "tenants"
+    tokens = np.arange(2 * SPEC.page_size, dtype=np.int32).tobytes()
+    try:
+        sid = session(daemon, engines())
+        (manager,) = daemon.managers.values()
+        for i in range(2000):
+            ok(daemon.handle(p.Match(id=1, session=sid, tokens=tokens, extra_key=f"salt-{i}")))
+        ok(daemon.handle(p.MatchMany(id=2, session=sid, tokens=[tokens], extra_key="salt-x", tenant="b")))
+        assert not manager.tree.namespaces_of({"a", "b", "default"})
+        assert not log.exists() or not log.read_text()
+        pages = ok(daemon.handle(p.Alloc(id=3, session=sid, num_pages=2))).pages
+        ok(daemon.handle(p.Insert(id=4, session=sid, tokens=tokens, pages=pages, extra_key="kept", tenant="b")))
+        kept = namespace_id(SPEC.fingerprint, "kept", "b")
+        assert manager.tree.namespaces_of({"a", "b", "default"}) == {kept}
+        assert log.read_text().splitlines() == [f"{SPEC.fingerprint.hex()} {kept.hex()} b"]
+        ok(daemon.handle(p.Match(id=5, session=session(daemon, engines()), tokens=tokens, extra_key="kept",
+                                 tenant="b")))
+        assert len(log.read_text().splitlines()) == 1
+    finally:
+        daemon.close()
+
+
+def test_one_tenant_cannot_fill_the_tenant_log(tmp_path):
+    from hicache.daemon.tenant_log import TenantLog
+
+    fp = SPEC.fingerprint
+    log = TenantLog(tmp_path / "tenants", max_entries=3)
+    for i in range(10):
+        log.note(fp, namespace_id(fp, f"junk-{i}", "a"), "a")
+    log.note(fp, namespace_id(fp, "x", "b"), "b")
+    log.close()
+    lines = (tmp_path / "tenants").read_text().splitlines()
+    assert [line.split()[2] for line in lines] == ["a", "a", "a", "b"]
+    again = TenantLog(tmp_path / "tenants", max_entries=3)  # the counts per tenant come back with the log
+    again.note(fp, namespace_id(fp, "junk-x", "a"), "a")
+    again.note(fp, namespace_id(fp, "y", "b"), "b")
+    again.close()
+    assert len((tmp_path / "tenants").read_text().splitlines()) == 5
+    assert set(again.tenants_of(fp).values()) == {"a", "b"}

@@ -458,8 +458,10 @@ class Server:
             return False  # a worker's wake-up: the loop polls the daemon next
         limit = self.config.server.max_message_bytes
         if len(payload) > limit:
+            # Answered with its id when that can be read without decoding it, so that
+            # its client's call fails at once, not at its timeout.
             error = InvalidArgument(f"message of {len(payload)} bytes exceeds the limit of {limit}")
-            self._send(router, envelope, self.daemon.error_reply(0, error))
+            self._send(router, envelope, self.daemon.error_reply(p.peek_request_id(payload), error))
             return True
         try:
             request = p.decode_request(payload)

@@ -244,6 +244,7 @@ class CacheClient:
         self.page_size = 0
         self.num_pages = 0
         self.lease_s = 0.0
+        self.max_message_bytes = 0  # the daemon's limit on a request, from its hello (0: not known)
         # What the engine holds, for re-registration after a daemon restart.
         self._private: set[int] = set()
         self._locked: Counter[NodeHandle] = Counter()
@@ -286,8 +287,14 @@ class CacheClient:
 
     def _call_locked(self, message: p._Request, timeout_s: float | None) -> p.Reply:
         message.id = request_id = next(self._ids)
+        data = p.encode(message)
+        if self.max_message_bytes and len(data) > self.max_message_bytes:
+            # Refused here, at once: the daemon would refuse it too, and past four times
+            # its limit drop the connection (the call would wait out its timeout).
+            raise InvalidArgument(f"{message.__struct_config__.tag}: a request of {len(data)} bytes is over the "
+                                  f"daemon's limit of {self.max_message_bytes} (server.max_message_bytes)")
         sock = self._socket or self._connect()
-        transport.send_frame(sock, p.encode(message), 0)
+        transport.send_frame(sock, data, 0)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
@@ -424,6 +431,7 @@ class CacheClient:
     def _open_session(self, in_use: Sequence[int]) -> None:
         registration = self._registration
         hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
+        self.max_message_bytes = hello.max_message_bytes
         fd_socket = self._fd_socket(hello)
         try:
             reply = self._register_call(registration, hello.session, fd_socket, in_use)

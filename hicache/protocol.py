@@ -343,6 +343,7 @@ class HelloReply(_Reply, tag="hello"):
     lease_s: float
     fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
     store_deadlines: bool = False  # honours Store.deadline_ns (older daemons: absent, and refuse the field)
+    max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):
@@ -574,3 +575,92 @@ def request_id(data: bytes) -> int:
     except (msgspec.DecodeError, RecursionError, MemoryError):
         return 0
     return rid if 0 <= rid < 2**63 else 0
+
+
+_MAX_PEEK_ITEMS = 4096  # msgpack items peek_request_id walks at most
+
+# msgpack: the bytes after a scalar's type byte (None: the type byte says it all, or a
+# length follows that says how many — str, bin, ext, array and map are read below).
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2,
+          0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1), 0xd9: (1, 0),
+          0xda: (2, 0), 0xdb: (4, 0)}  # type -> (length bytes, bytes after the length before the data)
+_INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False), 0xd0: (1, True), 0xd1: (2, True),
+         0xd2: (4, True), 0xd3: (8, True)}
+
+
+def peek_request_id(data: bytes) -> int:
+    """The ``id`` of a request too large to decode, read without decoding it: its
+    top-level map's entries are walked — a string or bytes value skipped by its length,
+    a nested value item by item, :data:`_MAX_PEEK_ITEMS` items at most — up to ``id``.
+    0 when it cannot be found that way (not a map, no ``id`` within the walk, bad bytes)."""
+    view = memoryview(data)
+    end = len(view)
+    pos, budget = 0, _MAX_PEEK_ITEMS
+
+    def header(at: int) -> tuple[int, int, int] | None:
+        """``(kind, count or length, position after the header)`` of the item at
+        ``at``: kind 0 a scalar (count: bytes to skip), 1 an array, 2 a map."""
+        if at >= end:
+            return None
+        t = view[at]
+        at += 1
+        if t <= 0x7f or t >= 0xe0:
+            return 0, 0, at
+        if 0x80 <= t <= 0x8f:
+            return 2, t & 0x0f, at
+        if 0x90 <= t <= 0x9f:
+            return 1, t & 0x0f, at
+        if 0xa0 <= t <= 0xbf:
+            return 0, t & 0x1f, at
+        if t in (0xdc, 0xdd, 0xde, 0xdf):
+            width = 2 if t in (0xdc, 0xde) else 4
+            if at + width > end:
+                return None
+            return (1 if t in (0xdc, 0xdd) else 2), int.from_bytes(view[at:at + width], "big"), at + width
+        if t in _FIXED:
+            return 0, _FIXED[t], at
+        if t in _SIZED:
+            width, extra = _SIZED[t]
+            if at + width > end:
+                return None
+            return 0, int.from_bytes(view[at:at + width], "big") + extra, at + width
+        return None  # 0xc1: never used
+
+    top = header(pos)
+    if top is None or top[0] != 2:
+        return 0
+    _, entries, pos = top
+    for _ in range(entries):
+        key = header(pos)
+        if key is None or key[0] != 0:
+            return 0
+        key_start = key[2]
+        is_id = (view[pos] == 0xa2 and bytes(view[key_start:key_start + 2]) == b"id")
+        pos = key_start + key[1]
+        if is_id:
+            if pos >= end:
+                return 0
+            t = view[pos]
+            if t <= 0x7f:
+                return t
+            if t not in _INTS or pos + 1 + _INTS[t][0] > end:
+                return 0
+            width, signed = _INTS[t]
+            rid = int.from_bytes(view[pos + 1:pos + 1 + width], "big", signed=signed)
+            return rid if 0 <= rid < 2**63 else 0
+        pending = 1  # the value, and whatever it nests
+        while pending:
+            budget -= 1
+            item = header(pos)
+            if budget < 0 or item is None:
+                return 0
+            kind, count, pos = item
+            pending -= 1
+            if kind == 0:
+                pos += count
+            else:
+                pending += count * kind  # an array's items; a map's keys and values
+        if pos > end:
+            return 0
+    return 0

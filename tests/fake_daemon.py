@@ -84,10 +84,13 @@ class _Refused(Exception):
 
 
 class FakeDaemon:
-    def __init__(self, directory: Path, *, lease_s: float = 30.0, num_slots: int = 64) -> None:
+    def __init__(self, directory: Path, *, lease_s: float = 30.0, num_slots: int = 64,
+                 max_message_bytes: int = 0) -> None:
+        """``max_message_bytes``: the limit its hello says (0: none said, as older daemons)."""
         self.path = Path(directory) / "fake.sock"
         self.endpoint = f"ipc://{self.path}"
         self.lease_s = lease_s
+        self.max_message_bytes = max_message_bytes
         self.num_slots = num_slots
         self.fds = fdpass.FdExchange(fdpass.socket_path_for(self.path))
         self.received: list[Received] = []
@@ -294,7 +297,7 @@ class FakeDaemon:
         session_id = next(self._ids)
         self.sessions[session_id] = _Session(identity)
         return p.HelloReply(id=0, session=session_id, version=p.PROTOCOL_VERSION, daemon="fake",
-                            lease_s=self.lease_s, fd_socket="")
+                            lease_s=self.lease_s, fd_socket="", max_message_bytes=self.max_message_bytes)
 
     def _register(self, identity: bytes, m: p.Register) -> p.RegisterReply:
         session = self._session(identity, m.session, registered=False)

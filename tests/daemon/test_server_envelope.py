@@ -13,7 +13,7 @@ import zmq
 
 from daemon_util import ClientEngine, RawPeer, clean_daemon
 from hicache import protocol as p
-from hicache.errors import ErrorCode
+from hicache.errors import ErrorCode, InvalidArgument
 from tiers_util import SPEC
 
 PS = SPEC.page_size
@@ -121,3 +121,27 @@ def test_large_envelopes_from_a_client_that_never_reads_cost_nothing_kept(daemon
         rogue.close(linger=0)
         other.close()
         ctx.term()
+
+
+def test_a_request_over_the_size_limit_is_answered_with_its_id(daemon, dealer):
+    """A request over ``max_message_bytes`` (within four times it) is refused at once,
+    with the request's own id, so that its caller's wait ends with INVALID_ARGUMENT —
+    and the daemon's hello says the limit, for the client to refuse such a request
+    before it sends it (a real client: no wait, and not degraded)."""
+    tokens = (b"\1\0\0\0" * (1 << 18))  # 1 MiB of tokens: over the daemon's 1 MiB with the rest of the match
+    dealer.send(p.encode(p.Match(id=41, session=1, tokens=tokens, extra_key="k")))
+    reply = p.decode_reply(dealer.recv())
+    assert isinstance(reply, p.Error) and reply.id == 41 and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+    assert "exceeds the limit" in reply.message
+    dealer.send(p.encode(p.Hello(id=42, version=p.PROTOCOL_VERSION)))
+    hello = p.decode_reply(dealer.recv())
+    assert hello.id == 42 and hello.max_message_bytes == 1 << 20
+    engine = ClientEngine(daemon.endpoint, timeout_s=60.0, heartbeat=False)
+    try:
+        with pytest.raises(InvalidArgument):
+            engine.client.match(list(range(1, (1 << 18) + 1)))
+        assert not engine.client.degraded
+        engine.prefill(SEQ)
+        assert engine.client.match(SEQ).num_device_pages == 4
+    finally:
+        engine.close()

@@ -477,3 +477,25 @@ def test_heartbeats_keep_the_session_on_its_own_connection(fake, engine):
     finally:
         c.close()
     assert fake.last("bye").message.session == session and fake.sessions == {}
+
+
+def test_a_request_over_the_daemons_limit_is_refused_at_once_and_the_client_stays_up(tmp_path, engine, clock):
+    """The daemon's hello says its ``max_message_bytes``: a request over it is
+    INVALID_ARGUMENT here, never sent (the daemon would refuse it, or drop the
+    connection), and the client is not degraded — its next calls are served."""
+    fake = FakeDaemon(tmp_path, max_message_bytes=64 << 10)
+    client = CacheClient(fake.endpoint, timeout_s=TIMEOUT_S, heartbeat=False, clock=clock)
+    try:
+        client.register(SPEC, [engine.exported.handle])
+        assert client.max_message_bytes == 64 << 10
+        for call in (lambda: client.match(list(range(1, 32 * 1024 + 1))),
+                     lambda: client.match_many([list(range(1, 8 * 1024 + 1))] * 4)):
+            with pytest.raises(InvalidArgument) as refused:
+                call()
+            assert refused.value.code == ErrorCode.INVALID_ARGUMENT and "max_message_bytes" in str(refused.value)
+        assert not client.degraded and fake.ops() == ["hello", "register"]
+        assert client.match(seq(0, 1)).handle is None and fake.ops()[-1] == "match"
+    finally:
+        client.close()
+        fake.close()
+    assert fake.errors == []

@@ -132,3 +132,24 @@ def test_a_store_deadline_is_optional_both_ways():
     import msgpack
 
     assert p.decode_reply(msgpack.packb(old_hello)).store_deadlines is False
+
+
+def test_the_id_of_a_request_too_large_to_decode_is_read_without_decoding_it():
+    """``peek_request_id`` walks the top-level map to ``id`` (tokens and other bytes
+    skipped by their length); anything else — a truncation, bad bytes, a walk past its
+    bound — is 0, never an exception."""
+    requests = [p.Match(id=5, session=1, tokens=b"\1\0\0\0" * 100_000, extra_key="k", tenant="t"),
+                p.MatchMany(id=2**40, session=1, tokens=[b"\1\0\0\0" * 64] * 256),
+                p.Insert(id=127, session=1, tokens=b"t" * 512, pages=b"p" * 64, ends=[1, 2]),
+                register(SPEC, [memfd_handle()]), p.Health(id=128)]
+    for request in requests:
+        data = p.encode(request)
+        assert p.peek_request_id(data) == request.id == p.request_id(data)
+        for cut in range(0, len(data), max(1, len(data) // 200)):
+            assert p.peek_request_id(data[:cut]) in (0, request.id)
+    assert p.peek_request_id(msgspec.msgpack.encode({"op": "match", "id": -1})) == 0
+    assert p.peek_request_id(msgspec.msgpack.encode({"op": "match", "id": "5"})) == 0
+    assert p.peek_request_id(msgspec.msgpack.encode([5])) == 0
+    assert p.peek_request_id(b"\xc1" * 64) == 0
+    assert p.peek_request_id(msgspec.msgpack.encode({"x": [0] * 100_000, "id": 3})) == 0  # past the walk's bound
+    assert p.peek_request_id(msgspec.msgpack.encode({"x": [[[0]]] * 100, "id": 3})) == 3

@@ -8,7 +8,8 @@ pool belongs to exactly one session). An unregistered session lives
 ``server.register_within_s`` at most, and each peer (a user on ``ipc://``, an address on
 ``tcp://``; on a CURVE connection, that and the identity its key is, so that one
 identity's sessions never count against another's behind the same address) may hold
-``server.max_unregistered_per_peer`` of them. Every request of a
+``server.max_unregistered_per_peer`` of them; an identity holds at most its
+``max_sessions`` sessions, registered or not (see :mod:`hicache.daemon.auth`). Every request of a
 registered session renews its lease, and a request still waiting for its answer keeps
 it; ``bye``, an expired lease (a killed engine) or a drain ends it: its locks are
 released and its pool retired — its private pages freed and the pool unmapped once no

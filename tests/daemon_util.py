@@ -147,7 +147,13 @@ class ClientEngine:
     def __init__(self, endpoint: str, num_pages: int = 24, **client_args) -> None:
         self.engine = Engine(num_pages)
         self.client = CacheClient(endpoint, **client_args)
-        self.client.register(SPEC, [self.engine.exported.handle])
+        try:
+            self.client.register(SPEC, [self.engine.exported.handle])
+        except BaseException:
+            # Closed now: a client left to the collector takes its ZeroMQ context with it,
+            # whose term() can then block the test run wherever collection happens.
+            self.close()
+            raise
 
     def ns(self, extra_key: str = "") -> bytes:
         return namespace_id(SPEC.fingerprint, extra_key or None)

@@ -66,13 +66,19 @@ def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def first_request_stores(e, p) -> None:
+    """Request r1 computes prompt ``p`` into blocks 1-5 (values 7.0), finds nothing
+    cached, and stores it."""
+    ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
+    assert ext == 0 and not errors
+    e.finish(request("r1", p), [1, 2, 3, 4, 5])
+
+
 def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
     e = Engine(daemon.endpoint)
     try:
         p = list(range(100, 100 + 4 * BS + 3))
-        ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
-        assert ext == 0 and not errors
-        e.finish(request("r1", p), [1, 2, 3, 4, 5])
+        first_request_stores(e, p)
         ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
         assert ext == 4 * BS and not errors
         assert e.values([6, 7, 8, 9]) == [{7.0}] * 4
@@ -91,9 +97,7 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
     e = Engine(small_daemon.endpoint)
     try:
         p = list(range(100, 100 + 4 * BS + 3))
-        ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
-        assert ext == 0 and not errors
-        e.finish(request("r1", p), [1, 2, 3, 4, 5])
+        first_request_stores(e, p)
 
         r2 = request("r2", p)
         s = e.scheduler

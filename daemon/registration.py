@@ -41,7 +41,7 @@ from hicache.foreign import ForeignLayout, ForeignPool, OwnedPoolHandle, SharedM
 from hicache.keys import key_self_test
 from hicache.pages import distinct_page_ids
 from hicache.pools import DevicePool, PoolHandle
-from hicache.shm import SharedBuffer
+from hicache.shm import SharedBuffer, prefault
 from hicache.spec import KVSpec
 from hicache.tiers import TierManager
 from hicache.tree import PoolId
@@ -197,7 +197,9 @@ class Registrar:
 
     def _segment(self, session: Session, handle: PoolHandle | SharedMemory) -> SharedBuffer:
         """Map the memfd segment offered under ``handle.token``: only if the user who
-        offered it is the session's (when the transport says who that is) and owns it."""
+        offered it is the session's (when the transport says who that is) and owns it.
+        The pages it holds already are mapped in on a thread (:func:`hicache.shm.prefault`):
+        the first copies into the engine's blocks take no page faults."""
         fds = self._fds()
         offer = fds.take(handle.token) if fds is not None else None
         if offer is None:
@@ -207,7 +209,9 @@ class Registrar:
         if uid is not None and offer.uid != uid:
             os.close(offer.fd)
             raise InvalidArgument(f"the pool's descriptor was offered by uid {offer.uid}, not by the session's user")
-        return SharedBuffer.attach(offer.fd, handle.nbytes, uid=offer.uid)
+        buffer = SharedBuffer.attach(offer.fd, handle.nbytes, uid=offer.uid)
+        prefault(buffer)
+        return buffer
 
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
                 in_use: np.ndarray, manager: TierManager, name: str | None = None) -> p.RegisterReply:

@@ -14,15 +14,25 @@ first (:func:`check_segment`) and refuses one that could shrink.
 The daemon maps an engine's pool read-write (it loads pages into it) and hands the
 engine its counter ring as a read-only descriptor (:meth:`SharedBuffer.reader_fd`) of
 a segment sealed against any writer but the daemon's own mapping.
+
+A new mapping of a segment has empty page tables: the first touch of each 4 KiB page
+by the daemon faults, even where the engine wrote the page long ago. Loading 8 MiB into
+blocks the daemon never touched took 3.7 ms against 0.6 ms once mapped. So the daemon
+maps in the pages an engine's segment holds already, in the background, as soon as it
+maps the segment (:func:`prefault`). It maps only pages that exist (``mincore``): a
+sparse segment stays sparse, and its holes are never charged to the daemon.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -35,6 +45,15 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | _FUTURE_WRITE
+
+logger = logging.getLogger(__name__)
+
+PREFAULT_CHUNK_BYTES = 16 << 20  # a close waits for at most one chunk's population
+_MADV_POPULATE_READ = 22  # Linux 5.14
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)  # (ctypes calls run without the GIL)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 class SegmentId(NamedTuple):
@@ -99,6 +118,8 @@ class SharedBuffer:
         self.fd = fd
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array) if writable else None
+        self._address = self.array.ctypes.data
+        self._populating = threading.Lock()  # a population step vs close (no unmap under it)
         self._finalizer = weakref.finalize(self, _release, self._map, fd)
 
     @classmethod
@@ -143,11 +164,70 @@ class SharedBuffer:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
+    def populate(self, start: int, end: int) -> int | None:
+        """Map bytes ``start .. end`` (page-aligned ``start``) of the segment into this
+        process's page tables, where the segment holds pages already; holes stay holes.
+        The bytes mapped; ``None`` once the buffer is closed, or where the kernel cannot
+        (``MADV_POPULATE_*`` came with Linux 5.14). O(pages) in the kernel, no GIL."""
+        page = mmap.PAGESIZE
+        with self._populating:
+            if self.closed or start >= end:
+                return None
+            count = (end - start + page - 1) // page
+            resident = (ctypes.c_ubyte * count)()
+            if _libc.mincore(self._address + start, end - start, resident) != 0:
+                return None
+            advice = _MADV_POPULATE_WRITE if self.writable else _MADV_POPULATE_READ
+            mapped = 0
+            i = 0
+            while i < count:
+                if not resident[i] & 1:
+                    i += 1
+                    continue
+                j = i + 1
+                while j < count and resident[j] & 1:
+                    j += 1
+                length = min(j * page, end - start) - i * page
+                if _libc.madvise(self._address + start + i * page, length, advice) != 0:
+                    return None  # EINVAL: an older kernel; EFAULT/ENOMEM: not ours to fix here
+                mapped += length
+                i = j
+            return mapped
+
     def close(self) -> None:
         """Unmap and close. Views over the buffer (``array``, ``tensor`` and any taken
         from them) must be gone, or the mapping lives until they are."""
-        self.tensor = self.array = None  # type: ignore[assignment]
-        self._finalizer()
+        with self._populating:
+            self.tensor = self.array = None  # type: ignore[assignment]
+            self._finalizer()
+
+
+def prefault(buffer: SharedBuffer) -> threading.Thread | None:
+    """Populate ``buffer`` (:meth:`SharedBuffer.populate`) chunk by chunk on a thread of
+    its own, which ends at the end, at a close, or where the kernel cannot populate.
+    ``None`` where no thread could start (the buffer then faults its pages in as used)."""
+    ref = weakref.ref(buffer)
+    nbytes = buffer.nbytes
+
+    def run() -> None:
+        mapped = 0
+        for start in range(0, nbytes, PREFAULT_CHUNK_BYTES):
+            held = ref()  # (not between chunks: an unreferenced buffer is unmapped meanwhile)
+            done = None if held is None else held.populate(start, min(start + PREFAULT_CHUNK_BYTES, nbytes))
+            del held
+            if done is None:
+                logger.debug("prefault of a %d-byte segment stopped at byte %d", nbytes, start)
+                return
+            mapped += done
+        logger.debug("prefaulted %d of %d bytes of a segment", mapped, nbytes)
+
+    thread = threading.Thread(target=run, name="hicache-prefault", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError as exc:  # out of threads: an optimisation is not worth a refusal
+        logger.warning("cannot prefault a %d-byte segment: %s", nbytes, exc)
+        return None
+    return thread
 
 
 def close_all(fds) -> None:

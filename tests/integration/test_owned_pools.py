@@ -2,6 +2,7 @@
 in the engines' own layouts, through host and disk — and every bad input refused with
 its code, nothing changed."""
 
+import os
 import time
 
 import numpy as np
@@ -439,3 +440,39 @@ def test_a_store_its_engine_gave_up_on_never_copies_the_blocks_reused_since(tmp_
         engine.close()
         if daemon.proc is not None:
             assert daemon.stop() == 0
+
+
+def daemon_mapped_bytes(pid: int, memfd_name: str) -> int | None:
+    """The daemon's Rss of its mapping of the memfd ``memfd_name`` (``None``: not mapped)."""
+    with open(f"/proc/{pid}/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) > 5 and fields[5] == f"/memfd:{memfd_name}"
+            elif inside and fields[0] == "Rss:":
+                return int(fields[1]) * 1024
+    return None
+
+
+def test_the_daemon_maps_in_the_blocks_an_engine_holds_as_it_registers_and_no_hole(daemon):
+    """So that the first loads into an engine's blocks take no page fault in the daemon
+    (each cost a fault per 4 KiB page before) — and a sparse pool is not filled in."""
+    layout = layer_major(NUM_BLOCKS)
+    exported = export_owned_pool(layout)
+    client = CacheClient(daemon.endpoint)
+    try:
+        size = layout.allocations[0].size
+        written = size // 2 // 4096 * 4096
+        exported.tensors[0][:written] = 1  # the engine's KV so far; the rest never touched
+        client.register_owned(OWNED_SPEC, exported.handle)
+        pid = daemon.proc.pid
+        deadline = time.monotonic() + 60
+        while daemon_mapped_bytes(pid, "hicache-owned-0") != written:
+            assert (daemon_mapped_bytes(pid, "hicache-owned-0") or 0) < written, "the daemon mapped a hole"
+            assert time.monotonic() < deadline, f"mapped {daemon_mapped_bytes(pid, 'hicache-owned-0')} of {written}"
+            time.sleep(0.05)
+        assert os.fstat(exported.buffers[0].fd).st_blocks * 512 == written  # nothing allocated by the daemon
+    finally:
+        client.close()
+        exported.close()

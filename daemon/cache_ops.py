@@ -296,7 +296,8 @@ class CacheOps:
     def load_into(self, m: p.LoadInto) -> Future:
         session = self._session(m.session)
         node = self.sessions.node(session, m.node)
-        self.sessions.require_lock(session, node, m.node)
+        if m.unlocked is not True:
+            self.sessions.require_lock(session, node, m.node)
         future = session.manager.load_into(node, session.pool_id, m.pages, m.first)
         out: Future = Future()
 

@@ -232,6 +232,7 @@ class CacheClient:
         self._admin_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._store_deadlines = False  # the daemon honours Store.deadline_ns (its hello says so)
+        self._load_unlocked = False  # the daemon honours LoadInto.unlocked (likewise)
         self._session = 0  # the registered session's id; 0 before the first registration
         self.epoch = 0
         self._down_since: float | None = None
@@ -445,6 +446,7 @@ class CacheClient:
         waiter = LayerWaiter(counters, fdpass.fetch(fd_socket, counters.token, timeout_s=self.timeout_s))
         self._session = hello.session
         self._store_deadlines = hello.store_deadlines
+        self._load_unlocked = hello.load_unlocked
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
@@ -740,21 +742,31 @@ class CacheClient:
             self._remember(handle, _NO_PAGES)
         return Stored(handle, reply.copied, reply.cached)
 
-    def load_into(self, handle: NodeHandle | None, pages: PageIdsLike, first: int = 0) -> LoadedInto:
+    def load_into(self, handle: NodeHandle | None, pages: PageIdsLike, first: int = 0, *,
+                  locked: bool = True) -> LoadedInto:
         """Engine-owned pools: copy pages ``first ..`` of a locked handle's path into the
         engine's blocks ``pages``; wait on the answer's ``wait`` before reading a layer.
         Only the first ``num_loaded_pages`` blocks receive KV (a page evicted or a disk
         read failed meanwhile shortens it); in degraded mode, or for a handle from
         before a reconnect, none. Raises :class:`UnknownNode` / :class:`LockUnderflow`
-        for a handle this client holds no lock on."""
+        for a handle this client holds no lock on. ``locked=False``: for a handle this
+        client did not lock — what the path still holds loads (the load holds it while
+        it copies), in one round trip where the daemon can (else lock, load, unlock)."""
         if handle is None:
             return LoadedInto(0, ())
-        if self._locked.get(handle, 0) <= 0:
+        if not locked and not self._load_unlocked:
+            self.lock(handle)
+            try:
+                return self.load_into(handle, pages, first)
+            finally:
+                self.unlock(handle)
+        if locked and self._locked.get(handle, 0) <= 0:
             raise self._not_held(handle, "load_into")
         ids = as_page_ids(pages)
         if handle.epoch != self.epoch:
             return LoadedInto(0, ())
-        reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first),
+        reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first,
+                                         unlocked=True if not locked else p.UNSET),
                               timeout_s=self.load_timeout_s, epoch=handle.epoch)
         if reply is None:
             return LoadedInto(0, ())

@@ -270,12 +270,16 @@ class Store(_Request, tag="store"):
 
 class LoadInto(_Request, tag="load_into"):
     """Engine-owned pools: copy pages ``first ..`` of a locked node's path into the
-    engine's blocks ``pages``, layer by layer."""
+    engine's blocks ``pages``, layer by layer. ``unlocked`` (only to a daemon whose
+    hello says ``load_unlocked``): the session holds no lock on the node — the daemon
+    loads what the path still holds (the load holds it while it copies), in one round
+    trip instead of lock, load_into and unlock."""
 
     session: int
     node: int
     pages: bytes
     first: int = 0
+    unlocked: bool | UnsetType = UNSET
 
 
 class Heartbeat(_Request, tag="heartbeat"):
@@ -343,6 +347,7 @@ class HelloReply(_Reply, tag="hello"):
     lease_s: float
     fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
     store_deadlines: bool = False  # honours Store.deadline_ns (older daemons: absent, and refuse the field)
+    load_unlocked: bool = False  # honours LoadInto.unlocked (likewise)
     max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
 
 

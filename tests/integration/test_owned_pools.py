@@ -212,6 +212,13 @@ def test_bad_input_is_refused_with_its_code_and_changes_nothing(daemon):
         before.clear()
         with pytest.raises(LockUnderflow):
             scheduler.load_into(m.handle, [1])
+        # Unlocked loads (one round trip, no lock held) are refused alike, leaving no lock.
+        for args in (([1, 2, 3, 4, 5],), ([1, 2], 3), ([0],), ([NUM_BLOCKS],)):
+            refused(bad, lambda a=args: scheduler.load_into(m.handle, *a, locked=False))
+        with pytest.raises(RemoteError) as info:
+            other.client._request(p.LoadInto(id=0, session=0, node=m.handle.node, pages=b"", unlocked=True))
+        assert info.value.code == ErrorCode.UNKNOWN_NODE
+        before.clear()  # (the native pool below adds its spec)
         native = Engine(16)
         client = CacheClient(daemon.endpoint)
         try:
@@ -235,6 +242,33 @@ def test_bad_input_is_refused_with_its_code_and_changes_nothing(daemon):
         scheduler.close()
         engine.close()
         other.close()
+
+
+@pytest.mark.parametrize("daemon_can", [True, False], ids=["one-round-trip", "older-daemon"])
+def test_an_unlocked_load_into_loads_and_leaves_no_lock_behind(daemon, daemon_can):
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="e")
+    scheduler = CacheClient(daemon.endpoint)
+    try:
+        seq = toks(500, 5, tail=3)
+        engine.compute(seq, [1, 2, 3, 4, 5])
+        engine.client.store(seq, [1, 2, 3, 4, 5])
+        scheduler.attach("e")
+        scheduler._load_unlocked = daemon_can and scheduler._load_unlocked  # (what an older daemon's hello says)
+        assert scheduler._load_unlocked == daemon_can
+        engine.wipe(range(10, 15))
+        m = scheduler.match(seq)
+        done = scheduler.load_into(m.handle, [12, 13, 14], 2, locked=False)
+        assert done.num_loaded_pages == 3 and not scheduler._locked
+        for layer in range(OWNED_SPEC.num_layers):
+            engine.client.wait_layer(done.wait, layer, timeout_s=30)
+        engine.check(seq, [12, 13, 14], first=2)
+        deadline = time.monotonic() + 30  # the load's own hold goes when its copies end
+        while host_account(stats_and_check(daemon.endpoint))["cached_protected"]:
+            assert time.monotonic() < deadline, "the load's hold was never released"
+            time.sleep(0.05)
+    finally:
+        scheduler.close()
+        engine.close()
 
 
 def test_a_layout_that_does_not_fit_is_refused_before_anything_is_mapped(daemon):

@@ -359,16 +359,19 @@ class HicacheConnector(KVConnectorBase_V1):
         load = LoadMeta(req_id, target, 0, [])
         client = self._client
         if client is not None:
-            try:
-                client.lock(handle)
-                try:
-                    done = client.load_into(handle, target, first)
-                    load.num_loaded = done.num_loaded_pages
-                    load.tickets = [tuple(t) for t in done.wait]
-                finally:
-                    client.unlock(handle)
+            try:  # (unlocked: one round trip; what was evicted since the match loads short)
+                done = client.load_into(handle, target, first, locked=False)
+                load.num_loaded = done.num_loaded_pages
+                load.tickets = [tuple(t) for t in done.wait]
             except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
                 logger.info("hicache: load for %s failed: %s", req_id, exc)
+        req = self._requests.get(req_id)
+        if req is not None and load.num_loaded:
+            # hicache holds the prefix up to the last page loaded (a match is a prefix):
+            # storing it again would be a round trip that copies nothing. A load that
+            # fails in the worker after all makes vLLM recompute from the failed block,
+            # and _store_if_due stores from there again.
+            req.stored_pages = max(req.stored_pages, first + load.num_loaded)
         self._loads.append(load)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

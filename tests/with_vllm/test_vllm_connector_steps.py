@@ -87,6 +87,33 @@ def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon)
         e.close()
 
 
+def test_pages_loaded_from_hicache_are_not_stored_again(daemon):
+    """A hit's pages are hicache's already: the step that loads them sends no store (a
+    round trip that would copy nothing); a longer prompt stores its own new pages."""
+    e = Engine(daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        stores = []
+        client = e.worker._client
+        store = client.store
+        client.store = lambda tokens, pages, *rest, **kw: (stores.append(len(pages)), store(tokens, pages, *rest, **kw))[1]
+        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 4 * BS and not errors
+        assert stores == []  # all 4 whole pages came from hicache
+        e.finish(request("r2", p), [6, 7, 8, 9, 10])
+
+        longer = p[: 4 * BS] + list(range(7000, 7000 + 2 * BS + 1))
+        ext, errors = e.prefill(request("r3", longer), [11, 12, 13, 14, 15, 16, 17], 4.0)
+        assert ext == 4 * BS and not errors
+        assert stores == [6]  # its two new pages (the daemon copies only what it lacks)
+        e.finish(request("r3", longer), [11, 12, 13, 14, 15, 16, 17])
+        ext, _ = e.prefill(request("r4", longer), [18, 19, 20, 21, 22, 23, 24], 0.0)
+        assert ext == 6 * BS and e.values([22, 23]) == [{4.0}] * 2
+    finally:
+        e.close()
+
+
 def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
     """A hit that cannot be loaded (here its pages are evicted between the match and
     the alloc; likewise a short load, a failed disk read, a timed-out wait) leaves the

@@ -317,7 +317,7 @@ class ForeignMover:
         if self.workers is None or self.pool.device.type != "cpu" or len(src) < 2:
             self._layers(src, dst, on_layer)
             return
-        spread_layers(self.workers, self.num_layers, len(src), on_layer,
+        spread_layers(self.workers, self.num_layers, len(src), self.bytes_per_page, on_layer,
                       lambda lo, hi, done: self._layers(src[lo:hi], dst[lo:hi], done))
 
     def _layers(self, src: torch.Tensor, dst: torch.Tensor, on_layer: Callable[[int], None] | None) -> None:

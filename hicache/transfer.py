@@ -40,14 +40,19 @@ def ids_on(device: torch.device, pages: PageList) -> torch.Tensor:
     return ids
 
 
-def spread_layers(workers: CpuCopyWorkers, num_layers: int, num_pages: int,
+def spread_layers(workers: CpuCopyWorkers, num_layers: int, num_pages: int, page_bytes: int,
                   on_layer: Callable[[int], None] | None,
                   run: Callable[[int, int, Callable[[int], None]], None]) -> None:
     """A layer-by-layer load spread over CPU copy threads: each thread takes a share of
     the pages (``run(lo, hi, layer_done)``) through every layer without waiting for the
     others; a layer is reported (``on_layer``) by whichever thread finishes it last, and
-    since every thread goes through the layers in order, the reports come in order too."""
-    parts = min(workers.num_threads, num_pages)
+    since every thread goes through the layers in order, the reports come in order too.
+    A load too small to be worth a second thread (:meth:`CpuCopyWorkers.parts`) runs
+    here, on the calling thread alone."""
+    parts = workers.parts(num_pages * page_bytes, num_pages)
+    if parts < 2:
+        run(0, num_pages, on_layer or (lambda layer: None))
+        return
     bounds = [num_pages * i // parts for i in range(parts + 1)]
     remaining = [parts] * num_layers
     lock = threading.Lock()
@@ -126,7 +131,7 @@ class PageMover:
         if self.workers is None or self.device_pool.device.type != "cpu" or len(host_ids) < 2:
             self._load_layers(host_ids, device_ids, on_layer)
             return
-        spread_layers(self.workers, self.num_layers, len(host_ids), on_layer,
+        spread_layers(self.workers, self.num_layers, len(host_ids), self.bytes_per_page, on_layer,
                       lambda lo, hi, done: self._load_layers(host_ids[lo:hi], device_ids[lo:hi], done))
 
     def _load_layers(self, host_ids: torch.Tensor, device_ids: torch.Tensor,

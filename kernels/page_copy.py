@@ -162,10 +162,12 @@ def copy_pages_reference(
                 else:
                     dst_view[:, d0 : d0 + length].copy_(src_view[:, s0 : s0 + length])
 
-    if workers is None or not on_cpu or len(runs) < 2:
+    parts = 1 if workers is None or not on_cpu else workers.parts(
+        sum(r[2] for r in runs) * segments.bytes_per_pair, len(runs))
+    if parts < 2:
         move(runs)
     else:
-        workers.run(move, _split(runs, workers.num_threads))
+        workers.run(move, _split(runs, parts))
 
 
 def copy_pages(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hicache.errors import InvalidArgument
-from hicache.kernels.copy_plan import Segments
+from hicache.kernels.copy_plan import CpuCopyWorkers, Segments
 from hicache.kernels.page_copy import copy_pages, copy_pages_reference, copy_pages_triton
 from hicache.pools import DeviceLayout, DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
 from hicache.spec import KVSpec, MHALayer, MLALayer, StateLayer
@@ -190,3 +190,42 @@ def test_host_pool_and_device_pool_views(tmp_path):
     host = HostPool(spec, 2, num_state_slots=1, pinned=False)
     assert host.pages.numel() == 2 * spec.host_page_bytes and host.states.numel() == spec.state_bytes
     host.close()
+
+
+def test_cpu_copy_threads_split_a_copy_only_where_each_gets_enough_bytes():
+    workers = CpuCopyWorkers(3, min_bytes_per_thread=1000)
+    try:
+        assert workers.parts(999, 50) == 1  # not worth a hand-off: the caller copies alone
+        assert workers.parts(2500, 50) == 2
+        assert workers.parts(10**9, 50) == 3  # no more than there are threads
+        assert workers.parts(10**9, 2) == 2  # nor than there are pieces
+        assert workers.parts(10**9, 0) == 1
+    finally:
+        workers.close()
+    with pytest.raises(InvalidArgument):
+        CpuCopyWorkers(2, min_bytes_per_thread=0)
+
+
+@pytest.mark.parametrize("min_bytes", [1, 1 << 30])
+def test_the_reference_spread_over_threads_writes_what_the_oracle_says(min_bytes, monkeypatch):
+    """Irregular page runs split over three threads (every pair a thread's when each may
+    take a byte), or kept on the calling thread (a copy under the threshold)."""
+    spec = specs(3)["hybrid"]
+    layout = DeviceLayout.build(spec, num_pages=40, num_state_slots=2)
+    device = random_bytes(layout.nbytes, seed=5)
+    segments = page_segments(layout)
+    src_pages = [1, 2, 3, 9, 10, 30, 4, 5, 6, 7, 8, 20, 21, 39]
+    dst_pages = [0, 1, 2, 5, 6, 13, 7, 8, 9, 10, 11, 3, 4, 12]
+    workers = CpuCopyWorkers(3, min_bytes_per_thread=min_bytes)
+    batches = []
+    run = workers.run
+    monkeypatch.setattr(workers, "run", lambda fn, parts: (batches.append(len(parts)), run(fn, parts))[1])
+    try:
+        host_len = 14 * spec.host_page_bytes
+        dst = torch.full((host_len,), POISON, dtype=torch.uint8)
+        copy_pages_reference(device, dst, torch.tensor(src_pages), torch.tensor(dst_pages), segments, workers=workers)
+        expected = oracle(device, torch.full((host_len,), POISON, dtype=torch.uint8), src_pages, dst_pages, segments)
+        assert np.array_equal(dst.numpy(), expected)
+        assert batches == ([3] if min_bytes == 1 else [])
+    finally:
+        workers.close()

@@ -73,12 +73,13 @@ def test_a_layer_major_layout_maps_each_block_to_its_layers_run_of_a_host_page()
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("make", [layer_major, split_layout])
-def test_mover_round_trip_is_byte_exact_and_reports_every_layer_in_order(threads, make):
+@pytest.mark.parametrize("min_bytes", [1, 1 << 30], ids=["spread", "one-thread"])
+def test_mover_round_trip_is_byte_exact_and_reports_every_layer_in_order(threads, make, min_bytes):
     layout = make(12)
     buffers = [torch.randint(0, 256, (a.size,), dtype=torch.uint8) for a in layout.allocations]
     pool = ForeignPool(layout, buffers, [None] * len(buffers))
     host = HostPool(OWNED_SPEC, 8, pinned=False)
-    workers = CpuCopyWorkers(threads) if threads > 1 else None
+    workers = CpuCopyWorkers(threads, min_bytes_per_thread=min_bytes) if threads > 1 else None
     mover = ForeignMover(pool, host, workers=workers)
     try:
         before = [b.clone() for b in buffers]

@@ -5,6 +5,7 @@ import torch
 
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.errors import InvalidArgument, SpecMismatch
+from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pools import ALIGN_BYTES, DeviceLayout, DevicePool, HostPool, PoolHandle
 from hicache.shm import SharedBuffer
 from hicache.spec import KVSpec, MHALayer, StateLayer
@@ -120,10 +121,12 @@ def test_a_host_pages_numpy_view_is_the_same_memory_and_not_tracked_by_the_colle
         pool.close()
 
 
-def test_page_mover_round_trip_in_process():
+@pytest.mark.parametrize("min_bytes", [None, 1, 1 << 30], ids=["no-workers", "spread", "one-thread"])
+def test_page_mover_round_trip_in_process(min_bytes):
     exported = export_kv_pool(SPEC, num_pages=6)
     host = HostPool(SPEC, 4, pinned=False)
-    mover = PageMover(exported.pool, host)
+    workers = None if min_bytes is None else CpuCopyWorkers(2, min_bytes_per_thread=min_bytes)
+    mover = PageMover(exported.pool, host, workers=workers)
     buf = exported.pool.buffer
     buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
     before = buf.clone()
@@ -142,6 +145,8 @@ def test_page_mover_round_trip_in_process():
         for page in untouched:
             start = region.offset + page * region.unit_bytes
             assert torch.equal(buf[start : start + region.unit_bytes], before[start : start + region.unit_bytes])
+    if workers is not None:
+        workers.close()
     host.close()
     exported.close()
 

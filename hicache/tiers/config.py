@@ -27,7 +27,7 @@ class TierConfig:
     prefetch_min_pages: int = 1
     counter_slots: int = 64  # concurrent loads per pool
     eviction: str = "lru"
-    copy_threads: int = 2  # CPU copy threads inside a transfer
+    copy_threads: int = 2  # CPU copy threads inside a transfer (each takes 8 MiB or more of it)
     io_threads: int = 2  # storage readers
     # Pages queued to the disk writer at most (written, not committed: their host pages
     # stay pinned meanwhile); 0: half the host tier.

@@ -4,6 +4,7 @@
 #     interprocess layer events, Triton kernels compiled for real vs their references
 #     (pytest -m gpu tests/gpu);
 #   - an engine-owned pool (vLLM-shaped layout) in CUDA memory: IPC registration,
+#     vLLM-shaped caches shared as the vLLM connector shares them (vllm_kv),
 #     store / load_into through a real daemon (tests/gpu too);
 #   - H2D / D2H bandwidth of the page kernels next to a plain pinned copy_ of the same
 #     bytes (benchmarks/bench_copy.py --device cuda).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -80,3 +81,32 @@ class OwnedEngine:
     def close(self) -> None:
         self.client.close()
         self.exported.close()
+
+
+def vllm_kv_caches(layer_names, num_blocks: int, *, heads: int = 2, block_size: int = 8, head_dim: int = 16,
+                   block_major: bool = False, device: str = "cpu", dtype=None):
+    """A KV cache as vLLM 0.32 allocates it, without vLLM: one flat int8 buffer (a
+    ``KVCacheTensor``-shaped description of it) and one ``[B, H, N, 2 * head_dim]`` view per
+    layer, layer-major (``LBHNC``: each layer's blocks one run) or block-major
+    (``BLHNC``: each block holds every layer's page). The spec that describes it too."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    esize = torch.empty(0, dtype=dtype).element_size()
+    page = heads * block_size * 2 * head_dim * esize
+    layers = len(layer_names)
+    layer_stride, block_stride = (page, layers * page) if block_major else (num_blocks * page, page)
+    size = layers * num_blocks * page
+    flat = torch.zeros(size, dtype=torch.int8, device=device)
+    caches = {}
+    for i, name in enumerate(layer_names):
+        view = flat.view(dtype).as_strided(
+            (num_blocks, heads, block_size, 2 * head_dim),
+            (block_stride // esize, block_size * 2 * head_dim, 2 * head_dim, 1), i * layer_stride // esize)
+        caches[name] = view
+    tensor = SimpleNamespace(size=size, layers=list(layer_names), layer_stride=layer_stride,
+                             block_stride=block_stride, offset=0)
+    spec = KVSpec.mha(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_size=block_size,
+                      dtype=str(dtype).removeprefix("torch."), model="test/vllm-shaped",
+                      layout=f"vllm/{device}/{'BLHNC' if block_major else 'LBHNC'}/test")
+    return caches, [tensor], spec

@@ -20,10 +20,12 @@ identity's tenants; default its first).
 How the two sides work (they are separate processes):
 
 * **Worker** (``register_kv_caches``): vLLM allocated its KV cache as one flat buffer per
-  ``KVCacheTensor``; each is moved into a sealed memfd segment (copied, then every layer
-  view rebound onto it at its own offset, so vLLM computes in shared memory), and
-  registered with the daemon as an *engine-owned* pool in vLLM's own layout
-  (:mod:`hicache.foreign`), named so the scheduler can attach. After each step
+  ``KVCacheTensor``; on the CPU each is moved into a sealed memfd segment (copied, then
+  every layer view rebound onto it at its own offset, so vLLM computes in shared
+  memory), on CUDA each is shared by an IPC handle as it is (:mod:`hicache.integrations.vllm_kv`);
+  the pool is registered with the daemon as an *engine-owned* pool in vLLM's own layout
+  (:mod:`hicache.foreign`), named so the scheduler can attach. On CUDA a step's stores
+  wait for vLLM's stream first, and layer waits are stream waits on the daemon's events. After each step
   (``wait_for_save``) it stores the blocks of newly completed whole prompt pages (chunked
   prefill included; generated tokens are not stored): the daemon copies those not yet on host and answers when done. It
   waits, per layer, on the tickets of the loads the scheduler started
@@ -34,10 +36,11 @@ How the two sides work (they are separate processes):
   recomputed them.
 * **Scheduler** (attached to the worker's pool): ``get_num_new_matched_tokens`` matches the
   prompt beyond vLLM's own hit — whole blocks, never the last prompt token — and
-  ``update_state_after_alloc`` locks the matched node, starts ``load_into`` the blocks
-  vLLM allocated (before the forward: a synchronous load, ``load_async=False``), and
-  unlocks (the load keeps its own hold until it lands); the tickets travel to the worker
-  in the connector metadata.
+  ``update_state_after_alloc`` starts ``load_into`` the blocks vLLM allocated (before
+  the forward: a synchronous load, ``load_async=False``) in one round trip, without a
+  lock of its own (the load holds the path until it lands; what was evicted since the
+  match loads short); the tickets travel to the worker in the connector metadata, and
+  the loaded pages count as stored (a step stores only what hicache lacks).
 
 The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks on: the
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
@@ -68,9 +71,9 @@ import torch
 from hicache.client import CacheClient
 from hicache.config import ServerConfig
 from hicache.counters import Ticket
-from hicache.errors import HicacheError
-from hicache.foreign import Allocation, ForeignLayout, OwnedPoolHandle, SharedMemory
-from hicache.shm import SharedBuffer
+from hicache.errors import HicacheError, InvalidArgument
+from hicache.foreign import ForeignLayout, OwnedPoolHandle
+from hicache.integrations.vllm_kv import SharedKV, layout_of, share_kv_caches
 from hicache.spec import KVSpec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -264,7 +267,8 @@ class HicacheConnector(KVConnectorBase_V1):
                 self._start_connecting(client, lambda: client.attach(self._pool_name),
                                        f"attach to pool {self._pool_name!r}")
         else:
-            self._buffers: list[SharedBuffer] = []
+            self._shared: SharedKV | None = None  # vLLM computes in it: kept as long as the connector
+            self._cuda = False
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
@@ -441,13 +445,17 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         try:
             spec, layout = self._describe(kv_caches)
-            memory = self._share(kv_caches)
+            self._shared = share_kv_caches(kv_caches, self._kv_cache_config_.kv_cache_tensors)
+        except InvalidArgument as exc:  # a model or layout hicache cannot hold yet
+            logger.warning("hicache: cannot hold this KV cache (%s); running without hicache", exc)
+            self._enabled = False
+            return
         except Exception:
             logger.exception("hicache: cannot share this KV cache; running without hicache")
             self._enabled = False
             return
-        handle = OwnedPoolHandle(layout, tuple(SharedMemory("memfd", b.nbytes, fd=b.fd) for b in memory),
-                                 self._pool_name)
+        self._cuda = next(iter(kv_caches.values())).is_cuda
+        handle = OwnedPoolHandle(layout, self._shared.memory, self._pool_name)
         client = self._new_client("vllm-worker")
         self._start_connecting(client, lambda: client.register_owned(spec, handle),
                                f"register pool {self._pool_name!r} ({layout.num_blocks} blocks, spec "
@@ -476,6 +484,12 @@ class HicacheConnector(KVConnectorBase_V1):
 
         config = self._vllm_config
         model = config.model_config
+        kv_config = self._kv_cache_config_
+        if len(kv_config.kv_cache_groups) != 1:
+            # Sliding-window or recurrent layers beside full attention: each group's
+            # blocks are its own, and a page of one layer spec is not all of the KV.
+            raise InvalidArgument(f"{len(kv_config.kv_cache_groups)} KV cache groups (a hybrid model): "
+                                  "one group of full-attention layers only, for now")
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._num_layers = len(names)
@@ -483,15 +497,11 @@ class HicacheConnector(KVConnectorBase_V1):
         dtype = str(first.dtype).removeprefix("torch.")
         heads = model.get_num_kv_heads(config.parallel_config)
         head_size = model.get_head_size()
-        kv_config = self._kv_cache_config_
         layout_name = f"vllm/{first.device.type}/{getattr(kv_config, 'kv_cache_layout', '')}/{self._isa(first)}"
         spec = KVSpec.mha(num_layers=len(names), num_kv_heads=heads, head_dim=head_size,
                           page_size=self._block_size, dtype=dtype,
                           model=model_identity(config), layout=layout_name)
-        allocations = tuple(
-            Allocation(t.size, tuple(self._layer_index[name] for name in t.layers), t.layer_stride, t.block_stride,
-                       t.offset) for t in kv_config.kv_cache_tensors)
-        return spec, ForeignLayout(spec, kv_config.num_blocks, spec.page_bytes(0), allocations)
+        return spec, layout_of(spec, kv_config.num_blocks, kv_config.kv_cache_tensors, self._layer_index)
 
     def _isa(self, tensor: torch.Tensor) -> str:
         """How the CPU backend packs a block (it differs between ISAs)."""
@@ -503,27 +513,6 @@ class HicacheConnector(KVConnectorBase_V1):
             return _get_attn_isa(tensor.dtype, self._block_size, self._vllm_config.model_config.get_head_size())
         except Exception:  # noqa: BLE001 - an unknown packing is its own namespace
             return "unknown"
-
-    def _share(self, kv_caches: dict[str, torch.Tensor]) -> list[SharedBuffer]:
-        """Move each backing allocation into a memfd segment and rebind every layer view
-        onto it at its own offset (the views are the objects vLLM's layers hold)."""
-        if next(iter(kv_caches.values())).device.type != "cpu":
-            raise NotImplementedError("the CUDA path of the vLLM connector is not built yet")
-        buffers = []
-        for tensor in self._kv_cache_config_.kv_cache_tensors:
-            views = [kv_caches[name] for name in tensor.layers]
-            old = views[0].untyped_storage()
-            if old.nbytes() != tensor.size or any(v.untyped_storage().data_ptr() != old.data_ptr() for v in views):
-                raise ValueError("a KVCacheTensor's layers do not share one allocation of its size")
-            shared = SharedBuffer.create(tensor.size, name="hicache-vllm-kv")
-            storage = shared.tensor.untyped_storage()
-            shared.tensor.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (tensor.size,), (1,)))
-            for view in kv_caches.values():
-                if view.untyped_storage().data_ptr() == old.data_ptr():
-                    view.set_(storage, view.storage_offset(), view.size(), view.stride())
-            buffers.append(shared)
-        self._buffers = buffers
-        return buffers
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -569,8 +558,13 @@ class HicacheConnector(KVConnectorBase_V1):
             self._pending = []
         if self._client is None or not self.has_connector_metadata():
             return
+        stores = self._get_connector_metadata().stores
+        if stores and self._cuda:
+            # The daemon copies on a stream of its own: the forward's writes to these
+            # blocks, still queued on vLLM's stream, must have landed first.
+            torch.cuda.current_stream().synchronize()
         with self._lock:
-            for store in self._get_connector_metadata().stores:
+            for store in stores:
                 pages = self._valid_pages(store)
                 if not pages or self._client is None:
                     continue

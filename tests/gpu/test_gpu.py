@@ -225,3 +225,54 @@ def test_engine_owned_cuda_pool_in_a_vllm_shaped_layout_through_the_daemon(tmp_p
         client.close()
         exported.close()
         daemon.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_major", [False, True], ids=["LBHNC", "BLHNC"])
+def test_vllm_shaped_cuda_caches_shared_as_the_connector_shares_them(tmp_path, block_major):
+    """The vLLM connector's CUDA path without a CUDA vLLM: caches laid out as vLLM 0.32
+    lays them out, shared by ``share_kv_caches`` (IPC handles of the allocation as it
+    is), described by ``layout_of``; a forward's writes waited for as the connector does
+    before a store; an unlocked ``load_into`` waited on vLLM's stream; bytes equal."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from daemon_util import DaemonProcess
+    from hicache.client import CacheClient
+    from hicache.foreign import OwnedPoolHandle
+    from hicache.integrations.vllm_kv import layout_of, share_kv_caches
+    from owned_util import vllm_kv_caches
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    caches, tensors, spec = vllm_kv_caches(names, 64, heads=4, block_size=16, head_dim=64,
+                                           block_major=block_major, device="cuda")
+    shared = share_kv_caches(caches, tensors)
+    assert [m.kind for m in shared.memory] == ["cuda_ipc"]
+    daemon = DaemonProcess(tmp_path, host={"bytes": 64 * spec.host_page_bytes}, disk={"enabled": False}).start()
+    client = CacheClient(daemon.endpoint)
+    try:
+        layout = layout_of(spec, 64, tensors, {name: i for i, name in enumerate(names)})
+        client.register_owned(spec, OwnedPoolHandle(layout, shared.memory, "vllm-gpu"))
+        tokens = list(range(1000, 1000 + 5 * spec.page_size + 7))
+        src, dst = [3, 40, 9, 17, 60], [5, 6, 50, 2, 33]
+        for b in src + dst:
+            for name in names:
+                caches[name][b].copy_(torch.randn(caches[name][b].shape, device="cuda").to(caches[name].dtype))
+        torch.cuda.current_stream().synchronize()  # (what wait_for_save does before its stores)
+        assert client.store(tokens, src).num_copied == 5
+        m = client.match(tokens)
+        assert m.num_host_pages == 5
+        done = client.load_into(m.handle, dst, locked=False)
+        assert done.num_loaded_pages == 5
+        stream = torch.cuda.current_stream()
+        for layer in range(len(names)):
+            client.wait_layer(done.wait, layer, stream=stream)
+        torch.cuda.synchronize()
+        for s, d in zip(src, dst):
+            for name in names:
+                assert torch.equal(caches[name][d], caches[name][s]), (s, d, name)
+        client.check()
+    finally:
+        client.close()
+        daemon.stop()
+        shared.close()

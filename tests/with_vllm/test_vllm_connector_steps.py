@@ -452,3 +452,25 @@ def test_shutdown_while_the_daemon_is_down_neither_aborts_nor_hangs(tmp_path):
             outcomes.append((delay, "hung", False))
     bad = [o for o in outcomes if o[1] != 0]
     assert not bad, f"shutdowns that aborted or hung (delay, exit, zmq assertion): {bad}"
+
+
+def test_a_hybrid_model_runs_without_hicache_rather_than_share_a_wrong_layout(daemon):
+    """Several KV cache groups (sliding-window or recurrent layers beside full attention)
+    are not one foreign layout: the worker warns and runs without hicache — its cache
+    stays where vLLM put it, and nothing registers."""
+    config = kv_cache_config()
+    config.kv_cache_groups = [object(), object()]
+    caches = kv_caches()
+    storage = caches[LAYER_NAMES[0]].untyped_storage().data_ptr()
+    worker = HicacheConnector(vllm_config(daemon.endpoint), KVConnectorRole.WORKER, config)
+    try:
+        worker.register_kv_caches(caches)
+        assert not worker._enabled and worker._client is None
+        assert all(v.untyped_storage().data_ptr() == storage for v in caches.values())
+        admin = CacheClient(daemon.endpoint, heartbeat=False)
+        try:
+            assert admin.stats()["sessions"] == 0  # no pool was registered
+        finally:
+            admin.close()
+    finally:
+        worker.shutdown()

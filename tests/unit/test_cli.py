@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,20 @@ def test_serve_refuses_a_tcp_endpoint_without_curve_and_a_secret_readable_by_oth
     done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "readable by others" in done.stderr, done.stderr
     assert not (tmp_path / "hicache.sock").exists()  # nothing was opened
+
+
+def test_every_command_the_docs_and_runbooks_name_exists():
+    """An operator copies `hicache <command>` from the README, the alerts' runbooks or the
+    example config: each must be a command this CLI has."""
+    root = Path(__file__).resolve().parents[2]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "dashboards/prometheus/alerts.yml",
+            *sorted((root / "systemd").iterdir())]
+    named = {(path.name, command) for path in docs for command in re.findall(r"`hicache ([a-z]+)", path.read_text())}
+    assert {command for _, command in named} >= {"serve", "status", "check"}  # (the pattern finds them)
+    missing = []
+    for where, command in sorted(named):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        if exc.value.code != 0:
+            missing.append(f"{where}: hicache {command}")
+    assert not missing, missing

@@ -1,5 +1,6 @@
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,25 @@ def test_every_command_the_docs_and_runbooks_name_exists():
         if exc.value.code != 0:
             missing.append(f"{where}: hicache {command}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("taken_by", ["metrics", "tcp"])
+def test_serve_on_a_port_in_use_exits_with_a_clear_error(tmp_path, taken_by):
+    """Another process on [metrics] port (two daemons on one host with the default 9477)
+    or on [server] tcp: one line saying which address, not a traceback, and no socket
+    left behind for engines to find."""
+    from daemon_util import write_config
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sections = ({"metrics": {"enabled": True, "address": "127.0.0.1", "port": port}} if taken_by == "metrics"
+                    else {"server": {"tcp": f"tcp://127.0.0.1:{port}"}, "auth": {"insecure_tcp": True}})
+        config = write_config(tmp_path, **sections)
+        done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr and "not starting" in done.stderr, done.stderr
+    assert not (tmp_path / "hicache.sock").exists()

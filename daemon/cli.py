@@ -10,7 +10,9 @@
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
 the state directory, socket in the runtime directory — see :mod:`hicache.config`);
 SIGTERM or SIGINT drains it and it exits 0. If another daemon serves the same socket or
-store, it exits 1 at once, having touched neither. ``status`` prints the live figures of a
+store, it exits 1 at once, having touched neither; if another process has a port it is
+to listen on (``[metrics]``, ``[server] tcp``, ``[events]``), it exits 1 naming the
+address. ``status`` prints the live figures of a
 running daemon, ``check`` runs its invariant checks (exit 1 if one fails), ``reload``
 makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP does).
 ``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode 0600).
@@ -58,7 +60,7 @@ def _raise_fd_limit() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from hicache.config import DaemonConfig
-    from hicache.daemon.server import Server
+    from hicache.daemon.server import CannotListen, Server
     from hicache.daemon.statelock import AlreadyRunning
 
     overrides = {}
@@ -80,7 +82,11 @@ def _serve(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:  # the configuration, or a key file it names
         print(f"hicache: {exc.message}; not starting", file=sys.stderr)
         return 2
-    endpoints = server.bind()
+    try:
+        endpoints = server.bind()
+    except CannotListen as exc:  # another process has the port: as AlreadyRunning, exit 1
+        print(f"hicache: {exc}; not starting", file=sys.stderr)
+        return 1
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
     signal.signal(signal.SIGHUP, lambda *_: server.request_reload())

@@ -108,6 +108,19 @@ _LOG_EVERY_S = 10.0  # dropped messages are logged at most this often
 _HWM = 1000  # messages queued per connection, each way (libzmq's default)
 
 
+class CannotListen(RuntimeError):
+    """An address the configuration names cannot be bound: in use by another process
+    (two daemons on one host with the default metrics port), or not this host's."""
+
+
+def _listen(what: str, bind):
+    """``bind()``, its failure told as :class:`CannotListen` naming ``what``."""
+    try:
+        return bind()
+    except (OSError, zmq.ZMQError) as exc:
+        raise CannotListen(f"cannot listen on {what}: {exc}") from None
+
+
 def _is_wake(frames: list[bytes]) -> bool:
     """A worker's wake-up: an empty message from an inproc DEALER of ours."""
     return len(frames) == 2 and not frames[1] and frames[0].startswith(_WAKE_ID)
@@ -200,10 +213,22 @@ class Server:
                            "reads every tenant's token ids", endpoint)
 
     def bind(self) -> list[str]:
+        """Listen on every endpoint the configuration names (and serve the metrics).
+        Raises :class:`CannotListen` having let go of everything, the state's lock
+        included: the daemon does not start half-listening."""
+        try:
+            return self._bind()
+        except CannotListen:
+            self._abandon()
+            raise
+
+    def _bind(self) -> list[str]:
         # The ZAP handler first: a CURVE handshake with no handler admits any key.
         self._zap = ZapHandler(self._context, lambda: self.daemon.identities, self.daemon.metrics.auth_refused)
-        self.daemon.bind_events(self._context, self._secure_events)
-        router = self._context.socket(zmq.ROUTER)
+        events = self.config.events
+        _listen(f"the KV events endpoints ({events.endpoint or 'default'}, {events.replay_endpoint or 'default'})",
+                lambda: self.daemon.bind_events(self._context, self._secure_events))
+        router = self._router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         # Messages a little over the limit still get an error reply; far over, the peer
         # is disconnected by the transport before we buffer them.
@@ -220,17 +245,26 @@ class Server:
         router.bind(self._wake_endpoint)
         for endpoint in self.config.server.endpoints:
             curve = self._secure(router, endpoint)
-            router.bind(endpoint)
+            _listen(endpoint, lambda: router.bind(endpoint))
             self.endpoints.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
             logger.info("listening on %s (%s)", self.endpoints[-1], "CURVE" if curve else
                         "Unix users" if endpoint.startswith("ipc://") else "NO AUTHENTICATION: insecure_tcp")
         os.chmod(socket_path, self.config.server.socket_mode)
-        self._router = router
         metrics = self.config.metrics
         if metrics.enabled and self.daemon.metrics.registry is not None:
-            self._http = self.daemon.metrics.serve(metrics.address, metrics.port)
+            self._http = _listen(f"metrics address {metrics.address}:{metrics.port}",
+                                 lambda: self.daemon.metrics.serve(metrics.address, metrics.port))
             self.metrics_url = f"http://{metrics.address}:{self._http.server_port}/metrics"
         return self.endpoints
+
+    def _abandon(self) -> None:
+        """Undo a bind that failed half-way: nothing was served, so nothing to drain."""
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        self.daemon.close()
+        self.config.server.socket_path.unlink(missing_ok=True)  # no socket for engines to find
+        self.close()
 
     def stop(self) -> None:
         """Ask the loop to drain and return (safe from a signal handler)."""

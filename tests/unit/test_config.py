@@ -1,0 +1,27 @@
+"""Loading the daemon's configuration: a bad value is refused when the file is read,
+with an error naming the key, never accepted to fail later."""
+
+import pytest
+
+from hicache.config import DaemonConfig
+from hicache.errors import InvalidArgument
+
+
+@pytest.mark.parametrize("dotted, value", [
+    ("tiers.eviction", "LRU"),  # accepted, then every engine's registration failed
+    ("tiers.io_threads", 0),  # accepted, then every registration an INTERNAL error
+    ("tiers.copy_threads", 0),
+    ("metrics.port", 70000),  # accepted, then a traceback from the HTTP server's bind
+    ("metrics.port", -1),
+    ("server.socket_mode", 0o10660),  # not permission bits
+    ("server.socket_mode", -1),
+])
+def test_a_value_that_would_fail_later_is_refused_at_load(dotted, value):
+    section, _, key = dotted.partition(".")
+    with pytest.raises(InvalidArgument, match=key):
+        DaemonConfig.load(overrides={dotted: value})
+
+
+def test_the_defaults_and_the_edges_load():
+    DaemonConfig.load(overrides={"tiers.eviction": "lfu", "tiers.io_threads": 1, "tiers.copy_threads": 1,
+                                 "metrics.port": 0, "server.socket_mode": 0o600})

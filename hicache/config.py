@@ -82,6 +82,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s",
                   "register_within_s", "max_unregistered_per_peer", "max_specs")
+        if not 0 <= self.socket_mode <= 0o777:  # (chmod'ed after the socket is bound)
+            raise InvalidArgument(f"[server].socket_mode must be permission bits 0o000-0o777, got {self.socket_mode:#o}")
 
     @property
     def socket_path(self) -> Path:
@@ -225,6 +227,10 @@ class MetricsConfig:
     enabled: bool = True
     address: str = "127.0.0.1"
     port: int = 9477
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:  # (else a traceback from the HTTP server's bind)
+            raise InvalidArgument(f"[metrics].port must be 0-65535, got {self.port}")
 
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

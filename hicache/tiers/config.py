@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.errors import InvalidArgument
+from hicache.eviction import eviction_policy
 from hicache.tiers.policies import (
     DiskPolicy,
     PrefetchPolicy,
@@ -50,7 +51,13 @@ class TierConfig:
     host_checkpoints: int = 0
 
     def __post_init__(self) -> None:
-        self.writes(), self.disk(), self.prefetch()  # each names a registered policy
+        # Each names a registered policy. Checked here, when the file is read: the tier
+        # manager is built at a spec's first registration, where a bad name or thread
+        # count would fail every engine's registration instead of the daemon's start.
+        self.writes(), self.disk(), self.prefetch()
+        eviction_policy(self.eviction)
+        if self.copy_threads < 1 or self.io_threads < 1:
+            raise InvalidArgument("copy_threads and io_threads must be >= 1")
         if self.capacity not in CAPACITY_POLICIES:
             raise InvalidArgument(f"capacity must be one of {', '.join(CAPACITY_POLICIES)}; got {self.capacity!r}")
         if self.exclusive and self.disk_policy != "write_back":

@@ -25,3 +25,25 @@ def test_a_value_that_would_fail_later_is_refused_at_load(dotted, value):
 def test_the_defaults_and_the_edges_load():
     DaemonConfig.load(overrides={"tiers.eviction": "lfu", "tiers.io_threads": 1, "tiers.copy_threads": 1,
                                  "metrics.port": 0, "server.socket_mode": 0o600})
+
+
+@pytest.mark.parametrize("dotted, value", [
+    ("server.drain_timeout_s", float("inf")),  # the drain then died asking systemd for inf + 30 s
+    ("server.lease_s", float("nan")),  # no comparison with nan holds: a lease that never ends
+    ("host.ratio", float("nan")),
+    ("tiers.prefetch_timeout_s", float("nan")),
+    ("remote.retry_s", float("inf")),
+])
+def test_a_number_that_is_not_finite_is_refused(dotted, value):
+    section, _, key = dotted.partition(".")
+    with pytest.raises(InvalidArgument, match=key):
+        DaemonConfig.load(overrides={dotted: value})
+    with pytest.raises(InvalidArgument, match="requests_per_s"):
+        DaemonConfig.from_dict({"auth": {"identities": [{"name": "a", "requests_per_s": value}]}})
+
+
+def test_toml_nan_and_inf_are_refused(tmp_path):
+    path = tmp_path / "hicache.toml"
+    path.write_text("[server]\ndrain_timeout_s = inf\n")
+    with pytest.raises(InvalidArgument, match="drain_timeout_s"):
+        DaemonConfig.load(path)

@@ -38,6 +38,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -400,6 +401,11 @@ def _build(section_cls: type, name: str, values: Mapping[str, Any]):
             raise InvalidArgument(
                 f"[{name}].{key} must be {expected.__name__}, got {type(value).__name__} {value!r}"
             )
+        # TOML has nan and inf, which every "must be positive" check lets through (no
+        # comparison with nan holds): a lease of nan never ends, a drain of inf cannot
+        # be told to systemd. No setting means anything by them.
+        if expected is float and not math.isfinite(value):
+            raise InvalidArgument(f"[{name}].{key} must be a finite number, got {value!r}")
         kwargs[key] = value
     try:
         return section_cls(**kwargs)

@@ -109,3 +109,28 @@ def test_serve_on_a_port_in_use_exits_with_a_clear_error(tmp_path, taken_by):
     assert "Traceback" not in done.stderr, done.stderr
     assert f"127.0.0.1:{port}" in done.stderr and "not starting" in done.stderr, done.stderr
     assert not (tmp_path / "hicache.sock").exists()
+
+
+def test_reload_refuses_what_only_a_restart_applies(tmp_path):
+    """The sockets took the daemon's key pair and ``curve_ipc`` when they were bound: a
+    reload that changes either cannot apply it, and says so (exit 1) rather than answer
+    success while plain ipc:// clients keep getting in. The identities stay in force."""
+    from daemon_util import DaemonProcess
+    from hicache.auth import write_keypair
+
+    _, secret = write_keypair(tmp_path / "server")
+    _, other = write_keypair(tmp_path / "other")
+    daemon = DaemonProcess(tmp_path, auth={"secret_key_file": str(secret)}).start()
+    reload = [HICACHE, "--log-level", "WARNING", "reload", "--endpoint", daemon.endpoint]
+    try:
+        for changed, auth in (("curve_ipc", {"secret_key_file": str(secret), "curve_ipc": True}),
+                              ("secret_key_file", {"secret_key_file": str(other)})):
+            daemon.rewrite(auth=auth)
+            done = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 1, (changed, done.stdout)
+            assert changed in done.stderr and "restart" in done.stderr, done.stderr
+        daemon.rewrite(auth={"secret_key_file": str(secret)})  # as started: reloads
+        done = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    finally:
+        assert daemon.stop() == 0

@@ -75,7 +75,7 @@ from pathlib import Path
 import zmq
 
 from hicache.auth import read_secret
-from hicache.config import DaemonConfig
+from hicache.config import AuthConfig, DaemonConfig
 from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
@@ -157,7 +157,7 @@ class Server:
         self.daemon.peer_creds = lambda peer: self._peers.get(peer, _NO_PEER) if peer else LOCAL
         self.daemon.on_reload = self._relearn_peers
         if config_path is not None:
-            self.daemon.reload_source = lambda: DaemonConfig.load(config_path).auth
+            self.daemon.reload_source = lambda: self._reread_auth(config_path)
         self._reload_requested = False
         self._zap: ZapHandler | None = None
         self._next_watchdog = 0.0
@@ -465,6 +465,20 @@ class Server:
         those no longer allowed are forgotten, and their next message refused."""
         for identity, user in list(self._users.items()):
             self._learn_peer(identity, user)
+
+    def _reread_auth(self, config_path: str | os.PathLike) -> AuthConfig:
+        """The file's ``[auth]`` anew, for a reload — refused when it changes what the
+        sockets were bound with (``curve_ipc``, the daemon's key pair): only a restart
+        applies those, and a reload that answered success would leave the operator
+        believing, say, that ipc:// peers now need CURVE while plain ones still get in."""
+        auth = DaemonConfig.load(config_path).auth
+        if auth.curve_ipc != self.config.auth.curve_ipc:
+            raise InvalidArgument("[auth].curve_ipc changed: the sockets were bound with it, only a restart applies "
+                                  "it (nothing reloaded)")
+        if (read_secret(auth.secret_key_file) if auth.curve else None) != self._server_keys:
+            raise InvalidArgument("[auth].secret_key_file changed (the daemon's key pair): the sockets were bound "
+                                  "with it, only a restart applies it (nothing reloaded)")
+        return auth
 
     def request_reload(self) -> None:
         """SIGHUP: re-read ``[auth]`` at the loop's next turn (safe from a signal handler)."""

@@ -134,3 +134,19 @@ def test_reload_refuses_what_only_a_restart_applies(tmp_path):
         assert done.returncode == 0, done.stderr
     finally:
         assert daemon.stop() == 0
+
+
+def test_status_refused_to_a_non_administrator_is_one_line(tmp_path):
+    """With identities listed, ``stats`` is for administrators: ``hicache status`` run by
+    anyone else says so and exits 1, as ``check`` and ``reload`` do, not a traceback."""
+    import os
+
+    daemon = DaemonProcess(tmp_path, auth={"identities": [{"name": "me", "uids": [os.getuid()]}]}).start()
+    try:
+        for command in ("status", "check", "reload"):
+            done = subprocess.run([HICACHE, "--log-level", "WARNING", command, "--endpoint", daemon.endpoint],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode == 1, (command, done.stdout)
+            assert "Traceback" not in done.stderr and "administrators" in done.stderr, (command, done.stderr)
+    finally:
+        assert daemon.stop() == 0

@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from hicache.client import RemoteError
     from hicache.errors import Unavailable
 
     client = _client(args)
@@ -105,7 +106,7 @@ def _status(args: argparse.Namespace) -> int:
         while True:
             try:
                 stats = client.stats()
-            except Unavailable as exc:
+            except (RemoteError, Unavailable) as exc:  # (refused: an identity that is no administrator)
                 print(f"hicache: {exc}", file=sys.stderr)
                 return 1
             if args.watch:

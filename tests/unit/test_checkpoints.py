@@ -296,3 +296,28 @@ def test_without_a_disk_tier_a_device_copy_keeps_a_checkpoint_the_host_lets_go()
         tm.close()
     finally:
         lending.close()
+
+
+def test_a_checkpoint_record_the_store_evicts_ends_no_hit(engine, tmp_path):
+    # A store with room for a few records: each new prompt's writes evict the oldest,
+    # checkpoint records among them.
+    store = LmdbBackend(tmp_path / "small", capacity_bytes=8 * SPEC.host_page_bytes)
+    try:
+        tm = make_tm(engine, storage=store, host_checkpoints=1)
+        prompts = [tokens(1000 * i, 2) for i in range(1, 6)]
+        for label, toks in enumerate(prompts, 1):
+            prefill(tm, engine, toks, [(2, label)])
+            tm.flush()
+        buf = bytearray(tm.host_pool.state_slot_bytes)
+        stored = [store.get([key], [buf], fingerprint=SPEC.fingerprint)[0] for key in tm.checkpoints.by_key]
+        assert all(stored) and len(stored) < len(prompts)
+        tm.check_invariants()
+        # Every hit brings its state: one whose checkpoint is gone is no hit.
+        for label, toks in enumerate(prompts, 1):
+            pages, state, _ = load_state(tm, engine, toks)
+            assert (pages, state) in ((0, False), (2, True)), label
+            if state:
+                assert engine.state_label(1, [label]) == label
+        tm.close()
+    finally:
+        store.close()

@@ -141,6 +141,8 @@ class TierManager:
         if swa:
             self.windows = self._core.windows = Windows(spec, self._core, self.pools, self.disk.storage,
                                                         lambda keys: self.disk.on_store_evicted(keys))
+        # (checkpoint records among the evicted keys too, until an owner replaces it)
+        self.disk.on_store_evicted = self.forget_disk_keys
         self._backups = Backups(self._core, self.pools, self.disk, self.disk_policy)
         self._loads = Loads(self._core, self.pools, self.disk, self._device_alloc)
         self._owned = OwnedTransfers(self._core, self.pools, self.disk, self.disk_policy)
@@ -690,7 +692,10 @@ class TierManager:
     def forget_disk_keys(self, keys: Iterable[bytes]) -> None:
         """The store dropped these records on its own: forget them (and what hangs
         below); keys this tree does not hold are ignored."""
+        keys = list(keys)
         self.disk.forget_keys(keys)
+        if self.checkpoints is not None:  # (the store evicts checkpoint records like pages)
+            self.checkpoints.forget_keys(keys)
 
     def miss_reason(self, page_key: PageKey) -> str:
         """Why the page with this key is not cached: ``evicted_<tier>`` if it was

@@ -280,3 +280,30 @@ def test_ends_an_engine_offers_keep_their_windows_for_branches_found_later(engin
     assert tm.match(NS, system + tokens(900, 2), 0).match.num_pages == 4
     tm.check_invariants()
     tm.close()
+
+
+def test_a_load_cut_short_for_device_room_ends_where_a_window_has_its_bytes(engine):
+    tm = make_tm(engine)
+    toks = tokens(500, 6)
+    prefill(tm, engine, toks)
+    tm.evict(Tier.DEVICE, 32, 0)
+    # A branch after page 3, found from host: the node is cut there, and that end has no
+    # SWA bytes in its window on host (no hit ends there).
+    assert tm.match(NS, toks[: 3 * PS] + tokens(900, 2), 0).match.node.parent is None
+    hit = tm.match(NS, toks, 0).match
+    assert hit.num_pages == 6 and [n.num_pages for n in tm.tree.path(hit.node)] == [3, 3]
+    tm.lock(hit.node, 0)
+    # The pool's room shrank after the match: the load takes what fits (3 pages).
+    held = tm.alloc(0, tm.pools.get(0).allocator.num_free - 3)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    # What it hands out is a hit: its window has every byte.
+    n = len(loaded.device_pages)
+    keys = page_keys(NS, toks, PS)
+    for i in range(max(0, n - W), n):
+        assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC), (n, i)
+    tm.unlock(hit.node, 0)
+    tm.release(0, held)
+    tm.flush()
+    tm.check_invariants()
+    tm.close()

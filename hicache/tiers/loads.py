@@ -327,6 +327,15 @@ class Loads:
     def _result(self, pool: DevicePoolState, nodes: list[Node], loaded: int, last: Node, wanted: int) -> LoadResult:
         """The answer; what falls short of ``wanted`` pages is counted
         (``hicache_load_short_tokens_total``)."""
+        windows = self.core.windows
+        if windows is not None and nodes and not windows.usable(nodes[-1], pool.pool_id):
+            # A load cut short (device room, a failed read) may end where no hit may: a
+            # node end whose window has no SWA bytes here (a branch found from host). The
+            # engine would read that window: hand out the pages up to an end that has it.
+            nodes = list(nodes)
+            while nodes and not windows.usable(nodes[-1], pool.pool_id):
+                loaded = max(0, loaded - nodes.pop().num_pages)
+            last = nodes[-1] if nodes else self.core.tree.root(last.namespace)
         parts = [n.device_pages(pool.pool_id) for n in nodes]
         pages = np.concatenate(parts) if parts else np.empty(0, dtype=PAGE_ID_DTYPE)
         if len(pages) < wanted:

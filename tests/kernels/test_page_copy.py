@@ -229,3 +229,12 @@ def test_the_reference_spread_over_threads_writes_what_the_oracle_says(min_bytes
         assert batches == ([3] if min_bytes == 1 else [])
     finally:
         workers.close()
+
+
+def test_segments_whose_offsets_step_backwards_on_one_side():
+    # A spec with SWA layers puts them last in a host page, so a device pool's first
+    # layer can land after its second (an engine-owned pool: one segment a layer).
+    segments = Segments((0, 48), (96, 96), (24, 0), (48, 48), (24, 24))
+    src = random_bytes(96 * 4, seed=11)
+    run_both(src, 48 * 4, [3, 0, 1, 2], [0, 1, 2, 3], segments)
+    run_both(random_bytes(48 * 4, seed=12), 96 * 4, [0, 1, 2, 3], [3, 0, 1, 2], segments.reversed())

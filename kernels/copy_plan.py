@@ -90,9 +90,11 @@ class Segments:
         n = len(self)
         while j < n:
             k = j + 1
-            if k < n and self._same_shape(j, k):
-                src_step = self.src_offset[k] - self.src_offset[j]
-                dst_step = self.dst_offset[k] - self.dst_offset[j]
+            src_step = self.src_offset[k] - self.src_offset[j] if k < n else 0
+            dst_step = self.dst_offset[k] - self.dst_offset[j] if k < n else 0
+            # (a group is one strided view a side: its steps cannot be negative, as when
+            # SWA layers, last in a host page, come first in a device pool)
+            if k < n and self._same_shape(j, k) and src_step >= 0 and dst_step >= 0:
                 while (
                     k + 1 < n
                     and self._same_shape(j, k + 1)

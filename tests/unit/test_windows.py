@@ -307,3 +307,54 @@ def test_a_load_cut_short_for_device_room_ends_where_a_window_has_its_bytes(engi
     tm.flush()
     tm.check_invariants()
     tm.close()
+
+
+def test_a_load_into_cut_short_by_a_lost_record_ends_where_a_window_has_its_bytes(tmp_path):
+    """The same for an engine-owned pool's ``load_into``: what it says it loaded is a hit."""
+    import torch
+
+    from hicache.foreign import ForeignPool
+    from owned_util import layer_major
+
+    spec = KVSpec(page_size=4, model="windows-owned", layout="test/opaque-blocks", layers=(
+        MHALayer(num_kv_heads=2, head_dim=8, sliding_window=WINDOW), MHALayer(num_kv_heads=2, head_dim=8)))
+    layout = layer_major(16, spec)
+    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
+    bb = layout.block_bytes
+
+    def block(layer, i):
+        a, j = layout.where[layer]
+        start = layout.allocations[a].layer_offset(j) + i * layout.allocations[a].block_stride
+        return buffers[a].numpy()[start : start + bb]
+
+    rng = np.random.default_rng(5)
+    for i in range(1, 7):
+        for layer in range(2):
+            block(layer, i)[:] = rng.integers(0, 256, bb, dtype=np.uint8)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * spec.host_page_bytes)
+    tm = TierManager(spec, host_pages=16, storage=store, config=TierConfig(prefetch_min_pages=1000))
+    try:
+        ns = namespace_id(spec.fingerprint, "owned")
+        tm.add_namespace(ns)
+        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+        toks = tokens(100, 6)
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3, 4, 5, 6])).num_cached == 6
+        tm.flush()
+        # A branch after page 3, found later: that end has no window on host or disk.
+        assert tm.match(ns, toks[: 3 * PS] + tokens(900, 2), 0).match.node.parent is None
+        tm.evict(Tier.HOST, 16)
+        tm.flush()
+        hit = tm.match(ns, toks, 0).match
+        assert hit.num_disk_pages == 6 and [n.num_pages for n in tm.tree.path(hit.node)] == [3, 3]
+        store.delete(hit.node.page_key_list()).result()  # the last node's records are lost
+        tm.lock(hit.node, 0)
+        loaded = tm.wait(tm.load_into(hit.node, 0, [7, 8, 9, 10, 11, 12]))
+        tm.flush()
+        n = loaded.num_loaded
+        for i in range(max(0, n - W), n):  # the window of what it loaded: the SWA layer's bytes too
+            assert (block(0, 7 + i) == block(0, 1 + i)).all(), (n, i)
+        tm.unlock(hit.node, 0)
+        tm.check_invariants()
+    finally:
+        tm.close()
+        store.close()

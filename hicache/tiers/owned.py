@@ -227,6 +227,12 @@ class OwnedTransfers:
                                      blocks[used : used + n.num_pages].astype(np.int64)))
                 used += n.num_pages
             start = end
+        windows = core.windows
+        # Cut short (a lost record), the load may end where no hit may: a node end whose
+        # window has no SWA bytes (a branch found from host). The engine takes the
+        # blocks it is told were loaded as a hit: load up to an end that has them.
+        while windows is not None and entries and not windows.usable(entries[-1].node, pool.pool_id):
+            used -= len(entries.pop().dst)
         ticket = pool.counters.begin() if entries else None
         if ticket is None:  # nothing on host, or no free counter slot: nothing loads
             tree.unlock(hold, pool.pool_id)

@@ -16,7 +16,9 @@ address. ``status`` prints the live figures of a
 running daemon, ``check`` runs its invariant checks (exit 1 if one fails), ``reload``
 makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP does).
 ``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode 0600).
-The client commands take ``--server-key`` / ``--key-file`` (or ``HICACHE_SERVER_KEY`` /
+The client commands find the daemon by ``--endpoint``, else by the socket of
+``--config``, else of ``/etc/hicache/hicache.toml`` where there is one (the unit's: a
+shell has no ``RUNTIME_DIRECTORY``), else of the embedded defaults. They take ``--server-key`` / ``--key-file`` (or ``HICACHE_SERVER_KEY`` /
 ``HICACHE_CLIENT_KEY_FILE``) for a CURVE endpoint. This is the only place that
 configures logging.
 """
@@ -29,8 +31,12 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 from hicache import __version__
+
+
+SYSTEM_CONFIG = Path("/etc/hicache/hicache.toml")  # where systemd/hicache.service reads it
 
 
 def _endpoint(args: argparse.Namespace) -> str:
@@ -38,7 +44,8 @@ def _endpoint(args: argparse.Namespace) -> str:
         return args.endpoint
     from hicache.config import DaemonConfig
 
-    config = DaemonConfig.load(args.config) if args.config else DaemonConfig()
+    path = args.config or (SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None)
+    config = DaemonConfig.load(path) if path else DaemonConfig()
     return config.server.endpoints[0]
 
 
@@ -226,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("check", _check, "run a running daemon's invariant checks"),
                             ("reload", _reload, "make a running daemon re-read its [auth] section")):
         sub = commands.add_parser(name, help=text)
-        sub.add_argument("--config", help="TOML configuration file (to find the socket)")
+        sub.add_argument("--config", help=f"TOML configuration file, to find the socket (default: {SYSTEM_CONFIG} "
+                                          "if there is one, else the embedded defaults)")
         sub.add_argument("--endpoint", help="e.g. ipc:///run/hicache/hicache.sock")
         sub.add_argument("--timeout", type=float, default=5.0)
         sub.add_argument("--server-key", help="the daemon's public key (Z85) or its .key file: CURVE")

@@ -150,3 +150,26 @@ def test_status_refused_to_a_non_administrator_is_one_line(tmp_path):
             assert "Traceback" not in done.stderr and "administrators" in done.stderr, (command, done.stderr)
     finally:
         assert daemon.stop() == 0
+
+
+def test_client_commands_find_a_system_daemon_by_its_config_file(tmp_path, monkeypatch, capsys):
+    """A shell has no RUNTIME_DIRECTORY: without --endpoint or --config, ``status`` reads
+    the socket from /etc/hicache/hicache.toml, where the unit's daemon listens."""
+    from hicache.daemon import cli
+
+    daemon = DaemonProcess(tmp_path).start()
+    try:
+        config = tmp_path / "system.toml"
+        config.write_text(f'[server]\nsocket = "{daemon.endpoint.removeprefix("ipc://")}"\n')
+        monkeypatch.setattr(cli, "SYSTEM_CONFIG", config)
+        monkeypatch.chdir(tmp_path)  # (not where the embedded defaults' socket would be)
+        assert main(["--log-level", "WARNING", "status", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["version"] == __version__
+        monkeypatch.setattr(cli, "SYSTEM_CONFIG", tmp_path / "absent.toml")
+        from argparse import Namespace
+
+        from hicache.config import DaemonConfig
+
+        assert cli._endpoint(Namespace(endpoint=None, config=None)) == DaemonConfig().server.endpoints[0]
+    finally:
+        daemon.stop()

@@ -94,10 +94,14 @@ def io_threads(pid: int | str = "self") -> dict[int, int]:
 class DaemonProcess:
     """``hicache serve`` in a subprocess."""
 
-    def __init__(self, directory: Path, *, probe: dict | None = None, **sections: dict) -> None:
+    def __init__(self, directory: Path, *, probe: dict | None = None, env: dict | None = None,
+                 **sections: dict) -> None:
         """``probe``: how to reach it to see it is up (``endpoint`` and client
-        arguments such as CURVE keys; default: its socket, plainly)."""
+        arguments such as CURVE keys; default: its socket, plainly). ``env``: variables
+        added to its environment (``NOTIFY_SOCKET``: a socket the test listens on, as
+        systemd's)."""
         self.directory = directory
+        self.env = dict(env or {})
         self.config = write_config(directory, **sections)
         self.endpoint = f"ipc://{directory / 'hicache.sock'}"
         self.probe = dict(probe or {})
@@ -107,6 +111,7 @@ class DaemonProcess:
     def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
         env = {**os.environ, "HICACHE_HOME": str(self.directory)}
         env.pop("NOTIFY_SOCKET", None)
+        env.update(self.env)
         self.proc = subprocess.Popen([HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)],
                                      stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

@@ -2,10 +2,14 @@
 
 import multiprocessing
 import os
+import re
 import signal
+import socket
+import subprocess
 import time
 import traceback
 
+import lmdb
 import pytest
 
 from daemon_util import ClientEngine, DaemonProcess, io_threads
@@ -231,6 +235,58 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     finally:
         engine.close()
         assert daemon.stop() == 0
+
+
+def test_sigterm_with_a_disk_write_stuck_exits_within_the_time_it_asked_systemd_for(tmp_path):
+    # The test plays systemd: it listens on the notification socket, and after SIGTERM
+    # gives the daemon the time it asked for (EXTEND_TIMEOUT_USEC) before it would SIGKILL.
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(30)  # a hang guard: a missing notification fails the test
+    daemon = DaemonProcess(tmp_path, env={"NOTIFY_SOCKET": str(tmp_path / "notify")},
+                           server={"drain_timeout_s": 1.0}).start()
+    store = blocker = None
+    try:
+        assert notify.recv(4096).startswith(b"READY=1")
+        # Another process holds the store's write lock (LMDB's writer mutex): the daemon's
+        # writer waits in every commit for it, as for a storage device that hangs. Its
+        # disk writes never complete.
+        store = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, subdir=True, lock=True)
+        blocker = store.begin(write=True)
+        engine = ClientEngine(daemon.endpoint)
+        try:
+            engine.prefill(tokens(100, 3))  # write-through: its pages' disk write is stuck
+        finally:
+            engine.close()
+        daemon.proc.send_signal(signal.SIGTERM)
+        sent = []
+        while not sent or not sent[-1].startswith(b"EXTEND_TIMEOUT_USEC="):
+            sent.append(notify.recv(4096))
+        assert sent[0].startswith(b"STOPPING=1"), sent
+        asked_s = int(sent[-1].split(b"=")[1]) / 1e6
+        try:
+            code = daemon.proc.wait(asked_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still stopping {asked_s:g} s after asking systemd for that long (SIGKILLed under "
+                        f"systemd):\n{daemon.log.read_text()[-3000:]}")
+        finally:
+            if daemon.proc.poll() is None:
+                daemon.proc.kill()
+                daemon.proc.wait()
+            daemon.proc = None
+        log = daemon.log.read_text()
+        assert code == 0, log[-3000:]  # a drain cut short is still a stop (README, "Operating")
+        assert "Traceback" not in log, log[-3000:]
+        assert not (tmp_path / "hicache.sock").exists(), "the socket was left behind"
+        # What the stop gave up on is named, spec by spec: the pages the stuck write held.
+        assert re.search(r"spec \w+: gave up .*\b3 pages\b.* lost", log), log[-3000:]
+    finally:
+        if blocker is not None:
+            blocker.abort()
+            store.close()
+        notify.close()
+        if daemon.proc is not None:
+            daemon.kill()
 
 
 def test_the_loop_keeps_its_own_work_going_under_back_to_back_requests(tmp_path):

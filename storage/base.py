@@ -122,10 +122,14 @@ class StorageBackend(Protocol):
         is not stored or unreadable: what the tree gives back to a node that leaves
         the disk tier while it stays cached elsewhere."""
 
-    def flush(self) -> None:
-        """Wait until every queued write is committed."""
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued write is committed; past ``timeout_s`` (``None``:
+        no bound) raise ``TimeoutError`` (a writer that hangs)."""
 
     def stats(self) -> StorageStats: ...
 
-    def close(self) -> None:
-        """Commit what is queued, then release the store."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Commit what is queued, then release the store. Past ``timeout_s`` (``None``:
+        no bound) with the writer still busy, raise ``TimeoutError``: the store is closed
+        to new work, and what was queued is lost when the process exits (the store stays
+        consistent: a batch is committed whole or not at all)."""

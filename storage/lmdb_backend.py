@@ -1123,13 +1123,15 @@ class LmdbBackend:
                 items = cursor.iternext()
                 return list(items) if limit is None else list(itertools.islice(items, limit))
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every write queued before this call is committed (and the access
-        times recorded so far are persisted)."""
+        times recorded so far are persisted); ``TimeoutError`` past ``timeout_s``."""
         self._check_usable()
         self._check_not_writer("flush")
         barrier: Future = Future()
         self._enqueue(_BarrierOp(barrier), 0)
+        if not futures_wait([barrier], timeout_s).done:
+            raise TimeoutError(f"storage {self._path}: writes still not committed after {timeout_s:g} s")
         barrier.result()
 
     def stats(self) -> StorageStats:
@@ -1147,16 +1149,21 @@ class LmdbBackend:
                 pending_writes=pending,
             )
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Commit what is queued, persist access times, close the environment and join
-        the writer. Idempotent; every other method raises afterwards."""
+        the writer. Idempotent; every other method raises afterwards. Past
+        ``timeout_s`` with the writer still busy (a commit that hangs), raises
+        ``TimeoutError``: the writer (a daemon thread) is left to the process's exit,
+        and what it had not committed is lost, the store consistent."""
         if os.getpid() != self._pid:
             raise self._wrong_process()
         self._check_not_writer("close")
         with self._queue_cond:
             self._closing = True
             self._queue_cond.notify_all()
-        self._writer.join()
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            raise TimeoutError(f"storage {self._path}: the writer did not finish in {timeout_s:g} s")
 
     def __enter__(self) -> LmdbBackend:
         return self

@@ -423,7 +423,7 @@ class MooncakeBackend:
     def read_tokens(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [None] * len(keys)
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         """Puts are synchronous: nothing is queued."""
 
     def stats(self) -> StorageStats:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from hicache.storage.base import StorageBackend
 
@@ -71,14 +72,17 @@ class SlowStore:
 
         return self._thread.submit(slow)
 
-    def flush(self) -> None:
-        self._thread.submit(lambda: None).result()
-        self._inner.flush()
+    def flush(self, timeout_s: float | None = None) -> None:
+        try:
+            self._thread.submit(lambda: None).result(timeout_s)
+        except FuturesTimeout:  # (not yet the builtin TimeoutError on Python 3.10)
+            raise TimeoutError("slow store: writes still held back") from None
+        self._inner.flush(timeout_s)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         self.gate.set()
         self._thread.shutdown(wait=True)
-        self._inner.close()
+        self._inner.close(timeout_s)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)

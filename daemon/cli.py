@@ -9,7 +9,9 @@
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
 the state directory, socket in the runtime directory — see :mod:`hicache.config`);
-SIGTERM or SIGINT drains it and it exits 0. If another daemon serves the same socket or
+SIGTERM or SIGINT drains it and it exits 0 — within ``[server].drain_timeout_s`` and a
+few seconds, also when a transfer never finishes (then logged with the pages it
+loses). If another daemon serves the same socket or
 store, it exits 1 at once, having touched neither; if another process has a port it is
 to listen on (``[metrics]``, ``[server] tcp``, ``[events]``), it exits 1 naming the
 address. ``status`` prints the live figures of a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -100,6 +103,12 @@ def _serve(args: argparse.Namespace) -> int:
     metrics = f", metrics on {server.metrics_url}" if server.metrics_url else ""
     print(f"hicache {__version__} serving on {' '.join(endpoints)}{metrics}", flush=True)
     server.serve_forever()
+    if server.unfinished:
+        # Threads stuck in a transfer (a storage that hangs) would hold the interpreter's
+        # exit, which joins its worker threads: exit now, what they held is lost (logged).
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

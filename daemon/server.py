@@ -56,7 +56,10 @@ engines hand their CPU pools over on (:mod:`hicache.fdpass`).
 
 SIGTERM (see :mod:`hicache.daemon.cli`) calls :meth:`Server.stop`: the loop tells
 systemd it is stopping, closes the socket (no new requests), drains (host pages to disk
-per policy, in-flight transfers finished), closes the store and returns.
+per policy, in-flight transfers finished), closes the store and returns — all within
+``[server].drain_timeout_s`` (closing gets a few seconds more): what did not finish by
+then (a storage that hangs) is logged, with the pages it loses, and left to the
+process's exit (:attr:`Server.unfinished`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ _MAX_ENVELOPE_FRAME_BYTES = 255  # a ZeroMQ routing id is 1-255 bytes
 _DISCARD_SLICE = 1 << 16  # frames of a dropped message read between two looks at the watchdog
 _LOG_EVERY_S = 10.0  # dropped messages are logged at most this often
 _HWM = 1000  # messages queued per connection, each way (libzmq's default)
+# systemd is asked for [server].drain_timeout_s plus this at SIGTERM: closing after the
+# drain (Daemon.close: a few seconds at most) and the process's exit.
+_STOP_MARGIN_S = 30.0
 
 
 class CannotListen(RuntimeError):
@@ -166,6 +172,9 @@ class Server:
         self._dropped_since_log = 0  # messages dropped (see _drop) since the last log line
         self._next_drop_log = 0.0
         self._stop = False
+        # Set by the stop when something did not finish by its deadline (a transfer stuck
+        # in a storage that hangs): its threads are left running, for the process's exit.
+        self.unfinished = False
         self.endpoints: list[str] = []
         self._http = None
         self.metrics_url = ""
@@ -542,25 +551,35 @@ class Server:
             logger.warning("dropping a reply: the client's queue is full")
 
     def _shutdown(self) -> None:
+        """The stop: one deadline, ``[server].drain_timeout_s`` from now, for the drain
+        and for closing every spec's tiers and the store after it (which get a few
+        seconds more if the drain used it all); systemd is asked for that plus
+        :data:`_STOP_MARGIN_S`, so TimeoutStopSec= need not track it. What did not finish
+        by then is logged and left behind (:attr:`unfinished`); the socket goes in any case."""
+        drain_s = self.config.server.drain_timeout_s
         self.notifier.stopping()
-        # Ask systemd for the drain's time plus a margin, so TimeoutStopSec= need not track it.
-        self.notifier.extend_timeout(self.config.server.drain_timeout_s + 30.0)
+        self.notifier.extend_timeout(drain_s + _STOP_MARGIN_S)
+        deadline = self.daemon.clock() + drain_s
         logger.info("draining")
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
-        self.daemon.drain()
-        self.daemon.close()
-        if self._http is not None:
-            self._http.shutdown()
         try:
-            Path(self.config.server.socket_path).unlink()
-        except FileNotFoundError:
-            pass
-        self.close()
-        logger.info("stopped")
+            self.daemon.drain(deadline)
+            self.unfinished = not self.daemon.close(deadline)
+        finally:
+            if self._http is not None:
+                self._http.shutdown()
+            Path(self.config.server.socket_path).unlink(missing_ok=True)
+            # Left behind, a stuck writer still has the store: the state's lock stays
+            # held until the process exits, so that no new daemon opens it meanwhile.
+            self.close(release_lock=not self.unfinished)
+        if self.unfinished:
+            logger.warning("stopped, leaving what did not finish to the process's exit")
+        else:
+            logger.info("stopped")
 
-    def close(self) -> None:
+    def close(self, *, release_lock: bool = True) -> None:
         """Let go of the wake-up sockets, the context (if ours) and the state's lock
         (the end of :meth:`serve_forever`; for a server that never served, after its
         daemon was closed)."""
@@ -574,4 +593,5 @@ class Server:
             self._wakers.clear()
         if self._own_context:
             self._context.destroy(linger=0)
-        self._state_lock.release()
+        if release_lock:
+            self._state_lock.release()

@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 COMPLETIONS_PER_POLL = 8
 _UNRATED_OPS = frozenset({"heartbeat", "bye", "health"})  # never refused for an identity's request rate
 _ADMIN_OPS = frozenset({"stats", "flush", "check", "reload"})
+# Closing after a drain that used all of its time still gets this long: what is left to
+# wait for then is the store's last commit and idle threads ending (milliseconds), unless
+# something hangs.
+_CLOSE_GRACE_S = 5.0
 
 
 def _as_error(exc: BaseException) -> HicacheError:
@@ -534,13 +538,15 @@ class Daemon:
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
         return min(due, default=None)
 
-    def drain(self) -> None:
+    def drain(self, deadline: float | None = None) -> None:
         """Stop taking sessions, finish the transfers in flight, write host pages to
-        disk per policy, and wait for those writes. Finishing first matters: a backup
-        still in flight becomes host pages only when it completes, and would otherwise
-        miss the disk."""
+        disk per policy, and wait for those writes, until ``deadline`` (on
+        :attr:`clock`; default: ``[server].drain_timeout_s`` from now). Finishing first
+        matters: a backup still in flight becomes host pages only when it completes,
+        and would otherwise miss the disk."""
         self.draining = True
-        deadline = self.clock() + self.config.server.drain_timeout_s
+        if deadline is None:
+            deadline = self.clock() + self.config.server.drain_timeout_s
         self._flush_all(deadline)
         for manager in self.managers.values():
             manager.persist()
@@ -563,15 +569,35 @@ class Daemon:
             except TimeoutError:
                 logger.warning("drain timed out with transfers in flight")
 
-    def close(self) -> None:
-        self.specs.stop_rebuilds()
+    def close(self, deadline: float | None = None) -> bool:
+        """End the sessions, close every spec's tiers, the store and the rest. What
+        waits (transfers in flight, the store's last commit) waits until ``deadline``
+        (on :attr:`clock`; default: ``[server].drain_timeout_s`` from now), and at least
+        :data:`_CLOSE_GRACE_S` from now: past it, what has not finished is logged —
+        each spec's pages not on disk, lost — and left to the process's exit (a
+        storage that hangs must not hold the stop past what systemd was told). True
+        when everything finished and was let go."""
+        if deadline is None:
+            deadline = self.clock() + self.config.server.drain_timeout_s
+        deadline = max(deadline, self.clock() + _CLOSE_GRACE_S)
+        closed = self.specs.stop_rebuilds(deadline)
         for session in list(self.sessions.values()):
             self.sessions.end(session, "shutdown")
-        for manager in self.managers.values():
+        for fingerprint, manager in self.managers.items():
             manager.poll()
-            manager.close()
+            if not manager.close(max(0.0, deadline - self.clock())):
+                closed = False
+                logger.error("spec %s: gave up at the stop's deadline ([server].drain_timeout_s) with transfers in "
+                             "flight (%d pages being written to disk): its %d pages not on disk are lost",
+                             fingerprint.hex()[:12], manager.disk.pending,
+                             manager.durability()["not_on_disk_pages"])
         if self.storage is not None:
-            self.storage.close()
+            try:
+                self.storage.close(max(0.0, deadline - self.clock()))
+            except TimeoutError as exc:
+                closed = False
+                logger.error("gave up closing the store: %s; what it had not committed is lost (the store stays "
+                             "consistent)", exc)
         if self.remote is not None:
             self.remote.close()
         if self.events is not None:
@@ -579,3 +605,4 @@ class Daemon:
         self.tenant_log.close()
         if self.fds is not None:
             self.fds.close()
+        return closed

@@ -168,7 +168,10 @@ class Specs:
     def _close(self, fingerprint: bytes, why: str) -> None:
         manager = self.managers.pop(fingerprint)
         self._registered_at.pop(fingerprint, None)
-        manager.close()
+        if not manager.close():
+            logger.warning("spec %s: tiers let go unclosed (the store did not commit in time), no engine uses them "
+                           "and %s", manager.spec.fingerprint_hex, why)
+            return
         logger.info("spec %s: tiers closed, no engine uses them and %s", manager.spec.fingerprint_hex, why)
 
     def wait(self, spec: KVSpec, session: Session, ranks: list[DevicePool], answer: Answer) -> None:
@@ -244,14 +247,18 @@ class Specs:
             rebuild.evicted.update(keys)
             rebuild.manager.forget_disk_keys(keys)
 
-    def stop_rebuilds(self) -> None:
-        """Shutting down: the rebuilds under way end, their registrations refused."""
+    def stop_rebuilds(self, deadline: float) -> bool:
+        """Shutting down: the rebuilds under way end, their registrations refused; their
+        managers closed by ``deadline`` (on :attr:`clock`), else left to the process's
+        exit (then False)."""
+        closed = True
         for rebuild in self._rebuilds.values():
-            rebuild.manager.close()
+            closed &= rebuild.manager.close(max(0.0, deadline - self.clock()))
             for waiting in rebuild.waiting:
                 waiting.answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
         self._rebuilds.clear()
         self._resume_gc()
+        return closed
 
 
 def _unused(manager: TierManager) -> bool:

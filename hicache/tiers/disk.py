@@ -72,7 +72,7 @@ class DiskTier(Protocol):
 
     def persist(self) -> int: ...
 
-    def flush(self) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> None: ...
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY,
                       checkpoints: list | None = None) -> Iterator[int]: ...
@@ -118,7 +118,7 @@ class NoDisk:
     def persist(self) -> int:
         return 0
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         pass
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
@@ -283,8 +283,8 @@ class LocalDisk:
                 queued += self.pending - before
         return queued
 
-    def flush(self) -> None:
-        self.storage.flush()
+    def flush(self, timeout_s: float | None = None) -> None:
+        self.storage.flush(timeout_s)
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
         return rebuild_steps(self.core.tree, self.storage, self.core.spec, every, checkpoints)

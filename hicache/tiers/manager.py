@@ -814,7 +814,8 @@ class TierManager:
               every_s: float = 2.0) -> None:
         """Wait until no transfer is in flight and storage has committed everything.
         ``progress(pages being written, pages of writes deferred)`` is called every
-        ``every_s`` while it waits (a draining daemon logs it)."""
+        ``every_s`` while it waits (a draining daemon logs it). ``TimeoutError`` past
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         report_at = time.monotonic() + every_s
         while True:
@@ -830,7 +831,8 @@ class TierManager:
             # held by locks) are left for later: they are not in flight.
             if not self._backups.retry() + self.disk.retry_writes():
                 break
-        self.disk.flush()
+        # (the store is shared with other specs: a write of theirs that hangs holds this up)
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
 
     def next_timer(self) -> float | None:
         """When the earliest timer is due (on this manager's clock), if any."""
@@ -840,8 +842,16 @@ class TierManager:
         """Run ``fn`` from :meth:`poll` once ``delay_s`` has passed on this manager's clock."""
         self._timers.add(delay_s, fn)
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Finish the transfers in flight (within ``timeout_s``), then let go of the
+        threads and the memory. True when closed; False when the transfers did not
+        finish in time (a storage that hangs): then nothing is let go — a transfer
+        that resumed would read or write freed memory, and a stuck thread cannot be
+        joined — and it is all left to the process's exit."""
+        try:
+            self.flush(timeout_s)
+        except TimeoutError:
+            return False
         self._core.misses.close()
         self.remote.close()
         self.workers.close()
@@ -849,6 +859,7 @@ class TierManager:
             self._copy_workers.close()
         self.pools.close()
         self.host_pool.close()
+        return True
 
     def accounting(self) -> dict[Place, TierAccount]:
         """Pages per place (each device pool, host, disk) and state."""

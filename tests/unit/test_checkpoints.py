@@ -321,3 +321,176 @@ def test_a_checkpoint_record_the_store_evicts_ends_no_hit(engine, tmp_path):
         tm.close()
     finally:
         store.close()
+
+
+def _reference_offer(ckpts, host_order, device_order, free_host, free_device, num_offers):
+    """What an offer of ``num_offers`` new checkpoints does to ``ckpts`` (the host and
+    device copies of the pool's old checkpoints), one offer at a time: the host slot
+    of the least recently used checkpoint no copy reads (one elsewhere too first) makes
+    room, then the device slot of the least recently used one. Ties go to the earlier
+    in ``host_order`` / ``device_order``. Returns (host, device, dropped) per old checkpoint."""
+    state = {id(cp): {"host": cp.host >= 0, "device": bool(cp.device), "dropped": False} for cp in ckpts}
+    eligible = [cp for cp in ckpts if not cp.pins and cp.ready]
+    taken = 0
+    for _ in range(num_offers):
+        if not free_host:
+            candidates = [cp for cp in eligible if state[id(cp)]["host"]]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda cp: (not (cp.on_disk or state[id(cp)]["device"]),
+                                                     cp.node.last_access, host_order.index(cp)))
+            s = state[id(victim)]
+            s["host"] = False
+            if not (victim.on_disk or s["device"]):
+                s["dropped"] = True
+            free_host += 1
+        free_host -= 1
+        taken += 1
+        if free_device:
+            free_device -= 1
+            continue
+        candidates = [cp for cp in eligible if state[id(cp)]["device"]]
+        if not candidates:
+            continue
+        victim = min(candidates, key=lambda cp: (cp.node.last_access, device_order.index(cp)))
+        s = state[id(victim)]
+        s["device"] = False
+        if not (s["host"] or victim.on_disk):
+            s["dropped"] = True
+    return [(s["host"], s["device"], s["dropped"]) for s in state.values()], taken
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_offer_that_evicts_picks_the_victims_one_at_a_time_would(tmp_path, seed):
+    # Full host and device checkpoint slots; old checkpoints pinned, unready, on disk or
+    # not, with device copies or not, and last accesses that tie: the checkpoints an
+    # offer evicts are those of the reference (least recently used first, one that is
+    # elsewhere too before one that is not, never one pinned or not ready).
+    rng = np.random.default_rng(seed)
+    lending = StateEngine(checkpoint_slots=3)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    try:
+        tm = make_tm(lending, storage=store, host_checkpoints=6)
+        for label in range(1, 7):
+            prefill(tm, lending, tokens(1000 * label, 1), [(1, label)])
+            tm.flush()
+        cps = tm.checkpoints
+        old = list(cps.on_host.values())
+        assert len(old) == 6 and cps.alloc.num_free == 0
+        base = max(cp.node.last_access for cp in old)  # (a node's last access only grows)
+        for cp in old:
+            cp.node.last_access = base + int(rng.integers(0, 3))
+            if rng.random() < 0.4:
+                cps.forget_keys([cp.key])  # (the store dropped its record)
+        held = [cp for cp in old if rng.random() < 0.2]
+        unready = [cp for cp in old if cp not in held and rng.random() < 0.15]
+        for cp in held:
+            cp.pins += 1
+        for cp in unready:
+            cp.ready = False
+        num_offers = int(rng.integers(1, 5))
+        want, want_taken = _reference_offer(old, list(cps.on_host.values()),
+                                            [cp for cp in cps.on_device.values()],
+                                            cps.alloc.num_free, tm.pools.get(0).checkpoint_slots.num_free, num_offers)
+        lost_before = cps.lost
+        toks = tokens(50_000, 4)
+        hit = tm.match(NS, toks, 0).match
+        pages = np.concatenate((hit.device_pages, tm.alloc(0, 4 - hit.num_device_pages)))
+        lending.compute(NS, toks, pages)
+        node = tm.insert(NS, toks, 0, pages).node
+        for slot in range(1, num_offers + 1):
+            lending.set_state(slot, 100 + slot)
+        taken = tm.wait(tm.checkpoint(node, 0, [(i, i) for i in range(1, num_offers + 1)]))
+        assert taken == want_taken
+        got = [(cp.host >= 0, bool(cp.device), cp.dead) for cp in old]
+        assert got == want, (seed, got, want)
+        assert cps.lost - lost_before == sum(dropped for _, _, dropped in want)
+        for cp in held:
+            cp.pins -= 1
+        for cp in unready:
+            cp.ready = True
+        tm.flush()
+        tm.check_invariants()
+        tm.close()
+    finally:
+        store.close()
+        lending.close()
+
+
+class _CountingDict(dict):
+    """A dict that counts the entries its iterations hand out."""
+
+    examined = 0
+
+    def _count(self, it):
+        for item in it:
+            type(self).examined += 1
+            yield item
+
+    def __iter__(self):
+        return self._count(super().__iter__())
+
+    def values(self):
+        return self._count(super().values())
+
+    def items(self):
+        return self._count(super().items())
+
+
+def test_an_offer_that_evicts_many_checkpoints_looks_at_each_old_one_about_once(monkeypatch):
+    # A hostile insert offers as many checkpoints as fit: evicting one host copy and one
+    # device copy for each must not rescan every checkpoint per victim (seconds of the
+    # owner thread at thousands of slots).
+    n = 24
+    lending = StateEngine(num_pages=2 * n + 4, checkpoint_slots=n)
+    try:
+        tm = make_tm(lending, host_checkpoints=n)
+        nodes = []
+        for start in (100, 100_000):
+            toks = tokens(start, n)
+            pages = tm.alloc(0, n)
+            lending.compute(NS, toks, pages)
+            nodes.append(tm.insert(NS, toks, 0, pages).node)
+        lending.set_state(1, 1)
+        assert tm.wait(tm.checkpoint(nodes[0], 0, [(i, 1) for i in range(1, n + 1)])) == n
+        cps = tm.checkpoints
+        assert cps.count() == (n, 0, n)
+        counted = type("Counting", (_CountingDict,), {"examined": 0})
+        cps.on_host = counted(cps.on_host)
+        cps.on_device = counted(cps.on_device)
+        future = tm.checkpoint(nodes[1], 0, [(i, 1) for i in range(1, n + 1)])
+        examined = counted.examined
+        assert tm.wait(future) == n
+        assert cps.lost == n
+        assert examined <= 4 * n, examined  # (a rescan per victim: about 2 * n * n)
+        cps.on_host, cps.on_device = dict(cps.on_host), dict(cps.on_device)
+        tm.check_invariants()
+        tm.close()
+    finally:
+        lending.close()
+
+
+def test_an_offer_pins_its_path_once_not_once_per_checkpoint(engine, monkeypatch):
+    # The checkpoints of one insert lie on one path: pinning each holder walks the path
+    # again from each one (quadratic in the checkpoints), where one pin of the deepest
+    # holds them all.
+    n = 16
+    tm = make_tm(engine)
+    toks = tokens(100, n)
+    pages = tm.alloc(0, n)
+    engine.compute(NS, toks, pages)
+    node = tm.insert(NS, toks, 0, pages).node
+    walked = {"pin": 0, "unpin": 0}
+    tree = tm.tree
+    for name in walked:
+        original = getattr(tree, name)
+
+        def counting(node, original=original, name=name):
+            walked[name] += len(tree.path(node))
+            return original(node)
+
+        monkeypatch.setattr(tree, name, counting)
+    assert tm.wait(tm.checkpoint(node, 0, [(i, 1) for i in range(1, n + 1)])) == n
+    assert walked["pin"] == walked["unpin"] <= n, walked  # (one pin per holder: n * (n + 1) / 2)
+    tm.check_invariants()
+    tm.close()

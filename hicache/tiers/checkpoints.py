@@ -135,12 +135,12 @@ class Checkpoints:
             device = self._alloc_device(pool)
             if device is not None:
                 self._add_device(cp, pool.pool_id, device)
-            tree.pin(node)
             taken.append(cp)
             src.append(slot)
         if not taken:
             future.set_result(0)
             return future
+        pinned = _pin_paths(tree, [cp.node for cp in taken])
         dst = np.array([cp.host for cp in taken], dtype=np.int64)
         src_ids = np.array(src, dtype=np.int64)
         on_device = [(s, cp.device[pool.pool_id]) for s, cp in zip(src, taken) if pool.pool_id in cp.device]
@@ -155,8 +155,8 @@ class Checkpoints:
                     mover.copy_states(device_src, device_dst)
 
         def done(error: BaseException | None) -> None:
-            for cp in taken:
-                tree.unpin(cp.node)
+            for node in pinned:
+                tree.unpin(node)
             if error is not None:
                 logger.error("checkpoint copy from pool %s failed: %s", pool.pool_id, error)
                 for cp in taken:
@@ -483,6 +483,20 @@ class Checkpoints:
             for pool in self.core_pools:
                 if pool.checkpoint_slots is not None:
                     assert pool.checkpoint_slots.num_allocated == per_pool.get(pool.pool_id, 0), pool.pool_id
+
+
+def _pin_paths(tree, nodes: list[Node]) -> list[Node]:
+    """Pin ``nodes`` while a copy reads their checkpoints, returning the nodes pinned: a
+    pin holds its node's whole path, so the last node's pin holds every node on its path
+    (an offer's holders, cut along one insert's path, ascend it) and only the others get
+    their own. O(depth + len(nodes)) for one path, where a pin per holder walked the path
+    from each: quadratic in the checkpoints of one insert."""
+    last = nodes[-1]
+    on_path = {id(n) for n in tree.path(last)}
+    pinned = [last, *(n for n in nodes[:-1] if id(n) not in on_path)]
+    for node in pinned:
+        tree.pin(node)
+    return pinned
 
 
 def _holder(node: Node | None, page_key: bytes) -> tuple[Node | None, int]:

@@ -33,9 +33,12 @@ tree node that ends at that boundary (the tree is split there). Then:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -122,17 +125,18 @@ class Checkpoints:
         tree = self.core.tree
         taken: list[Checkpoint] = []
         src: list[int] = []
+        host_victims, device_victims = self._host_victims(), self._device_victims(pool.pool_id)
         for node, slot in offers:
             if node.checkpoint is not None or not tree.is_live(node):
                 continue
-            host = self._alloc_slot()
+            host = self._alloc_slot(host_victims)
             if host is None:
                 self.refused += len(offers) - len(taken)
                 break
             cp = Checkpoint(node, checkpoint_key(node.last_page_key), host=host)
             node.checkpoint = cp
             self.on_host[host] = cp
-            device = self._alloc_device(pool)
+            device = self._alloc_device(pool, device_victims)
             if device is not None:
                 self._add_device(cp, pool.pool_id, device)
             taken.append(cp)
@@ -344,53 +348,60 @@ class Checkpoints:
 
     # -- host slots ----------------------------------------------------------------
 
-    def _alloc_slot(self) -> int | None:
+    def _alloc_slot(self, victims: _Victims | None = None) -> int | None:
+        """A free host slot; the least recently used checkpoint no copy reads makes room
+        (one on disk or on a device first: see :meth:`_host_victims`). None: every one
+        is being read. ``victims``: one offer's, kept across its slots."""
         slots = self.alloc.alloc(1)
-        if slots is None:
-            self._evict_one()
-            slots = self.alloc.alloc(1)
-        return None if slots is None else int(slots[0])
-
-    def _evict_one(self) -> None:
-        """Free the host slot of the least recently used checkpoint no copy reads now,
-        preferring one on disk."""
-        best = None
-        for cp in self.on_host.values():
-            if cp.pins or not cp.ready:
-                continue
-            rank = (not (cp.on_disk or cp.device), cp.node.last_access)
-            if best is None or rank < best[0]:
-                best = (rank, cp)
-        if best is None:
-            return
-        cp = best[1]
+        if slots is not None:
+            return int(slots[0])
+        cp = (victims if victims is not None else self._host_victims()).pop()
+        if cp is None:
+            return None
+        # The victim's slot passes straight on (freeing it and allocating again, with
+        # no other slot free, gives the same slot, at two allocator calls a victim).
+        slot = cp.host
+        del self.on_host[slot]
+        cp.host = -1
         if not (cp.on_disk or cp.device):
             self.lost += 1
             self._drop(cp)
-        else:
-            self._free_host(cp)
+        return slot
 
-    def _alloc_device(self, pool: DevicePoolState) -> int | None:
+    def _host_victims(self) -> _Victims:
+        """The checkpoints whose host slot may go, in the order they go: least recently
+        used first, one that is elsewhere too (disk, a device) before one that is not;
+        none being read or not yet ready."""
+        return _Victims(lambda: self.on_host.values(),
+                        lambda cp: (not (cp.on_disk or cp.device), cp.node.last_access),
+                        lambda cp: cp.host >= 0 and not cp.pins and cp.ready)
+
+    def _device_victims(self, pool_id: int) -> _Victims:
+        """The checkpoints whose device copy in ``pool_id`` may go: least recently used
+        first, none being read or not yet ready."""
+        return _Victims(lambda: self.on_device.values(),
+                        lambda cp: cp.node.last_access,
+                        lambda cp: pool_id in cp.device and not cp.pins and cp.ready)
+
+    def _alloc_device(self, pool: DevicePoolState, victims: _Victims | None = None) -> int | None:
         """A free checkpoint slot of the pool (the least recently used unpinned device
-        copy there makes room); None: it lends none, or all are being read."""
+        copy there makes room); None: it lends none, or all are being read.
+        ``victims``: one offer's, kept across its slots."""
         slots = pool.checkpoint_slots
         if slots is None:
             return None
         got = slots.alloc(1)
-        if got is None:
-            best = None
-            for (pool_id, _), cp in self.on_device.items():
-                if pool_id == pool.pool_id and not cp.pins and cp.ready:
-                    if best is None or cp.node.last_access < best.node.last_access:
-                        best = cp
-            if best is None:
-                return None
-            self._free_device(best, pool.pool_id)
-            if not (best.host >= 0 or best.on_disk or best.device):
-                self.lost += 1
-                self._drop(best)
-            got = slots.alloc(1)
-        return int(got[0])
+        if got is not None:
+            return int(got[0])
+        best = (victims if victims is not None else self._device_victims(pool.pool_id)).pop()
+        if best is None:
+            return None
+        slot = best.device.pop(pool.pool_id)  # (its slot passes straight on, as on host)
+        del self.on_device[(pool.pool_id, slot)]
+        if not (best.host >= 0 or best.on_disk or best.device):
+            self.lost += 1
+            self._drop(best)
+        return slot
 
     def _add_device(self, cp: Checkpoint, pool_id: int, slot: int) -> None:
         cp.device[pool_id] = slot
@@ -483,6 +494,47 @@ class Checkpoints:
             for pool in self.core_pools:
                 if pool.checkpoint_slots is not None:
                     assert pool.checkpoint_slots.num_allocated == per_pool.get(pool.pool_id, 0), pool.pool_id
+
+
+class _Victims:
+    """Checkpoints in the order a run of evictions takes them: least ``rank`` first among
+    those ``eligible``, ties to the earliest in ``entries()`` (as one scan per victim
+    picked them). A heap built at the first :meth:`pop` — O(n) — then O(log n) a pop,
+    so an offer that evicts for k checkpoints costs O(n + k log n), not k scans of n.
+
+    It lives for one offer (or one eviction), while nothing makes a checkpoint
+    eligible or lowers its rank: only evictions happen meanwhile, and they make
+    checkpoints ineligible (their slot gone) or raise a rank (a host copy whose
+    device copy went is then the last copy). A popped entry is checked against the
+    checkpoint's current state: dropped if no longer eligible, pushed back if its rank
+    grew."""
+
+    __slots__ = ("_entries", "_rank", "_eligible", "_heap")
+
+    def __init__(self, entries: Callable[[], Iterable[Checkpoint]], rank: Callable[[Checkpoint], Any],
+                 eligible: Callable[[Checkpoint], bool]) -> None:
+        self._entries, self._rank, self._eligible = entries, rank, eligible
+        self._heap: list | None = None
+
+    def pop(self) -> Checkpoint | None:
+        rank, eligible = self._rank, self._eligible
+        heap = self._heap
+        if heap is None:
+            heap = self._heap = [(rank(cp), order, cp) for order, cp in enumerate(self._entries()) if eligible(cp)]
+            heapq.heapify(heap)
+        while heap:
+            was, order, cp = heap[0]
+            if not eligible(cp):
+                heapq.heappop(heap)
+                continue
+            now = rank(cp)
+            if now != was:
+                assert was < now, (was, now)  # (see the class docstring)
+                heapq.heapreplace(heap, (now, order, cp))
+                continue
+            heapq.heappop(heap)
+            return cp
+        return None
 
 
 def _pin_paths(tree, nodes: list[Node]) -> list[Node]:

@@ -358,3 +358,43 @@ def test_a_load_into_cut_short_by_a_lost_record_ends_where_a_window_has_its_byte
     finally:
         tm.close()
         store.close()
+
+
+def test_top_ups_for_many_new_ends_on_one_path_lock_and_pin_it_once(engine, tmp_path, monkeypatch):
+    # An insert with an end after every page of a node already backed up and written:
+    # every new end's window is topped up from the device and its records rewritten.
+    # Each top-up locking (and each rewrite pinning) its own node walks the path again
+    # from each end: quadratic in the ends of one insert, seconds at thousands.
+    n = 12
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    toks = tokens(100, n)
+    prefill(tm, engine, toks)
+    tree = tm.tree
+    walked = {"lock": 0, "unlock": 0, "pin": 0, "unpin": 0}
+    for name in walked:
+        original = getattr(tree, name)
+
+        def counting(node, *args, original=original, name=name):
+            walked[name] += len(tree.path(node))
+            return original(node, *args)
+
+        monkeypatch.setattr(tree, name, counting)
+    hit = tm.match(NS, toks, 0).match
+    tm.insert(NS, toks, 0, hit.device_pages, ends=list(range(1, n + 1)))
+    tm.flush()
+    monkeypatch.undo()
+    assert tm.windows.topped_up == n - W  # (the last W pages had theirs)
+    keys = page_keys(NS, toks, PS)
+    path = tree.path(tm.match(NS, toks, 0).match.node)
+    assert [node.num_pages for node in path] == [1] * n
+    for i, node in enumerate(path):
+        assert swa_first(node, HOST_SLOT) == 0 and swa_first(node, DISK_SLOT) == 0, i
+        check_host_copy(tm, node, keys[i : i + 1])
+    sizes = {k: m.payload_size for k, m in store.iter_metadata()}
+    assert [sizes[k] for k in keys] == [SPEC.host_page_bytes] * n
+    assert walked["lock"] == walked["unlock"] and walked["pin"] == walked["unpin"]
+    assert walked["lock"] <= 2 * n and walked["pin"] <= 2 * n, walked  # (one per end: n * (n - 1) / 2 each)
+    tm.check_invariants()
+    tm.close()
+    store.close()

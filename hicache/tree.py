@@ -923,6 +923,31 @@ class HiRadixTree:
         path.reverse()
         return path
 
+    def deepest(self, nodes: Iterable[Node]) -> list[Node]:
+        """The nodes of ``nodes`` that none of the others is below, each once, in the
+        order given: a lock or pin of each holds all of ``nodes`` (one holds its whole
+        path). O(nodes on their paths, once each), where a lock or pin per node walks
+        every path from each: quadratic for the ends one insert cuts along its path."""
+        nodes = list(nodes)
+        walked: set[int] = set()
+        above: set[int] = set()  # nodes with one of ``nodes`` below them
+        for node in nodes:
+            if node.node_id in walked:
+                continue
+            walked.add(node.node_id)
+            up = node.parent
+            while up is not None and up.parent is not None:
+                above.add(up.node_id)
+                if up.node_id in walked:  # (what is above it is marked already)
+                    break
+                walked.add(up.node_id)
+                up = up.parent
+        out: dict[int, Node] = {}
+        for node in nodes:
+            if node.node_id not in above:
+                out.setdefault(node.node_id, node)
+        return list(out.values())
+
     def set_tokens(self, node: Node, tokens: bytes) -> None:
         """Give ``node`` back the tokens of its pages (read from the store before its
         records go, while it stays cached elsewhere); checked against its page keys."""

@@ -538,14 +538,10 @@ class _Victims:
 
 
 def _pin_paths(tree, nodes: list[Node]) -> list[Node]:
-    """Pin ``nodes`` while a copy reads their checkpoints, returning the nodes pinned: a
-    pin holds its node's whole path, so the last node's pin holds every node on its path
-    (an offer's holders, cut along one insert's path, ascend it) and only the others get
-    their own. O(depth + len(nodes)) for one path, where a pin per holder walked the path
-    from each: quadratic in the checkpoints of one insert."""
-    last = nodes[-1]
-    on_path = {id(n) for n in tree.path(last)}
-    pinned = [last, *(n for n in nodes[:-1] if id(n) not in on_path)]
+    """Pin ``nodes`` while a copy reads their checkpoints, returning the nodes pinned:
+    a pin holds its node's whole path, so only the deepest (an offer's holders all lie
+    on its insert's path: one) — linear, where a pin per holder was quadratic."""
+    pinned = tree.deepest(nodes)
     for node in pinned:
         tree.pin(node)
     return pinned

@@ -105,17 +105,24 @@ class Windows:
         to the node as it was when it started."""
         pending, self.split = self.split, []
         started = 0
+        copies: dict[int, list[tuple[Node, np.ndarray, np.ndarray]]] = {}
+        rewrites: list[tuple[Node, int]] = []
         for node in pending:
-            outcome = self._top_up(node)
+            outcome = self._top_up(node, copies, rewrites)
             if outcome is None:
                 self.split.append(node)
             else:
                 started += outcome
+        for pool_id, wanted in copies.items():
+            self._copy(self.pools[pool_id], wanted)
+        if rewrites:
+            self._rewrite(rewrites)
         return started
 
-    def _top_up(self, node: Node) -> bool | None:
-        """Start what ``node``'s window needs: True (started), False (nothing to do), or
-        None (a transfer of it is in flight: ask again later)."""
+    def _top_up(self, node: Node, copies: dict, rewrites: list) -> bool | None:
+        """What ``node``'s window needs: True (a copy into ``copies`` or a rewrite into
+        ``rewrites``, started by :meth:`top_up`), False (nothing to do), or None (a
+        transfer of it is in flight: ask again later)."""
         core, tree = self.core, self.core.tree
         if not tree.is_live(node):
             return False
@@ -123,7 +130,10 @@ class Windows:
         inflight = core.inflight
         if HOST_SLOT in node.residency and swa_first(node, HOST_SLOT) <= first:
             if node.on_disk and swa_first(node, DISK_SLOT) > first:
-                return self._rewrite(node, first)
+                if self.storage is None or not node.tokens or inflight.busy(node, Kind.DISK_WRITE):
+                    return False
+                rewrites.append((node, first))
+                return True
             return None if inflight.busy(node, Kind.DISK_WRITE) else False
         if inflight.busy(node, Kind.BACKUP) or inflight.busy(node, Kind.DISK_WRITE):
             return None
@@ -135,8 +145,19 @@ class Windows:
             return False
         src = node.device_pages(pool.pool_id)[first:].astype(np.int64)
         dst = node.host_pages[first:].astype(np.int64)
-        count = len(dst)
-        tree.lock(node, pool.pool_id)
+        copies.setdefault(pool.pool_id, []).append((node, src, dst))
+        return True
+
+    def _copy(self, pool, wanted: list[tuple[Node, np.ndarray, np.ndarray]]) -> None:
+        """Copy the SWA bytes of ``wanted`` — ``(node, device pages, host pages)`` — from
+        the pool to host in one job, the nodes locked in the pool meanwhile (the deepest
+        only: one lock holds its path; a lock per node walked the path from each)."""
+        core, tree = self.core, self.core.tree
+        locked = tree.deepest(node for node, _, _ in wanted)
+        for node in locked:
+            tree.lock(node, pool.pool_id)
+        src = np.concatenate([s for _, s, _ in wanted])
+        dst = np.concatenate([d for _, _, d in wanted])
         self.busy += 1
         movers = pool.movers
 
@@ -146,55 +167,62 @@ class Windows:
 
         def done(error: BaseException | None) -> None:
             self.busy -= 1
-            tree.unlock(node, pool.pool_id)
+            for node in locked:
+                tree.unlock(node, pool.pool_id)
             if error is not None:
                 logger.error("SWA top-up from pool %s failed: %s", pool.pool_id, error)
                 return
-            core.moved["d2h"] = core.moved.get("d2h", 0) + count * (self.page_bytes - self.kept_bytes)
-            if not tree.is_live(node) or node.host_pages is None:
-                return
-            # (a split meanwhile cut pages off its front: the copied ones are its last)
-            now = max(0, node.num_pages - min(count, self.pages))
-            if swa_first(node, HOST_SLOT) > now:
-                tree.set_swa(node, HOST_SLOT, now)
-                self.topped_up += 1
-            self.split.append(node)  # (its disk records next)
+            core.moved["d2h"] = core.moved.get("d2h", 0) + len(dst) * (self.page_bytes - self.kept_bytes)
+            for node, _, copied in wanted:
+                if not tree.is_live(node) or node.host_pages is None:
+                    continue
+                # (a split meanwhile cut pages off its front: the copied ones are its last)
+                now = max(0, node.num_pages - min(len(copied), self.pages))
+                if swa_first(node, HOST_SLOT) > now:
+                    tree.set_swa(node, HOST_SLOT, now)
+                    self.topped_up += 1
+                self.split.append(node)  # (its disk records next)
 
         pool.copy.run(copy, done)
-        return True
 
-    def _rewrite(self, node: Node, first: int) -> bool:
-        """Write ``node``'s pages ``first ..`` whole again (their records lacked SWA)."""
+    def _rewrite(self, rewrites: list[tuple[Node, int]]) -> None:
+        """Write each ``(node, first)``'s pages ``first ..`` whole again (their records
+        lacked SWA): a write per node, the nodes pinned until the last is done (the
+        deepest only, as in :meth:`_copy`)."""
         core, tree, storage = self.core, self.core.tree, self.storage
-        if storage is None or not node.tokens or core.inflight.busy(node, Kind.DISK_WRITE):
-            return False
-        count = node.num_pages - first
-        keys = node.page_keys[first * PAGE_KEY_BYTES :]
-        before = node.page_keys[(first - 1) * PAGE_KEY_BYTES : first * PAGE_KEY_BYTES] if first else \
-            node.parent.last_page_key
-        page_tokens = len(node.tokens) // node.num_pages
-        batch = PageBatch(keys, node.namespace * count, before + keys[:-PAGE_KEY_BYTES],
-                          node.tokens[first * page_tokens :], core.host_pool.pages_array(),
-                          node.host_pages[first:].astype(np.int64))
+        pinned = tree.deepest(node for node, _ in rewrites)
+        for node in pinned:
+            tree.pin(node)
+        left = [len(rewrites)]
         fingerprint = core.spec.fingerprint
-        tree.pin(node)
-        self.busy += 1
+        for node, first in rewrites:
+            count = node.num_pages - first
+            keys = node.page_keys[first * PAGE_KEY_BYTES :]
+            before = node.page_keys[(first - 1) * PAGE_KEY_BYTES : first * PAGE_KEY_BYTES] if first else \
+                node.parent.last_page_key
+            page_tokens = len(node.tokens) // node.num_pages
+            batch = PageBatch(keys, node.namespace * count, before + keys[:-PAGE_KEY_BYTES],
+                              node.tokens[first * page_tokens :], core.host_pool.pages_array(),
+                              node.host_pages[first:].astype(np.int64))
+            self.busy += 1
 
-        def done(result, error: BaseException | None) -> None:
-            self.busy -= 1
-            tree.unpin(node)
-            if error is not None:
-                logger.error("SWA record rewrite failed: %s", error)
-            elif tree.is_live(node) and node.on_disk:
-                now = max(0, node.num_pages - count)
-                if swa_first(node, DISK_SLOT) > now:
-                    tree.set_swa(node, DISK_SLOT, now)
-                core.moved["host_to_disk"] = core.moved.get("host_to_disk", 0) + count * self.page_bytes
-            if result is not None and result.evicted:
-                self.on_store_evicted(result.evicted)
+            def done(result, error: BaseException | None, node=node, count=count) -> None:
+                self.busy -= 1
+                left[0] -= 1
+                if not left[0]:
+                    for held in pinned:
+                        tree.unpin(held)
+                if error is not None:
+                    logger.error("SWA record rewrite failed: %s", error)
+                elif tree.is_live(node) and node.on_disk:
+                    now = max(0, node.num_pages - count)
+                    if swa_first(node, DISK_SLOT) > now:
+                        tree.set_swa(node, DISK_SLOT, now)
+                    core.moved["host_to_disk"] = core.moved.get("host_to_disk", 0) + count * self.page_bytes
+                if result is not None and result.evicted:
+                    self.on_store_evicted(result.evicted)
 
-        core.workers.write(lambda: storage.put_batch(batch, fingerprint=fingerprint), done)
-        return True
+            core.workers.write(lambda batch=batch: storage.put_batch(batch, fingerprint=fingerprint), done)
 
     # -- sizes and checks -------------------------------------------------------------
 

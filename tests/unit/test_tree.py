@@ -561,3 +561,20 @@ def test_split_hook_touchless_match_and_pool_discard(alloc):
     assert sorted(freed.tolist()) == sorted(first_pages.tolist())
     assert t.match(NS, tokens, 0).num_pages == 0 and t.match(NS, tokens, 1).num_pages == 4
     t.check_invariants()
+
+
+def test_deepest_keeps_the_nodes_no_other_is_below(tree, alloc):
+    # a -> b -> c, and a -> d: locking c and d holds a, b, c, d.
+    pa, pb, pc, pd = (seq(v, pages=1) for v in (100, 200, 300, 500))
+    insert(tree, alloc, pa + pb + pc)
+    insert(tree, alloc, pa + pd)
+    c = tree.match(NS, pa + pb + pc, 0).node
+    b = tree.match(NS, pa + pb, 0).node
+    d = tree.match(NS, pa + pd, 0).node
+    a = d.parent
+    assert c.parent is b and b.parent is a and a.parent.parent is None
+    assert tree.deepest([a, b, c, d]) == [c, d]
+    assert tree.deepest([c, a, d, b, c]) == [c, d]
+    assert tree.deepest([b, a]) == [b]
+    assert tree.deepest([a]) == [a] and tree.deepest([]) == []
+    assert tree.deepest([d, c]) == [d, c]

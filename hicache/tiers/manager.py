@@ -523,18 +523,36 @@ class TierManager:
     def _cut_at(self, node: Node, ends: Sequence[int]) -> list[Node]:
         """The nodes of ``node``'s path that end after each of ``ends`` pages (ascending),
         splitting nodes so that they do."""
-        out = []
-        wanted = iter(ends)
-        pages = next(wanted, None)
-        start = 0
+        out: list[Node] = []
+        wanted = list(ends)
+        i = start = 0
         for n in self.tree.path(node):
+            if i == len(wanted):
+                break
             end = start + n.num_pages
-            while pages is not None and pages <= end:
-                out.append(n if pages == end else self.tree.split(n, pages - start))
-                start = pages
-                pages = next(wanted, None)
-            start = end
+            j = i
+            while j < len(wanted) and wanted[j] <= end:
+                j += 1
+            cuts = [pages - start for pages in wanted[i:j]]
+            whole = bool(cuts) and cuts[-1] == n.num_pages
+            out += self._split_at(n, cuts[:-1] if whole else cuts)
+            if whole:
+                out.append(n)
+            i, start = j, end
         return out
+
+    def _split_at(self, node: Node, cuts: list[int]) -> list[Node]:
+        """Split ``node`` after each of ``cuts`` pages (ascending, inside it); the new
+        nodes ending there, in order (``node`` keeps the last part). The middle cut
+        first, then each half: a split copies the bytes of the node it cuts, so cutting
+        in turn from the front copied the rest again per cut (quadratic); halving copies
+        each page O(log cuts) times."""
+        if not cuts:
+            return []
+        mid = len(cuts) // 2
+        upper = self.tree.split(node, cuts[mid])
+        return ([*self._split_at(upper, cuts[:mid]), upper]
+                + self._split_at(node, [pages - cuts[mid] for pages in cuts[mid + 1 :]]))
 
     def load(self, node: Node, pool_id: PoolId, state_slot: int | None = None) -> Future:
         """Bring the host / disk part of ``node``'s path into the pool; a future of

@@ -20,7 +20,10 @@ Collections of the garbage collector are left out (``gc.disable()`` while timing
 daemon schedules them itself (``daemon/collector.py``). With ``--json`` the last line is
 one JSON object: ``checkpoints`` (a list of rounds: ``insert_ms``, ``offer_ms``,
 ``done_ms``, ``taken``), ``swa_top_up_max_poll_ms``, ``swa_topped_up``,
-``ends_insert_ms``, ``no_ends_insert_ms``, and the figures of the setup.
+``ends_insert_ms``, ``no_ends_insert_ms``, ``offer_vs_insert_ratio`` (the worst round's
+offer and completion over its insert of the same pages: the baseline) and
+``ends_vs_plain_ratio`` (the insert with ends over the one without), and the figures of
+the setup.
 """
 
 from __future__ import annotations
@@ -127,11 +130,18 @@ def main() -> None:
               f"done {r['done_ms']} ms, taken {r['taken']}")
     print(f"swa top-up: worst poll {worst_poll} ms, {topped_up} ends topped up")
     print(f"ends: insert {with_ends} ms with an end after every page, {without_ends} ms without")
+    # The baseline: the same pages inserted without the hostile list (what any insert of
+    # that size costs); the ratios say what the list adds on the owner thread.
+    worst = max(rounds, key=lambda r: r["offer_ms"] + r["done_ms"])
+    offer_ratio = round((worst["offer_ms"] + worst["done_ms"]) / max(worst["insert_ms"], 1e-3), 2)
+    ends_ratio = round(with_ends / max(without_ends, 1e-3), 2)
+    print(f"worst offer + completion {offer_ratio}x its insert; an insert with ends {ends_ratio}x one without")
     if args.json:
         print(json.dumps({"host_slots": args.host_slots, "checkpoints_per_insert": args.checkpoints,
                           "page_size": args.page_size, "checkpoints": rounds,
                           "swa_top_up_max_poll_ms": worst_poll, "swa_topped_up": topped_up,
-                          "ends_insert_ms": with_ends, "no_ends_insert_ms": without_ends}))
+                          "ends_insert_ms": with_ends, "no_ends_insert_ms": without_ends,
+                          "offer_vs_insert_ratio": offer_ratio, "ends_vs_plain_ratio": ends_ratio}))
 
 
 if __name__ == "__main__":

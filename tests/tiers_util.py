@@ -209,3 +209,53 @@ class Driver:
         if tm.storage is not None and tm.disk.enabled:  # and no record the tree does not know
             assert tm.storage.stats().records == tm.tree.sizes(Tier.DISK).cached, (
                 tm.storage.stats().records, tm.tree.sizes(Tier.DISK).cached)
+
+
+class ManualWorkers:
+    """:class:`hicache.jobs.Workers` whose jobs wait in queues until a test runs them."""
+
+    def __init__(self, completions, *, io_threads: int = 2) -> None:
+        self.completions = completions
+        self.queues = {"copy": [], "io": [], "write": []}
+
+    def copy(self, work, done) -> None:
+        self.queues["copy"].append((work, done))
+
+    def io(self, work, done) -> None:
+        self.queues["io"].append((work, done))
+
+    def write(self, submit, done) -> None:
+        self.queues["write"].append((submit, done))
+
+    @property
+    def jobs(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def run(self, name: str, index: int = 0, *, fail: bool = False, movers=()) -> None:
+        """Run a job; a failing one: its storage call raises, or the page copies of
+        ``movers`` (a pool's) do."""
+        queue = self.queues[name]
+        work, done = queue.pop(index if name == "io" else 0)  # (copies and writes run in order)
+        result = error = None
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected copy failure")
+
+        if fail:
+            for mover in movers:
+                mover.load = mover.load_layer = mover.backup = broken
+        try:
+            if fail and name != "copy":
+                raise OSError("injected storage failure")
+            result = work()
+            if name == "write":
+                result = result.result()
+        except BaseException as exc:  # noqa: BLE001 - reported through done, as Workers does
+            error = exc
+        finally:
+            if fail:
+                for mover in movers:
+                    del mover.load, mover.load_layer, mover.backup
+        self.completions.post(lambda: done(result, error))
+
+    def close(self) -> None:
+        pass

@@ -5,12 +5,13 @@ import threading
 import numpy as np
 import pytest
 
+import hicache.tiers.manager as manager_module
 from hicache.errors import InvalidArgument
 from hicache.keys import namespace_id, page_keys
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import Place, Tier
 from storage_util import stored_run
-from tiers_util import SPEC, Engine, expected_page
+from tiers_util import SPEC, Engine, ManualWorkers, expected_page
 
 NS = namespace_id(SPEC.fingerprint, "tiers")
 PS = SPEC.page_size
@@ -1344,3 +1345,41 @@ def test_an_insert_cuts_its_path_at_its_ends_copying_each_page_a_few_times(ends,
         tm.close()
     finally:
         engine.close()
+
+
+def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monkeypatch):
+    """Two loads in flight, the second below the first: when the first fails, the pages
+    the second is still copying into must not go to another request before it lands."""
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    tm, handle = make_tm(engine, host_pages=8)
+    workers = tm.workers
+    toks = tokens(100, 4)
+    prefill(tm, engine, toks)
+    workers.run("copy")  # the write-through backup
+    tm.poll()
+    tm.evict(Tier.DEVICE, 16, 0)
+    assert tm.tree.sizes(Tier.HOST).cached == 4 and tm.tree.sizes(Tier.DEVICE, 0).cached == 0
+    upper = tm.match(NS, toks[: 2 * PS], 0).match.node
+    tm.lock(upper, 0)
+    first = tm.load(upper, 0).result()
+    lower = tm.match(NS, toks, 0).match.node
+    tm.lock(lower, 0)
+    second = tm.load(lower, 0).result()
+    assert first.num_loaded_pages == 2 and second.num_loaded_pages == 2
+    workers.run("copy", fail=True, movers=tm.pools.get(0).movers)  # the first load's copies fail
+    tm.poll()
+    tm.check_invariants()
+    # Another request takes every free page, while the second load's copies still run.
+    num_free = tm.pools.get(0).allocator.num_free
+    other = tokens(900, num_free)
+    computed = prefill(tm, engine, other).device_pages
+    workers.run("copy")  # the second load's copies land
+    tm.poll()
+    engine.check(NS, other, computed)
+    tm.unlock(lower, 0)
+    tm.unlock(upper, 0)
+    while workers.jobs:
+        workers.run("copy")
+        tm.poll()
+    tm.check_invariants()
+    engine.check(NS, other, tm.match(NS, other, 0).match.device_pages)

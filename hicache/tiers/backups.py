@@ -137,6 +137,7 @@ class Backups:
             core.report(transfer)
         pool = self.pools[transfer.pool]
         tree.unlock(transfer.hold, transfer.pool)
+        pool.free_orphans(transfer)
         if error is not None:
             logger.error("backup from pool %s failed: %s", transfer.pool, error)
         added = []

@@ -42,7 +42,7 @@ class DevicePoolState:
     counters: LayerCounters
     copy: CopyEngine
     num_private: int = 0
-    staging: int = 0  # pages reserved by loads still waiting for disk reads
+    staging: int = 0  # pages reserved by loads still waiting for disk reads, or held by transfers (orphans)
     retired: bool = False
     owned: bool = False  # engine-owned: see the module docstring
     name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
@@ -63,6 +63,13 @@ class DevicePoolState:
     def unmake_private(self, ids: PageIds) -> None:
         self.private[ids] = False
         self.num_private -= len(ids)
+
+    def free_orphans(self, transfer) -> None:
+        """``transfer`` is over: the pages it held out of the tree are free now."""
+        orphans = transfer.take_orphans()
+        if len(orphans):
+            self.staging -= len(orphans)
+            self.allocator.free(orphans)
 
     def release(self, ids: PageIds) -> None:
         """Give back private pages."""

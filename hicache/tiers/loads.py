@@ -116,6 +116,7 @@ def end_load(core: Core, pool: DevicePoolState, transfer: Transfer, error: BaseE
             on_error()
     core.tree.unlock(transfer.hold, transfer.pool)
     pool.counters.finish(transfer.ticket)
+    pool.free_orphans(transfer)
 
 
 class Loads:
@@ -309,7 +310,12 @@ class Loads:
         def undo() -> None:  # the pages that will never be written leave the tree
             first = transfer.entries[0].node
             if tree.is_live(first) and first.device_pages(transfer.pool) is not None:
-                pool.allocator.free(tree.discard(first, Tier.DEVICE, transfer.pool))
+                # (and what hangs below them: loads and backups of it may still be
+                # copying, so their pages go free only as those end)
+                gone = tree.discard(first, Tier.DEVICE, transfer.pool)
+                free = core.inflight.hold_back(transfer.pool, gone)
+                pool.staging += len(gone) - len(free)  # (see DevicePoolState.free_orphans)
+                pool.allocator.free(free)
 
         end_load(core, pool, transfer, error, undo)
         timing = transfer.timing

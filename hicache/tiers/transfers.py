@@ -62,10 +62,18 @@ class Transfer:
     from_disk: int = 0  # a load: how many of its pages were read from disk for it
     quota: "tuple[str, int] | None" = None  # (group, pages) staged against a space quota (hicache.tiers.quotas)
     nbytes: int | None = None  # bytes it moves, when not whole host pages (SWA parts left out)
+    # Device pages it copies that left the tree while it ran (a failed load above them:
+    # InFlight.hold_back): not free until it ends, since its copy still uses them.
+    orphans: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
         return sum(len(e.dst) for e in self.entries)
+
+    def take_orphans(self) -> np.ndarray:
+        """The :attr:`orphans`, handed over once (the transfer is over)."""
+        orphans, self.orphans = concat(self.orphans), []
+        return orphans
 
     def split(self, upper: Node, lower: Node) -> None:
         for i, entry in enumerate(self.entries):
@@ -163,10 +171,29 @@ class InFlight:
                     yield transfer
 
     def landing(self, pool: PoolId) -> int:
-        """Device pages of the pool that loads in flight are still writing."""
+        """Device pages of the pool, cached in the tree, that loads in flight are still
+        writing (orphans are not cached: the pool counts them as staging)."""
         if not self._by_node:
             return 0
-        return sum(t.num_pages for t in self._distinct() if t.kind == Kind.LOAD and t.pool == pool)
+        return sum(t.num_pages - sum(len(o) for o in t.orphans)
+                   for t in self._distinct() if t.kind == Kind.LOAD and t.pool == pool)
+
+    def hold_back(self, pool: PoolId, pages: np.ndarray) -> np.ndarray:
+        """Of device ``pages`` of ``pool`` that just left the tree, the ones a load in
+        flight still copies into, or a backup still copies from, become that
+        transfer's :attr:`~Transfer.orphans` (freed when it ends: another request must
+        not get a page a copy still writes or reads); returns the others, free now."""
+        if not len(pages) or not self._by_node:
+            return pages
+        for transfer in self._distinct():
+            if transfer.pool != pool or transfer.kind not in (Kind.LOAD, Kind.BACKUP):
+                continue
+            used = concat(e.dst if transfer.kind == Kind.LOAD else e.src for e in transfer.entries)
+            mine = np.isin(pages, used)
+            if mine.any():
+                transfer.orphans.append(pages[mine])
+                pages = pages[~mine]
+        return pages
 
     def pools(self) -> set[PoolId | None]:
         """The pools some transfer in flight uses."""

@@ -1383,3 +1383,36 @@ def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monk
         tm.poll()
     tm.check_invariants()
     engine.check(NS, other, tm.match(NS, other, 0).match.device_pages)
+
+
+def test_an_owned_store_keeps_the_host_prefix_it_continues():
+    """A store of pages that continue a prefix on host: the host pages it allocates
+    are never found by evicting that prefix (the stored pages would hang from nothing)."""
+    import torch
+
+    from hicache.foreign import ForeignPool
+    from owned_util import OWNED_SPEC, layer_major
+
+    layout = layer_major(8)
+    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
+    tm = TierManager(OWNED_SPEC, host_pages=4)
+    try:
+        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+        tm.add_namespace(ns)
+        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+        ps = OWNED_SPEC.page_size
+        prefix = list(range(7, 7 + 2 * ps))
+        other = list(range(1000, 1000 + 2 * ps))
+        assert tm.wait(tm.store(ns, prefix, 0, [1, 2])).num_cached == 2
+        assert tm.wait(tm.store(ns, other, 0, [3, 4])).num_cached == 2
+        held = tm.match(ns, other, 0).match.node
+        tm.lock(held, 0)  # the host tier is full, and only the prefix may go
+        longer = prefix + list(range(50, 50 + 2 * ps))
+        stored = tm.wait(tm.store(ns, longer, 0, [1, 2, 5, 6]))
+        tm.flush()
+        tm.check_invariants()
+        assert stored.num_copied == 0 and stored.num_cached == 2
+        assert tm.match(ns, longer, 0).match.num_host_pages == 2
+        tm.unlock(held, 0)
+    finally:
+        tm.close()

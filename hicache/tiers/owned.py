@@ -86,6 +86,9 @@ class OwnedTransfers:
         match = tree.match(namespace, tokens, pool.pool_id)  # (a store is a use: touch)
         skip = match.num_host_pages  # the pool has no device part: this is the host prefix
         count = len(blocks) - skip
+        prefix = match.last_host_node if skip else None
+        if prefix is not None:
+            tree.pin(prefix)  # before room is made below: the stored pages hang from it
         if count > 0 and not core.room_for(namespace, Tier.HOST, count):
             count = 0  # its tenant's host quota: not cached
         host_pages = core.alloc_host(count) if count > 0 else None
@@ -93,12 +96,10 @@ class OwnedTransfers:
             count //= 2
             host_pages = core.alloc_host(count) if count else None
         if not count:
-            node = match.last_host_node if skip else None
-            future.set_result(Stored(node, 0, skip))
+            if prefix is not None:
+                tree.unpin(prefix)
+            future.set_result(Stored(prefix, 0, skip))
             return future
-        prefix = match.last_host_node if skip else None
-        if prefix is not None:
-            tree.pin(prefix)
         core.host_staging += count
         transfer = Transfer(Kind.BACKUP, pool.pool_id, [], prefix or tree.root(namespace))
         core.inflight.add_detached(transfer)

@@ -48,6 +48,7 @@ def check_invariants(core: Core, pools: DevicePools, disk: DiskTier) -> None:
     assert not gone, f"pools {sorted(gone)} are gone but hold locks"
     core.inflight.check(tree)
     for place, account in accounting(core, pools, disk).items():
+        assert min(account) >= 0, (str(place), account)
         if place.tier == Tier.DEVICE:
             assert account.total == pools[place.pool].allocator.capacity, (place, account)
         elif place.tier == Tier.HOST:

@@ -1416,3 +1416,43 @@ def test_an_owned_store_keeps_the_host_prefix_it_continues():
         tm.unlock(held, 0)
     finally:
         tm.close()
+
+
+def test_a_prefetch_keeps_the_disk_records_it_reads_while_it_makes_host_room(engine, tmp_path):
+    """A match's prefetch allocates host pages for its disk-only nodes; the eviction
+    that makes that room may write a host page to disk, and the room that write makes
+    on disk must not be those nodes' records (a read of nodes gone from the tree)."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    storage = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * SPEC.host_page_bytes)
+    tm, _ = make_tm(engine, host_pages=4, storage=storage, disk_policy="write_back", eviction="lfu")
+    try:
+        sequence = tokens(100, 2)
+        prefill(tm, engine, sequence[:PS])
+        prefill(tm, engine, sequence)  # two nodes of one page
+        settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)
+        for _ in range(2):  # written to disk (write-back), then dropped from host
+            tm.evict(Tier.HOST, 4)
+            settle(tm)
+        assert tm.tree.sizes(Tier.DISK).cached == 2 and tm.tree.sizes(Tier.HOST).cached == 0
+        clean, parent = tokens(200, 1), tokens(300, 1)
+        prefill(tm, engine, clean)
+        prefill(tm, engine, parent)
+        settle(tm)
+        tm.persist()  # both on host and on disk: the disk tier is full
+        settle(tm)
+        prefill(tm, engine, tokens(300, 3))  # two pages on host only, below parent
+        settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)
+        for _ in range(4):  # often hit: the disk tier's least frequently used are the sequence's
+            tm.match(NS, clean, 0)
+        assert tm.host_alloc.num_free == 0 and tm.tree.sizes(Tier.DISK).cached == 4
+        hit = tm.match(NS, sequence, 0)  # its prefetch makes host room: clean goes, the rest is written
+        assert hit.match.num_disk_pages == 2
+        settle(tm)
+        loaded = tm.match(NS, sequence, 0).match
+        assert loaded.num_host_pages + loaded.num_disk_pages == 2
+    finally:
+        tm.close()
+        storage.close()

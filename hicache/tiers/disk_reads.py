@@ -38,11 +38,20 @@ class DiskReader:
                 waiting.extend(t for t in busy if t not in waiting)
             elif n.host_pages is None and n.on_disk:
                 fresh.append(n)
-        while fresh:
-            pages = core.alloc_host(sum(n.num_pages for n in fresh))
-            if pages is not None:
-                break
-            fresh.pop()
+        if not fresh:
+            return waiting
+        # The allocation may evict, and write host pages to disk to do so: the room that
+        # makes on disk must not be these records (nor the host copies above them).
+        anchor = fresh[-1]
+        core.tree.pin(anchor)
+        try:
+            while fresh:
+                pages = core.alloc_host(sum(n.num_pages for n in fresh))
+                if pages is not None:
+                    break
+                fresh.pop()
+        finally:
+            core.tree.unpin(anchor)
         if not fresh:
             return waiting
         entries = []

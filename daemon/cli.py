@@ -8,19 +8,19 @@
     hicache demo [--endpoint E] [--conversations N] [--turns N]
 
 ``serve`` runs the daemon in the foreground (embedded defaults: CPU mode, LMDB under
-the state directory, socket in the runtime directory — see :mod:`hicache.config`);
-SIGTERM or SIGINT drains it and it exits 0 — within ``[server].drain_timeout_s`` and a
-few seconds, also when a transfer never finishes (then logged with the pages it
-loses). If another daemon serves the same socket or
-store, it exits 1 at once, having touched neither; if another process has a port it is
-to listen on (``[metrics]``, ``[server] tcp``, ``[events]``), it exits 1 naming the
-address. ``status`` prints the live figures of a
-running daemon, ``check`` runs its invariant checks (exit 1 if one fails), ``reload``
-makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP does).
-``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode 0600).
-The client commands find the daemon by ``--endpoint``, else by the socket of
+the state directory, socket in the runtime directory — see :mod:`hicache.config`).
+SIGTERM or SIGINT drains it and it exits 0 within ``[server].drain_timeout_s`` and a
+few seconds, also when a transfer never finishes (then logged with the pages it loses).
+If another daemon serves the same socket or store, it exits 1 at once, having touched
+neither; if another process has a port it is to listen on (``[metrics]``, ``[server]
+tcp``, ``[events]``), it exits 1 naming the address. ``status`` prints the live figures
+of a running daemon, ``check`` runs its invariant checks (exit 1 if one fails),
+``reload`` makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP
+does). ``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode
+0600). The client commands find the daemon by ``--endpoint``, else by the socket of
 ``--config``, else of ``/etc/hicache/hicache.toml`` where there is one (the unit's: a
-shell has no ``RUNTIME_DIRECTORY``), else of the embedded defaults. They take ``--server-key`` / ``--key-file`` (or ``HICACHE_SERVER_KEY`` /
+shell has no ``RUNTIME_DIRECTORY``), else of the embedded defaults. They take
+``--server-key`` / ``--key-file`` (or ``HICACHE_SERVER_KEY`` /
 ``HICACHE_CLIENT_KEY_FILE``) for a CURVE endpoint. This is the only place that
 configures logging.
 """

@@ -9,7 +9,7 @@ from hicache import fdpass
 from hicache import protocol as p
 from hicache.counters import LayerWaiter
 from hicache.engine.kv_pool import export_kv_pool
-from hicache.keys import page_keys
+from hicache.keys import namespace_id, page_keys
 from hicache.spec import KVSpec, MHALayer, MLALayer
 from hicache.tree import Tier
 
@@ -19,6 +19,20 @@ SPEC = KVSpec(
             MHALayer(num_kv_heads=1, head_dim=8, dtype="float8_e4m3fn")),
     model="tiers-test",
 )
+
+# The tier manager state machines' prompts: two tenants' trees, and up to six whole
+# pages drawn from three page contents (prompts share prefixes and branch), then a part
+# of a page.
+NAMESPACES = [namespace_id(SPEC.fingerprint), namespace_id(SPEC.fingerprint, "tenant-2")]
+BLOCKS = [[b] * SPEC.page_size for b in range(3)]
+
+
+def token_sequences():
+    """The hypothesis strategy of those prompts."""
+    from hypothesis import strategies as st
+
+    return st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.integers(0, SPEC.page_size - 1)).map(
+        lambda t: [tok for b in t[0] for tok in BLOCKS[b]] + [7] * t[1])
 
 
 def expected_page(key: bytes, spec: KVSpec = SPEC) -> bytes:

@@ -22,22 +22,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache.keys import namespace_id
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import Tier
-from tiers_util import SPEC, Driver, Engine
+from tiers_util import BLOCKS, NAMESPACES, SPEC, Driver, Engine, token_sequences
 
 PS = SPEC.page_size
-NAMESPACES = [namespace_id(SPEC.fingerprint), namespace_id(SPEC.fingerprint, "tenant-2")]
 DEVICE_PAGES = 10
 HOST_PAGES = 7
 DISK_PAGES = 14
-BLOCKS = [[b] * PS for b in range(3)]
 
-sequences = st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.integers(0, PS - 1)).map(
-    lambda t: [tok for b in t[0] for tok in BLOCKS[b]] + [7] * t[1]
-)
+sequences = token_sequences()
 
 
 class TiersMachine(RuleBasedStateMachine):

@@ -1281,24 +1281,33 @@ def test_flush_reports_progress_while_writes_wait_and_durability_at_the_end(tmp_
         engine.close()
 
 
-def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
-    """``expired()`` says the engine gave up on the store (and may reuse its blocks):
-    on arrival, the store is refused before anything changes; once the copy is done,
-    its pages are not cached (they may hold another request's KV by then) and go back
-    to the host pool."""
+def owned_tm(host_pages: int):
+    """A tier manager with one engine-owned pool of 8 blocks (vLLM's CPU layout) as pool
+    0, and its namespace."""
     import torch
 
-    from hicache.errors import DeadlinePassed
     from hicache.foreign import ForeignPool
     from owned_util import OWNED_SPEC, layer_major
 
     layout = layer_major(8)
     buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
-    tm = TierManager(OWNED_SPEC, host_pages=8)
+    tm = TierManager(OWNED_SPEC, host_pages=host_pages)
+    ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+    tm.add_namespace(ns)
+    tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+    return tm, ns
+
+
+def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
+    """``expired()`` says the engine gave up on the store (and may reuse its blocks):
+    on arrival, the store is refused before anything changes; once the copy is done,
+    its pages are not cached (they may hold another request's KV by then) and go back
+    to the host pool."""
+    from hicache.errors import DeadlinePassed
+    from owned_util import OWNED_SPEC
+
+    tm, ns = owned_tm(host_pages=8)
     try:
-        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
-        tm.add_namespace(ns)
-        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
         toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
         free = tm.host_alloc.num_free
         with pytest.raises(DeadlinePassed):
@@ -1388,18 +1397,10 @@ def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monk
 def test_an_owned_store_keeps_the_host_prefix_it_continues():
     """A store of pages that continue a prefix on host: the host pages it allocates
     are never found by evicting that prefix (the stored pages would hang from nothing)."""
-    import torch
+    from owned_util import OWNED_SPEC
 
-    from hicache.foreign import ForeignPool
-    from owned_util import OWNED_SPEC, layer_major
-
-    layout = layer_major(8)
-    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
-    tm = TierManager(OWNED_SPEC, host_pages=4)
+    tm, ns = owned_tm(host_pages=4)
     try:
-        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
-        tm.add_namespace(ns)
-        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
         ps = OWNED_SPEC.page_size
         prefix = list(range(7, 7 + 2 * ps))
         other = list(range(1000, 1000 + 2 * ps))

@@ -5,8 +5,8 @@ generated. Used by the vLLM tests and ``benchmarks/bench_vllm.py``.
 
 The job (JSON): ``model_dir``; ``endpoint`` (``null``: no hicache connector);
 ``prompts`` (lists of token ids); ``batches`` (lists of prompt indices, generated one
-batch after another); ``max_tokens``; ``logprobs``; optional ``pool_name``,
-``multiprocessing`` (vLLM's separate engine-core / worker processes; default true),
+batch after another); ``max_tokens`` (for every batch, or a list: one per batch);
+``logprobs``; optional ``pool_name``, ``multiprocessing`` (vLLM's separate engine-core / worker processes; default true),
 ``gate_dir`` (before batch ``i`` wait for the file ``go-<i>`` there, and write
 ``done-<i>`` after it), ``repeat`` (run the batches this many times: a long-running
 engine), ``reset_prefix_cache`` (empty vLLM's own prefix cache before each batch — or, given a
@@ -14,7 +14,8 @@ list, before the batches of those indices — so that hits come from hicache alo
 
 The output (JSON): per batch, per request: ``tokens``, ``logprobs`` (per position, the
 logprob of every returned candidate, as ``[token, logprob]`` pairs), ``num_cached_tokens``,
-``ttft_s`` (vLLM's first-token latency), and the batch's wall time.
+``ttft_s`` (vLLM's first-token latency), and the batch's wall time; ``preemptions``: how
+many times vLLM's scheduler preempted a request (its ``vllm:num_preemptions``).
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def main(job_path: str, out_path: str) -> None:
             kv_role="kv_both", kv_connector_extra_config=extra)
     started = time.monotonic()
     llm = LLM(**engine_args)
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 2),
-                            detokenize=False)
+    max_tokens = job["max_tokens"]
+    per_batch = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(job["batches"])
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=job.get("logprobs", 2), detokenize=False)
+              for n in per_batch]
     out = {"engine_start_s": time.monotonic() - started, "batches": [], "pid": os.getpid()}
     gate = Path(job["gate_dir"]) if job.get("gate_dir") else None
     prompts = job["prompts"]
@@ -89,7 +92,7 @@ def main(job_path: str, out_path: str) -> None:
             if reset is True or (isinstance(reset, list) and b in reset):
                 llm.reset_prefix_cache()
             t0 = time.monotonic()
-            results = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in batch], params,
+            results = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in batch], params[b],
                                    use_tqdm=False)
             wall = time.monotonic() - t0
             requests = []
@@ -104,6 +107,8 @@ def main(job_path: str, out_path: str) -> None:
             Path(out_path).write_text(json.dumps(out))
             if gate is not None:
                 (gate / f"done-{step}").write_text("")
+    out["preemptions"] = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics()
+                             if m.name == "vllm:num_preemptions")
     Path(out_path).write_text(json.dumps(out))
 
 

@@ -185,6 +185,33 @@ def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_res
         daemon.stop()
 
 
+def test_preempted_requests_store_and_load_their_own_blocks(tmp_path, model, baseline):
+    """An engine with too few blocks for its batch: vLLM preempts requests mid-decode,
+    frees their blocks and, on resume, gives them others (hicache loads their prompt
+    pages into those). What it stored must be each prompt's own KV: the same engine,
+    its prefix cache emptied, then hits every prompt in hicache with outputs equal to
+    cold prefills."""
+    daemon = Daemon(tmp_path / "d").start()
+    try:
+        alone = [[i] for i in range(5)]
+        result = run(tmp_path, "tight", job(
+            tmp_path, "tight", model, daemon.endpoint, [[0, 1, 2, 3, 4]] + alone,
+            max_tokens=[200] + [MAX_TOKENS] * 5, reset_prefix_cache=list(range(1, 6)), max_model_len=512,
+            engine={"num_gpu_blocks_override": 20, "max_num_batched_tokens": 64}))
+        assert result["preemptions"] > 0
+        assert [len(r["tokens"]) for r in result["batches"][0]["requests"]] == [200] * 5
+        assert_same_outputs({"batches": result["batches"][1:]}, baseline)
+        for batch in result["batches"][1:]:
+            for r in batch["requests"]:
+                assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[r["prompt"]]), r
+        stats = daemon.check()
+        assert stats["sessions"] == 0
+        for spec in stats["specs"].values():
+            assert spec["host"]["cached_protected"] == 0
+    finally:
+        daemon.stop()
+
+
 def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():

@@ -114,6 +114,41 @@ def test_pages_loaded_from_hicache_are_not_stored_again(daemon):
         e.close()
 
 
+def test_a_request_preempted_mid_prefill_stores_the_rest_from_its_new_blocks(daemon):
+    """vLLM preempts a request between two chunks of its prefill and frees its blocks
+    (another request writes into them); resumed, it has other blocks (all of them in
+    ``new_block_ids``, its id in ``resumed_req_ids``), hicache loads the pages it
+    stored into the first, and the rest of the prompt is stored from the new ones."""
+    e = Engine(daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 5 * BS + 3))
+        r1 = request("r1", p)
+        s = e.scheduler
+        s.on_new_request(r1)
+        assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
+        s.update_state_after_alloc(r1, blocks([1, 2, 3, 4, 5, 6]), 0)
+        e.step(new_req_output("r1", [1, 2, 3, 4, 5, 6], 0, 2 * BS), forward=lambda: e.fill([1, 2], 7.0))
+        e.fill([1, 2, 3, 4, 5, 6], STALE)  # preempted: its blocks went to another request
+
+        ext, _ = s.get_num_new_matched_tokens(r1, 0)
+        assert ext == 2 * BS
+        new_blocks = [10, 11, 12, 13, 14, 15]
+        s.update_state_after_alloc(r1, blocks(new_blocks), ext)
+        cached = SimpleNamespace(req_ids=["r1"], resumed_req_ids={"r1"}, new_block_ids=[(list(new_blocks),)],
+                                 num_computed_tokens=[ext])
+        resumed = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                                  num_scheduled_tokens={"r1": len(p) - ext})
+        assert not e.step(resumed, forward=lambda: e.fill(new_blocks[2:], 7.0))
+        assert e.values(new_blocks[:2]) == [{7.0}] * 2  # loaded
+        e.finish(r1, new_blocks)
+
+        ext, errors = e.prefill(request("r2", p), [20, 21, 22, 23, 24, 25], 9.0)
+        assert ext == 5 * BS and not errors
+        assert e.values([20, 21, 22, 23, 24]) == [{7.0}] * 5
+    finally:
+        e.close()
+
+
 def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
     """A hit that cannot be loaded (here its pages are evicted between the match and
     the alloc; likewise a short load, a failed disk read, a timed-out wait) leaves the

@@ -6,6 +6,9 @@ prompts of ``--prompt-tokens`` tokens in ``--groups`` groups sharing ``--shared`
 prefixes. In one run, each engine a process of its own (vLLM's multiprocess engine):
 
 * engine A (with the connector) generates every prompt: hicache stores their pages;
+  before that, **miss**: ``--prompts`` other prompts of the same length that share nothing,
+  each alone, its prefix cache emptied: a miss in hicache and a store of every page (what
+  hicache costs a prompt it cannot help, against the baseline's cold prefill);
 * **hicache**: engine B (with the connector, a new process) generates each prompt alone,
   its own prefix cache emptied before each one: all whole blocks but the last token's
   come from hicache's host tier;
@@ -23,7 +26,8 @@ request in each engine.
 Run it with the vLLM venv's python (``make test-vllm`` builds ``.venv-vllm``). With
 ``--json`` the last line is one JSON object with ``ttft_s``, ``ttft_baseline_s``,
 ``ttft_device_hit_s``, ``ttft_speedup`` (baseline / hicache), ``device_hit_ratio``
-(hicache / device hit), ``hit_tokens``, ``prompt_tokens`` and ``outputs_identical``.
+(hicache / device hit), ``ttft_miss_s``, ``miss_ratio`` (miss / baseline), ``hit_tokens``,
+``prompt_tokens`` and ``outputs_identical``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ def main() -> None:
                             layers=args.layers, intermediate=4 * args.hidden, vocab=4096, max_positions=4096))
     prompts = make_prompts(args.prompts, args.prompt_tokens, args.groups, args.shared)
     n = args.prompts
+    prompts += make_prompts(n, args.prompt_tokens, groups=n, shared=0, seed=11)[1:]  # (each its own)
+    misses = list(range(n + 1, 2 * n + 1))
     socket = work / "hicache.sock"
     config = work / "hicache.toml"
     config.write_text(f'[server]\nsocket = "{socket}"\n[host]\nbytes = {512 << 20}\n'
@@ -97,7 +103,9 @@ def main() -> None:
                 "max_model_len": 4096, "engine": {"max_num_batched_tokens": 4096}}
         endpoint = f"ipc://{socket}"
         everything = list(range(1, n + 1))
-        engine(work, "a", {**base, "endpoint": endpoint, "batches": [[0], everything]})
+        store = engine(work, "a", {**base, "endpoint": endpoint,
+                                   "batches": [[0]] + [[i] for i in misses] + [everything],
+                                   "reset_prefix_cache": True})
         hit = engine(work, "b", {**base, "endpoint": endpoint, "batches": [[0]] + [[i] for i in everything],
                                  "reset_prefix_cache": True})
         # Baseline engine: warm-up, then each prompt cold (cache emptied) and again (device hit).
@@ -115,10 +123,13 @@ def main() -> None:
     hicache = [req(hit, 1 + k) for k in range(n)]
     cold = [req(plain, b) for b in cold_batches]
     warm = [req(plain, b + 1) for b in cold_batches]
+    missed = [req(store, 1 + k) for k in range(n)]
+    assert all(r["num_cached_tokens"] == 0 for r in missed), "a miss prompt hit"
     identical = all(h["tokens"] == c["tokens"] and h["logprobs"] == c["logprobs"] for h, c in zip(hicache, cold))
     ttft = statistics.median(r["ttft_s"] for r in hicache)
     ttft_base = statistics.median(r["ttft_s"] for r in cold)
     ttft_dev = statistics.median(r["ttft_s"] for r in warm)
+    ttft_miss = statistics.median(r["ttft_s"] for r in missed)
     figures = {
         "prompts": n,
         "prompt_tokens": args.prompt_tokens,
@@ -129,14 +140,17 @@ def main() -> None:
         "ttft_device_hit_s": round(ttft_dev, 4),
         "ttft_speedup": round(ttft_base / ttft, 2),
         "device_hit_ratio": round(ttft / ttft_dev, 2),
+        "ttft_miss_s": round(ttft_miss, 4),
+        "miss_ratio": round(ttft_miss / ttft_base, 3),
         "outputs_identical": identical,
     }
     print(f"{'':24} {'TTFT (median)':>14} {'cached tokens':>14}")
     print(f"{'baseline (cold prefill)':24} {ttft_base * 1e3:>11.1f} ms {0:>14}")
     print(f"{'hicache (host hit)':24} {ttft * 1e3:>11.1f} ms {figures['hit_tokens']:>14}")
     print(f"{'vLLM device hit':24} {ttft_dev * 1e3:>11.1f} ms {figures['device_hit_tokens']:>14}")
+    print(f"{'hicache miss (+ store)':24} {ttft_miss * 1e3:>11.1f} ms {0:>14}")
     print(f"speedup {figures['ttft_speedup']}x over a cold prefill; {figures['device_hit_ratio']}x the device hit; "
-          f"outputs identical: {identical}")
+          f"outputs identical: {identical}; a miss costs {figures['miss_ratio']}x the baseline")
     if args.json:
         print(json.dumps(figures))
 

@@ -3,6 +3,8 @@ neither backed up nor written to disk, a hit ends where its window's SWA bytes a
 and a restart finds which records have them."""
 
 import numpy as np
+
+import hicache.tiers.manager as manager_module
 from hicache.errors import InvalidArgument
 import pytest
 
@@ -11,7 +13,7 @@ from hicache.spec import KVSpec, MHALayer
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import DISK_SLOT, HOST_SLOT, Tier, swa_first
-from tiers_util import Engine, expected_page
+from tiers_util import Engine, ManualWorkers, expected_page
 
 WINDOW = 9  # tokens: the token after n pages reads back to page n - 2 (page size 4)
 SPEC = KVSpec(page_size=4, model="windows-test", layers=(
@@ -398,3 +400,78 @@ def test_top_ups_for_many_new_ends_on_one_path_lock_and_pin_it_once(engine, tmp_
     tm.check_invariants()
     tm.close()
     store.close()
+
+
+def manual_step(tm, name="copy", **kwargs):
+    """Run one queued job of :class:`ManualWorkers`, then its completion."""
+    tm.workers.run(name, **kwargs)
+    tm.poll()
+    tm.check_invariants()
+
+
+def test_a_failed_load_frees_no_page_that_a_top_up_still_reads(engine, monkeypatch):
+    """A top-up copies a new end's window from the device copy to host. A load above
+    that node that fails drops the node's device copy with its own: the pages the
+    top-up still reads must not go to another request before it has read them — the
+    host copy would take that request's bytes for the window's, and serve them."""
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    tm = make_tm(engine, host_pages=64)  # (room for everything: nothing leaves host)
+    workers = tm.workers
+    a, n = tokens(100, 3), tokens(500, 4)
+    for toks in (a, a + n):  # two nodes, backed up, then on host only
+        hit = tm.match(NS, toks, 0).match
+        new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+        pages = np.concatenate((hit.device_pages, new))
+        engine.compute(NS, toks, pages)
+        tm.insert(NS, toks, 0, pages)
+        manual_step(tm)  # the write-through backup
+    tm.evict(Tier.DEVICE, 32, 0)
+    tm.check_invariants()
+    # A load of the first node; meanwhile the engine computes the second one again and
+    # inserts it with a new end after its first page: that end's window needs a top-up.
+    upper_a = tm.match(NS, a, 0).match.node
+    tm.lock(upper_a, 0)
+    tm.load(upper_a, 0).result()
+    new = tm.alloc(0, 4)
+    keys = page_keys(NS, a + n, PS)
+    for key, page in zip(keys[3:], new):
+        engine.write(int(page), key)
+    tm.insert(NS, a + n, 0, np.concatenate((tm.match(NS, a, 0).match.device_pages, new)), ends=[4])
+    tm.poll()  # the top-up starts (queued behind the load's copy)
+    end = tm.match(NS, a + n[:PS], 0).match.node
+    assert end.num_pages == 1 and workers.queues["copy"] and tm.windows.busy == 1
+    manual_step(tm, fail=True, movers=tm.pools.get(0).movers)  # the load's copies fail
+    assert end.device_pages(0) is None
+    # Another request takes every free page while the top-up's copy is still queued.
+    other = tokens(900, tm.pools.get(0).allocator.num_free)
+    pages = tm.alloc(0, len(other) // PS)
+    engine.compute(NS, other, pages)
+    tm.insert(NS, other, 0, pages)
+    while workers.jobs:
+        manual_step(tm)
+    check_host_copy(tm, end, keys[3:4])
+    tm.unlock(upper_a, 0)
+    tm.check_invariants()
+    tm.close()
+
+
+def test_a_pool_is_not_reaped_while_a_top_up_reads_it(engine, monkeypatch):
+    """The engine goes while a top-up's copy from its pool is queued: the pool (its
+    memory, the top-up's lock in it) stays until the copy is done."""
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    tm = make_tm(engine)
+    toks = tokens(100, 6)
+    pages = tm.alloc(0, 6)
+    engine.compute(NS, toks, pages)
+    tm.insert(NS, toks, 0, pages)
+    manual_step(tm)  # the write-through backup
+    tm.insert(NS, toks, 0, tm.match(NS, toks, 0).match.device_pages, ends=[3])
+    tm.poll()
+    assert tm.windows.busy == 1
+    tm.retire_pool(0)
+    tm.check_invariants()
+    while tm.workers.jobs:
+        manual_step(tm)
+    tm.check_invariants()
+    assert tm.pools.any_retired() is False
+    tm.close()

@@ -41,7 +41,7 @@ import numpy as np
 from hicache.keys import PAGE_KEY_BYTES
 from hicache.spec import KVSpec
 from hicache.storage.base import PageBatch
-from hicache.tiers.transfers import Kind
+from hicache.tiers.transfers import Entry, Kind, Transfer, concat
 from hicache.tree import DISK_SLOT, HOST_SLOT, HiRadixTree, MatchResult, Node, swa_first
 
 logger = logging.getLogger(__name__)
@@ -102,10 +102,12 @@ class Windows:
         """Start the top-ups the node ends made since the last call need; returns how
         many started (owner thread, between requests). An end whose backup or disk write
         is still in flight is looked at again later: what that transfer lands was cut
-        to the node as it was when it started."""
-        pending, self.split = self.split, []
+        to the node as it was when it started. Each end once (one may be listed twice:
+        waiting for its top-up, and again as that lands; a copy with a page twice is
+        refused)."""
+        pending, self.split = list({node.node_id: node for node in self.split}.values()), []
         started = 0
-        copies: dict[int, list[tuple[Node, np.ndarray, np.ndarray]]] = {}
+        copies: dict[int, list[Entry]] = {}
         rewrites: list[tuple[Node, int]] = []
         for node in pending:
             outcome = self._top_up(node, copies, rewrites)
@@ -143,21 +145,27 @@ class Windows:
                      if swa_first(node, p) <= first and not self.pools[p].retired and not self.pools[p].owned), None)
         if pool is None:
             return False
-        src = node.device_pages(pool.pool_id)[first:].astype(np.int64)
-        dst = node.host_pages[first:].astype(np.int64)
-        copies.setdefault(pool.pool_id, []).append((node, src, dst))
+        # (the whole node, its SWA bytes from ``first`` on: an entry a split cuts right)
+        copies.setdefault(pool.pool_id, []).append(Entry(node, node.device_pages(pool.pool_id).astype(np.int64),
+                                                         node.host_pages.astype(np.int64), first))
         return True
 
-    def _copy(self, pool, wanted: list[tuple[Node, np.ndarray, np.ndarray]]) -> None:
-        """Copy the SWA bytes of ``wanted`` — ``(node, device pages, host pages)`` — from
-        the pool to host in one job, the nodes locked in the pool meanwhile (the deepest
-        only: one lock holds its path; a lock per node walked the path from each)."""
+    def _copy(self, pool, wanted: list[Entry]) -> None:
+        """Copy the SWA bytes of ``wanted`` — each a node's device and host pages, and
+        the first page whose SWA bytes move — from the pool to host in one job, the
+        nodes locked in the pool meanwhile (the deepest only: one lock holds its path; a
+        lock per node walked the path from each). The job is a transfer in flight (of
+        several paths, maybe, held by those locks): a failed load that drops the device
+        pages it reads holds them back until it is done, and the pool is not reaped
+        under it."""
         core, tree = self.core, self.core.tree
-        locked = tree.deepest(node for node, _, _ in wanted)
+        locked = tree.deepest(entry.node for entry in wanted)
         for node in locked:
             tree.lock(node, pool.pool_id)
-        src = np.concatenate([s for _, s, _ in wanted])
-        dst = np.concatenate([d for _, _, d in wanted])
+        src = concat(entry.src[entry.swa :] for entry in wanted)
+        dst = concat(entry.dst[entry.swa :] for entry in wanted)
+        transfer = Transfer(Kind.BACKUP, pool.pool_id, wanted, locked[0])
+        core.inflight.add(transfer)
         self.busy += 1
         movers = pool.movers
 
@@ -167,19 +175,20 @@ class Windows:
 
         def done(error: BaseException | None) -> None:
             self.busy -= 1
+            core.inflight.remove(transfer)
             for node in locked:
                 tree.unlock(node, pool.pool_id)
+            pool.free_orphans(transfer)
             if error is not None:
                 logger.error("SWA top-up from pool %s failed: %s", pool.pool_id, error)
                 return
             core.moved["d2h"] = core.moved.get("d2h", 0) + len(dst) * (self.page_bytes - self.kept_bytes)
-            for node, _, copied in wanted:
+            for entry in transfer.entries:  # (cut along with their nodes by splits meanwhile)
+                node = entry.node
                 if not tree.is_live(node) or node.host_pages is None:
                     continue
-                # (a split meanwhile cut pages off its front: the copied ones are its last)
-                now = max(0, node.num_pages - min(len(copied), self.pages))
-                if swa_first(node, HOST_SLOT) > now:
-                    tree.set_swa(node, HOST_SLOT, now)
+                if swa_first(node, HOST_SLOT) > entry.swa:
+                    tree.set_swa(node, HOST_SLOT, entry.swa)
                     self.topped_up += 1
                 self.split.append(node)  # (its disk records next)
 

@@ -475,3 +475,73 @@ def test_a_pool_is_not_reaped_while_a_top_up_reads_it(engine, monkeypatch):
     tm.check_invariants()
     assert tm.pools.any_retired() is False
     tm.close()
+
+
+def run_all(tm):
+    """Every queued job of :class:`ManualWorkers` and what follows, in order."""
+    while tm.workers.jobs or not tm.idle():
+        for name in ("copy", "io", "write"):
+            if tm.workers.queues[name]:
+                manual_step(tm, name)
+        tm.poll()
+
+
+def test_splits_while_a_top_up_and_a_rewrite_run_leave_each_end_its_window(engine, tmp_path, monkeypatch):
+    """New ends cut a node while the top-up of its window is queued, and again while the
+    rewrite of its records is: each part records only the SWA bytes it got (host and
+    disk), every end keeps serving hits from host and from disk, and the records the
+    tree says are whole are."""
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    workers = tm.workers
+    toks = tokens(100, 8)
+    pages = tm.alloc(0, 8)
+    engine.compute(NS, toks, pages)
+    tm.insert(NS, toks, 0, pages)
+    run_all(tm)  # the backup and the disk write: the window (pages 6, 7) whole
+
+    def cut(end):
+        tm.insert(NS, toks, 0, tm.match(NS, toks, 0).match.device_pages, ends=[end])
+        tm.check_invariants()
+
+    cut(5)
+    tm.poll()  # the top-up of pages 3, 4 is queued
+    assert len(workers.queues["copy"]) == 1 and tm.windows.busy == 1
+    cut(4)  # cuts the node it tops up: page 4 is a node of its own now
+    manual_step(tm, "copy")
+    top, four = tm.tree.path(tm.match(NS, toks[: 5 * PS], 0).match.node)
+    assert swa_first(four, HOST_SLOT) == 0 and swa_first(top, HOST_SLOT) == 3  # (what each got)
+    tm.poll()  # the rewrite of page 4's record, another top-up of the first node's window
+    while workers.queues["copy"]:
+        manual_step(tm, "copy")
+    assert workers.queues["write"]
+    cut(3)  # cuts the first node while its records' rewrite is queued
+    run_all(tm)
+    keys = page_keys(NS, toks, PS)
+    path = tm.tree.path(tm.match(NS, toks, 0).match.node)
+    assert [n.num_pages for n in path] == [3, 1, 1, 3]
+    sizes = {k: m.payload_size for k, m in store.iter_metadata()}
+    start = 0
+    for node in path:
+        check_host_copy(tm, node, keys[start : start + node.num_pages])
+        for i in range(swa_first(node, DISK_SLOT), node.num_pages):  # (the tree says whole: they are)
+            assert sizes[keys[start + i]] == SPEC.host_page_bytes, (node, i)
+        start += node.num_pages
+    for tier in (Tier.DEVICE, Tier.HOST):
+        tm.evict(tier, 64, 0 if tier == Tier.DEVICE else None)
+        run_all(tm)
+        for end in (3, 4, 5, 8):
+            assert tm.match(NS, toks[: end * PS] + tokens(900, 1), 0).match.num_pages == end, (tier, end)
+    hit = tm.match(NS, toks[: 4 * PS], 0).match
+    tm.lock(hit.node, 0)
+    loaded = tm.load(hit.node, 0)
+    run_all(tm)
+    loaded = loaded.result()
+    run_all(tm)
+    for i in range(4 - W, 4):
+        assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC)
+    tm.unlock(hit.node, 0)
+    tm.check_invariants()
+    tm.close()
+    store.close()

@@ -545,3 +545,31 @@ def test_splits_while_a_top_up_and_a_rewrite_run_leave_each_end_its_window(engin
     tm.check_invariants()
     tm.close()
     store.close()
+
+
+def test_a_rewrite_whose_records_the_store_dropped_meanwhile_leaves_none_behind(engine, tmp_path, monkeypatch):
+    """The store drops a node's records on its own (it evicted them for another write)
+    while the rewrite of the node's window is queued: what the rewrite writes then is
+    no record the tree knows, and must not stay in the store."""
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    toks = tokens(100, 6)
+    pages = tm.alloc(0, 6)
+    engine.compute(NS, toks, pages)
+    tm.insert(NS, toks, 0, pages)
+    run_all(tm)
+    tm.insert(NS, toks, 0, tm.match(NS, toks, 0).match.device_pages, ends=[3])
+    tm.poll()
+    manual_step(tm, "copy")  # the top-up; its node's rewrite is queued next
+    assert tm.workers.queues["write"]
+    upper = tm.match(NS, toks[: 3 * PS], 0).match.node
+    keys = upper.page_key_list()
+    store.delete(keys).result()
+    tm.forget_disk_keys(keys)
+    tm.check_invariants()
+    run_all(tm)
+    tm.flush()
+    assert store.stats().records == tm.tree.sizes(Tier.DISK).cached
+    tm.close()
+    store.close()

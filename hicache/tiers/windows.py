@@ -197,7 +197,10 @@ class Windows:
     def _rewrite(self, rewrites: list[tuple[Node, int]]) -> None:
         """Write each ``(node, first)``'s pages ``first ..`` whole again (their records
         lacked SWA): a write per node, the nodes pinned until the last is done (the
-        deepest only, as in :meth:`_copy`)."""
+        deepest only, as in :meth:`_copy`). Each write is a disk write in flight of its
+        node (cut along with it by a split; no other write of it starts meanwhile), and
+        what it wrote for a node that left the disk tier meanwhile (the store dropped
+        its records) is deleted, never orphaned."""
         core, tree, storage = self.core, self.core.tree, self.storage
         pinned = tree.deepest(node for node, _ in rewrites)
         for node in pinned:
@@ -210,24 +213,37 @@ class Windows:
             before = node.page_keys[(first - 1) * PAGE_KEY_BYTES : first * PAGE_KEY_BYTES] if first else \
                 node.parent.last_page_key
             page_tokens = len(node.tokens) // node.num_pages
+            host = node.host_pages.astype(np.int64)
             batch = PageBatch(keys, node.namespace * count, before + keys[:-PAGE_KEY_BYTES],
-                              node.tokens[first * page_tokens :], core.host_pool.pages_array(),
-                              node.host_pages[first:].astype(np.int64))
+                              node.tokens[first * page_tokens :], core.host_pool.pages_array(), host[first:])
+            transfer = Transfer(Kind.DISK_WRITE, None, [Entry(node, host, host, first)], node)
+            core.inflight.add(transfer)
             self.busy += 1
 
-            def done(result, error: BaseException | None, node=node, count=count) -> None:
+            def done(result, error: BaseException | None, transfer=transfer, count=count) -> None:
                 self.busy -= 1
+                core.inflight.remove(transfer)
                 left[0] -= 1
                 if not left[0]:
                     for held in pinned:
                         tree.unpin(held)
                 if error is not None:
                     logger.error("SWA record rewrite failed: %s", error)
-                elif tree.is_live(node) and node.on_disk:
-                    now = max(0, node.num_pages - count)
-                    if swa_first(node, DISK_SLOT) > now:
-                        tree.set_swa(node, DISK_SLOT, now)
+                else:
                     core.moved["host_to_disk"] = core.moved.get("host_to_disk", 0) + count * self.page_bytes
+                    unknown = []  # (records of pages first .. of each part)
+                    for entry in transfer.entries:
+                        node = entry.node
+                        if not tree.is_live(node):
+                            continue
+                        if not node.on_disk:
+                            unknown.extend(node.page_key_list()[entry.swa :])
+                        elif swa_first(node, DISK_SLOT) > entry.swa:
+                            tree.set_swa(node, DISK_SLOT, entry.swa)
+                    if unknown:
+                        logger.warning("%d pages rewritten whose records left the disk tier meanwhile: deleted",
+                                       len(unknown))
+                        storage.delete(unknown)
                 if result is not None and result.evicted:
                     self.on_store_evicted(result.evicted)
 

@@ -61,6 +61,32 @@ def test_add_host_path_cuts_a_host_node_across_the_first_stored_page(tree):
     assert sum((n.host_pages.tolist() for n in tree.path(node)), []) == [1, 2, 3, 9, 10]
 
 
+def test_add_host_path_cuts_a_node_on_host_and_disk_that_keeps_no_tokens(tree):
+    """The node across the first stored page is on host and disk (so it keeps no
+    tokens): the part cut off its front keeps none either."""
+    tokens = list(range(5 * PS))
+    node, _ = tree.add_host_path(NS, tokens[: 3 * PS], 0, [1, 2, 3])
+    tree.add_disk(node)
+    assert not node.tokens
+    end, dup = tree.add_host_path(NS, tokens, 1, [7, 8, 9, 10])
+    assert dup.tolist() == [7, 8]
+    tree.check_invariants()
+    assert [n.num_pages for n in tree.path(end)] == [1, 2, 2]
+    assert sum((n.host_pages.tolist() for n in tree.path(end)), []) == [1, 2, 3, 9, 10]
+
+
+def test_add_host_path_refuses_pages_after_a_prefix_that_branches_off_a_host_node(tree):
+    """The tokens before the first stored page leave a host node inside it: those pages
+    are not on host, and the refusal changes nothing."""
+    tokens = list(range(4 * PS))
+    tree.add_host_path(NS, tokens, 0, [1, 2, 3, 4])
+    other = tokens[: 2 * PS] + list(range(900, 900 + 2 * PS))  # pages 0-1 on host, page 2 nowhere
+    with pytest.raises(ResidencyError):
+        tree.add_host_path(NS, other, 3, [9])
+    tree.check_invariants()
+    assert tree.match(NS, other, 0).num_host_pages == 2 and len(tree) == 2
+
+
 def test_a_layer_major_layout_maps_each_block_to_its_layers_run_of_a_host_page():
     layout = layer_major(10)
     for layer in range(OWNED_SPEC.num_layers):

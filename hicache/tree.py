@@ -588,12 +588,13 @@ class HiRadixTree:
                                   f"given for {len(ids)} pages after the first {first}")
         if not len(key):
             return entry.root, _NO_PAGES
-        end = 0
-        for node in self._path_existing(entry, namespace, key[: first * entry.page_bytes]):
-            end += node.num_pages
+        walked, end = self._path_existing(entry, key[: first * entry.page_bytes])
+        start = 0
+        for node in walked:
             if HOST_SLOT not in node.residency:
-                raise ResidencyError(f"page {end - 1} is not on host: the pages before a stored one must be")
-        if end < first:
+                raise ResidencyError(f"page {start} is not on host: the pages before a stored one must be")
+            start += node.num_pages
+        if end < first:  # (checked before anything changes: the caller may carry on)
             raise ResidencyError(f"only {end} of the {first} pages before the stored ones are cached")
         path = self._path(entry, key)
         duplicates = []
@@ -604,7 +605,8 @@ class HiRadixTree:
             if pos <= first:
                 continue
             if start < first:  # a node on host across the boundary: the stored part is a duplicate
-                self._split(node, first - start)
+                # (the front part is no node of the path: its tokens are settled here)
+                self._settle_tokens(self._split(node, first - start))
                 start = first
             mine = ids[start - first : pos - first]
             if HOST_SLOT in node.residency:
@@ -615,9 +617,10 @@ class HiRadixTree:
             self._settle_tokens(node)
         return path[-1], (np.concatenate(duplicates) if duplicates else _NO_PAGES)
 
-    def _path_existing(self, entry: _Namespace, namespace: NamespaceId, packed: bytes) -> list[Node]:
-        """The existing nodes along ``packed`` (whole pages), without changing the tree:
-        the last may reach past it; the walk stops where the tree does."""
+    def _path_existing(self, entry: _Namespace, packed: bytes) -> tuple[list[Node], int]:
+        """The existing nodes along ``packed`` (whole pages), without changing the tree,
+        and how many of its pages they hold: the last node may reach past it, or leave
+        it inside (the walk stops where the tree does)."""
         page_bytes, page_size = entry.page_bytes, entry.page_size
         node = entry.root
         path = []
@@ -627,11 +630,12 @@ class HiRadixTree:
             if child is None:
                 break
             path.append(child)
-            if _edge_pages(node, child, packed, pos, page_bytes, page_size) < child.num_pages:
-                break
+            equal = _edge_pages(node, child, packed, pos, page_bytes, page_size)
+            if equal < child.num_pages:
+                return path, pos // page_bytes + equal
             pos += child.num_pages * page_bytes
             node = child
-        return path
+        return path, pos // page_bytes
 
     def lock(self, node: Node, pool: PoolId) -> None:
         """Protect ``node``'s path: its device pages in ``pool``, and its host pages and

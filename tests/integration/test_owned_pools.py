@@ -12,7 +12,7 @@ from daemon_util import DaemonProcess, RawPeer
 from hicache import protocol as p
 from hicache.client import CacheClient, RemoteError
 from hicache.engine.kv_pool import export_owned_pool
-from hicache.errors import ErrorCode, LockUnderflow
+from hicache.errors import ErrorCode, LockUnderflow, StaleTicket
 from hicache.foreign import Allocation, ForeignLayout
 from hicache.keys import key_self_test
 from hicache.spec import KVSpec
@@ -407,6 +407,53 @@ def test_a_daemon_restart_degrades_both_sides_and_revive_brings_the_pool_back(tm
         _, done = load(worker, scheduler, seq, [7, 8, 9])
         assert done.num_loaded_pages == 3
         worker.check(seq, [7, 8, 9])
+    finally:
+        scheduler.close()
+        worker.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0
+
+
+def test_a_load_ticket_from_before_a_daemon_restart_never_reads_as_done_after_it(tmp_path):
+    """The scheduler hands the worker the tickets of its ``load_into``; the worker waits
+    on them on its pool's ring — the new daemon's ring once it has registered again.
+    A ticket of the daemon that died (whose load may never have landed) must not read
+    as done there: were it the ticket of a load the new daemon made, the worker would
+    read blocks nothing loaded into."""
+    daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="t", timeout_s=0.5,
+                         reconnect_interval_s=0.1)
+    scheduler = CacheClient(daemon.endpoint, timeout_s=0.5, reconnect_interval_s=0.1)
+    seq = toks(600, 2)
+    try:
+        scheduler.attach("t")
+        worker.compute(seq, [1, 2])
+        assert worker.client.store(seq, [1, 2]).num_cached == 2
+        admin_client = admin(daemon.endpoint)
+        admin_client.flush()
+        admin_client.close()
+        m = scheduler.match(seq)
+        before = scheduler.load_into(m.handle, [5, 6], locked=False)  # the worker has not waited yet
+        assert before.num_loaded_pages == 2
+        assert daemon.stop() == 0
+        assert worker.client.store(seq, [1, 2]).num_cached == 0 and worker.client.degraded
+        assert scheduler.match(seq).handle is None and scheduler.degraded
+        daemon.start()
+        deadline = time.monotonic() + 20
+        while not worker.client.revive():
+            assert time.monotonic() < deadline, "the worker never registered again"
+            time.sleep(0.1)
+        while not scheduler.revive():
+            assert time.monotonic() < deadline, "the scheduler never attached again"
+            time.sleep(0.1)
+        m = scheduler.match(seq)
+        after = scheduler.load_into(m.handle, [7, 8], locked=False)
+        assert after.num_loaded_pages == 2
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(after.wait, layer, timeout_s=30)
+        worker.check(seq, [7, 8])
+        with pytest.raises(StaleTicket):
+            worker.client.wait_layer(before.wait, 0, timeout_s=5)
     finally:
         scheduler.close()
         worker.close()

@@ -11,7 +11,12 @@ stamps each layer when it is complete. The ring lives in a sealed memfd segment
 ``stamp == generation`` means done, ``stamp == -generation`` failed; any other value is
 from an older load that used the slot. Generations never repeat, so a waiter can never
 mistake an earlier (or a later) load's progress for its own: when the slot has moved on
-to another generation it raises :class:`StaleTicket` instead of returning early. The
+to another generation it raises :class:`StaleTicket` instead of returning early. Nor do
+they repeat across rings: each ring counts from a random start, so that a ticket of a
+ring that is gone — a daemon that restarted, a pool registered again — is stale on the
+ring its engine waits on now (where every ring counted from 1, a new daemon's first
+load had the ticket of the old one's first load, and waiting on the old ticket returned
+when the new load landed). The
 daemon writes the KV bytes before the stamp (x86 keeps stores in order; the stamp is one
 aligned 8-byte store).
 
@@ -22,6 +27,7 @@ stream, with no CPU block. The shared ring still carries generations and failure
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +38,9 @@ import torch
 
 from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
 from hicache.shm import SharedBuffer
+
+
+_GENERATION_BITS = 52
 
 
 class Ticket(NamedTuple):
@@ -95,7 +104,9 @@ class LayerCounters:
         self._ring = _ring(self.shared.array, num_slots, num_layers)
         self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)
         self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
-        self._next_generation = 1
+        # (52 random bits: a stale ticket matches a live one by chance with odds of one in
+        # ~10^15 per load; generations stay far below int64's end, negated as failures)
+        self._next_generation = 1 + secrets.randbits(_GENERATION_BITS)
         self.events = CudaLayerEvents.create(num_slots, num_layers, cuda_device) if cuda_device is not None else None
 
     def handle(self, token: bytes = b"") -> CountersHandle:

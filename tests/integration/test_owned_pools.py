@@ -414,6 +414,43 @@ def test_a_daemon_restart_degrades_both_sides_and_revive_brings_the_pool_back(tm
             assert daemon.stop() == 0
 
 
+def test_an_idle_worker_registers_again_after_a_daemon_restart_and_its_scheduler_attaches(tmp_path):
+    """No request comes while the daemon restarts: neither side makes a call. Their
+    heartbeats are answered ``UNKNOWN_SESSION`` by the new daemon; each must find out
+    from that (before, the answers were dropped unread, and a worker idle since never
+    registered again — its scheduler could not attach until a request came, and
+    missed it)."""
+    daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="idle", timeout_s=0.5,
+                         reconnect_interval_s=0.1)
+    scheduler = CacheClient(daemon.endpoint, timeout_s=0.5, reconnect_interval_s=0.1)
+    seq = toks(700, 2)
+    try:
+        scheduler.attach("idle")
+        assert daemon.stop() == 0
+        daemon.start()
+        # What vLLM's connector does on both sides: revive a client that finds itself
+        # degraded (its own calls do the same, but none comes here).
+        deadline = time.monotonic() + 20
+        while worker.client.epoch < 2 or scheduler.epoch < 2 or scheduler.degraded:
+            assert time.monotonic() < deadline, (
+                f"worker epoch {worker.client.epoch} (degraded: {worker.client.degraded}), "
+                f"scheduler epoch {scheduler.epoch} (degraded: {scheduler.degraded})")
+            for client in (worker.client, scheduler):
+                if client.degraded:
+                    client.revive()
+            time.sleep(0.05)
+        worker.compute(seq, [1, 2])
+        assert worker.client.store(seq, [1, 2]).num_cached == 2
+        assert scheduler.match(seq).num_host_pages == 2
+        stats_and_check(daemon.endpoint)
+    finally:
+        scheduler.close()
+        worker.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0
+
+
 def test_a_load_ticket_from_before_a_daemon_restart_never_reads_as_done_after_it(tmp_path):
     """The scheduler hands the worker the tickets of its ``load_into``; the worker waits
     on them on its pool's ring — the new daemon's ring once it has registered again.

@@ -33,7 +33,9 @@ lock on one gives back its pages (unless an insert adopted them meanwhile).
 The background thread also sends heartbeats so that an idle engine keeps its lease (a
 killed engine loses it, and the daemon takes back everything it held). They go on the
 client's one session socket, between calls: the daemon accepts a session's requests only
-from the connection that opened it. Administrative calls (``stats``, ``health``,
+from the connection that opened it. A heartbeat answered ``UNKNOWN_SESSION`` (a daemon
+that restarted) puts an idle client in degraded mode, ready to register again at its
+next call or :meth:`CacheClient.revive`. Administrative calls (``stats``, ``health``,
 ``flush``, ``check``) use a connection of their own.
 
 CPU pools (``memfd`` handles) are handed to the daemon as descriptors on its descriptor
@@ -825,8 +827,14 @@ class CacheClient:
 
     def _heartbeat_main(self) -> None:
         """Heartbeats while connected (sent between the caller's calls, on its socket:
-        a call renews the lease anyway); probes of the daemon while degraded."""
+        a call renews the lease anyway); probes of the daemon while degraded. A
+        heartbeat answered ``UNKNOWN_SESSION`` (the daemon restarted, or the lease
+        lapsed) puts the client in degraded mode with the daemon known to answer: the
+        next call — or :meth:`revive` — registers again at once, so that an idle
+        engine's pool is back before its next request (and sessions attached to it can
+        attach again)."""
         ids = itertools.count(1)
+        sent: dict[int, int] = {}  # heartbeat id -> the session it was sent for (answers not read yet)
         while True:
             degraded = self._down_since is not None
             pause = self.reconnect_interval_s if degraded else max(self.lease_s / 3, 0.05)
@@ -841,15 +849,33 @@ class CacheClient:
             try:
                 sock = self._socket
                 if sock is not None and self._session and self._down_since is None:
-                    while sock.poll(0):
-                        sock.recv()  # earlier heartbeats' answers (and timed-out calls')
-                    # Never blocking, with the caller's lock held: a daemon gone long
-                    # enough fills the queue, and the next call finds out.
-                    sock.send(p.encode(p.Heartbeat(id=next(ids) | 1 << 62, session=self._session)), zmq.NOBLOCK)
+                    while sock.poll(0):  # earlier heartbeats' answers (and timed-out calls')
+                        if self._session_lost(sock.recv(), sent):
+                            self._go_down()
+                            self._answering.set()  # (it answered: reconnect at the next call)
+                            break
+                    else:
+                        # Never blocking, with the caller's lock held: a daemon gone long
+                        # enough fills the queue, and the next call finds out.
+                        heartbeat_id = next(ids) | 1 << 62
+                        sock.send(p.encode(p.Heartbeat(id=heartbeat_id, session=self._session)), zmq.NOBLOCK)
+                        if len(sent) >= 64:  # (answers a call's receive loop read and dropped)
+                            sent.clear()
+                        sent[heartbeat_id] = self._session
             except zmq.ZMQError:
                 pass  # a full queue, a closed socket: a lost daemon shows on the next call
             finally:
                 self._socket_lock.release()
+
+    def _session_lost(self, frame: bytes, sent: dict[int, int]) -> bool:
+        """Is ``frame`` a heartbeat's answer saying the current session is gone?"""
+        try:
+            reply = p.decode_reply(frame)
+        except p.ProtocolError:  # (a call's late answer is the call's to judge; this one is nobody's)
+            return False
+        session = sent.pop(reply.id, None)
+        return (session is not None and session == self._session and isinstance(reply, p.Error)
+                and reply.code == ErrorCode.UNKNOWN_SESSION)
 
     def _probe(self) -> bool:
         """Does the daemon answer ``health``? (its own socket: the caller's is idle)"""

@@ -146,6 +146,40 @@ def test_pages_come_back_from_disk_after_a_daemon_restart(tmp_path):
         assert daemon.stop() == 0
 
 
+def test_a_load_into_past_the_engines_own_prefix_reads_the_pages_before_it_from_disk_too(daemon):
+    """vLLM holds the first pages of a prompt itself and asks for the rest
+    (``first`` > 0). When the whole path has left host memory for disk, the pages
+    before ``first`` must come to host too: a page is kept on host only below a
+    parent on host (before, only pages ``first ..`` were read, and the read was
+    thrown away: nothing loaded of what the match promised)."""
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="d")
+    scheduler = CacheClient(daemon.endpoint)
+    try:
+        scheduler.attach("d")
+        seq = toks(800, 4)
+        worker.compute(seq, [1, 2, 3, 4])
+        assert worker.client.store(seq, [1, 2, 3, 4]).num_cached == 4
+        flusher = admin(daemon.endpoint)
+        flusher.flush()
+        flusher.close()
+        m = scheduler.match(seq)
+        assert m.num_host_pages == 4
+        other = toks(5000, 24)  # the host tier's 24 pages: the prompt's copies there go
+        worker.compute(other, list(range(10, 34)))
+        assert worker.client.store(other, list(range(10, 34))).num_cached == 24
+        assert host_account(stats_and_check(daemon.endpoint))["cached_evictable"] == 24
+        worker.wipe([35, 36])
+        done = scheduler.load_into(m.handle, [35, 36], 2, locked=False)
+        assert done.num_loaded_pages == 2
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(done.wait, layer, timeout_s=30)
+        worker.check(seq, [35, 36], first=2)
+        stats_and_check(daemon.endpoint)
+    finally:
+        scheduler.close()
+        worker.close()
+
+
 def test_owner_going_ends_its_attached_sessions_and_returns_their_locks(daemon):
     engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="gone")
     scheduler = CacheClient(daemon.endpoint, timeout_s=2.0, reconnect_interval_s=0.1)

@@ -17,7 +17,8 @@ engine keeps its own device prefix cache, and hicache is the tier below it.
 * :meth:`OwnedTransfers.load_into` copies pages ``first ..`` of a locked node's path
   into the engine's blocks, layer by layer, with a ticket on the pool's layer counters
   (as a :meth:`~hicache.tiers.loads.Loads.load`). Disk-only pages are read to host
-  first, and the future completes once they are there (or failed), with the number of
+  first — those of the path before ``first`` too, which a page on host needs above it —
+  and the future completes once they are there (or failed), with the number of
   pages that will land: a short or failed read shortens the load, and nothing that will
   not be written is reported as loaded.
 """
@@ -168,7 +169,9 @@ class OwnedTransfers:
             return future
         hold = loadable[-1]
         tree.lock(hold, pool.pool_id)
-        from_disk = [n for n in loadable if n.host_pages is None]
+        # The pages before ``first`` too: the tree keeps a page on host only below a
+        # parent on host, so a read of pages ``first ..`` alone lands nowhere.
+        from_disk = [n for n in tree.path(hold) if n.host_pages is None]
         reads = self.disk.read(from_disk) if from_disk else []
         if not reads:
             self._start(pool, hold, first, blocks, future)

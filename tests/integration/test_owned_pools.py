@@ -558,6 +558,42 @@ def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(d
         engine.close()
 
 
+def test_a_refused_store_leaves_nothing_of_its_namespace_behind(daemon, monkeypatch):
+    """A refused request changes nothing: a store refused for its blocks, or for a
+    deadline passed before it arrived, or one of no whole page, records no namespace
+    for good — no line in the tenant log, no tenant in the tree (before, each noted its
+    namespace first: a client naming ever new extra keys grew both with every refusal)."""
+    from hicache import protocol
+
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="ns")
+    log = daemon.directory / "lmdb" / "tenants"
+
+    def noted():
+        return log.read_text().splitlines() if log.exists() else []
+
+    try:
+        seq = toks(900, 2)
+        engine.compute(seq, [1, 2])
+        assert engine.client.store(seq, [1, 2], "kept").num_cached == 2
+        before = noted()
+        assert len(before) == 1
+        for key, blocks in (("null", [0, 1]), ("twice", [5, 5]), ("past", [1, NUM_BLOCKS]), ("short", [5])):
+            with pytest.raises(RemoteError) as info:
+                engine.client.store(seq, blocks, key)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT, key
+        assert engine.client.store(seq[: PS - 1], [], "empty").num_cached == 0
+        real = protocol.monotonic_ns
+        monkeypatch.setattr(protocol, "monotonic_ns", lambda: real() - 60 * 10**9)
+        with pytest.raises(RemoteError) as info:
+            engine.client.store(seq, [1, 2], "late")
+        assert info.value.code == ErrorCode.TIMEOUT
+        monkeypatch.setattr(protocol, "monotonic_ns", real)
+        stats_and_check(daemon.endpoint)
+        assert noted() == before
+    finally:
+        engine.close()
+
+
 def test_a_store_its_engine_gave_up_on_never_copies_the_blocks_reused_since(tmp_path):
     """The engine's store times out (the daemon is stopped here: a stall, swap), the
     engine reuses the blocks for another request; the daemon, resumed, executes the

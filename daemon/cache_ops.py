@@ -17,7 +17,7 @@ from hicache import protocol as p
 from hicache.config import DEFAULT_TENANT, DaemonConfig
 from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.sharing import NoSharing, RadixSharing, SharingPolicy
-from hicache.errors import InvalidArgument, PermissionDenied
+from hicache.errors import DeadlinePassed, InvalidArgument, PermissionDenied
 from hicache.keys import TOKEN_BYTES, NamespaceId, namespace_id
 from hicache.tiers import Hit
 
@@ -268,9 +268,10 @@ class CacheOps:
         session = self._session(m.session)
         tokens = self._tokens(m.tokens)
         manager = session.manager
-        namespace = self._namespace(session, m.extra_key, m.tenant, storing=True)
+        # Checked before the namespace is noted: a refused store leaves nothing behind.
+        blocks = manager.store_blocks(session.pool_id, tokens, m.pages)
         if self._sharing_for(m.extra_key) is self._no_sharing:  # nothing is kept for these keys
-            manager.page_ids(session.pool_id, m.pages)  # (still checked)
+            self._namespace(session, m.extra_key, m.tenant)
             done: Future = Future()
             done.set_result(p.StoreReply(id=m.id, node=-1, copied=0, cached=0))
             return done
@@ -278,7 +279,10 @@ class CacheOps:
         if m.deadline_ns is not p.UNSET:
             deadline_ns, clock_ns = m.deadline_ns, self._clock_ns
             expired = lambda: clock_ns() >= deadline_ns  # noqa: E731
-        future = manager.store(namespace, tokens, session.pool_id, m.pages, expired=expired)
+            if expired():
+                raise DeadlinePassed("store: its deadline passed before it arrived; nothing copied")
+        namespace = self._namespace(session, m.extra_key, m.tenant, storing=len(blocks) > 0)
+        future = manager.store(namespace, tokens, session.pool_id, blocks, expired=expired)
         out: Future = Future()
 
         def answer(f: Future) -> None:

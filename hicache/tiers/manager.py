@@ -235,12 +235,20 @@ class TierManager:
         :class:`~hicache.errors.DeadlinePassed` if so now, and the future fails with it
         (nothing cached) if so when the copy is done."""
         pool = self._owned_pool(pool_id)
-        ids = pool.checked_ids(blocks)
+        ids = self.store_blocks(pool_id, tokens, blocks)
         packed = pack_tokens(tokens)
-        if len(ids) != len(packed) // TOKEN_BYTES // self.spec.page_size:
-            raise InvalidArgument("one block per whole page of tokens")
         return self._owned.store(pool, namespace, packed[: len(ids) * self.spec.page_size * TOKEN_BYTES], ids,
                                  expired)
+
+    def store_blocks(self, pool_id: PoolId, tokens: Tokens, blocks: PageIdsLike) -> PageIds:
+        """The blocks of a :meth:`store`, checked as it checks them (an engine-owned
+        pool's, in range, none twice, one per whole page of ``tokens``), changing
+        nothing: for a caller with its own bookkeeping to do only for a store that
+        will run."""
+        ids = self._owned_pool(pool_id).checked_ids(blocks)
+        if len(ids) != len(pack_tokens(tokens)) // TOKEN_BYTES // self.spec.page_size:
+            raise InvalidArgument("one block per whole page of tokens")
+        return ids
 
     def load_into(self, node: Node, pool_id: PoolId, blocks: PageIdsLike, first: int = 0) -> Future:
         """Copy pages ``first ..`` of ``node``'s path (host / disk) into the engine's

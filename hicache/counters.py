@@ -16,9 +16,8 @@ they repeat across rings: each ring counts from a random start, so that a ticket
 ring that is gone — a daemon that restarted, a pool registered again — is stale on the
 ring its engine waits on now (where every ring counted from 1, a new daemon's first
 load had the ticket of the old one's first load, and waiting on the old ticket returned
-when the new load landed). The
-daemon writes the KV bytes before the stamp (x86 keeps stores in order; the stamp is one
-aligned 8-byte store).
+when the new load landed). The daemon writes the KV bytes before the stamp (x86 keeps
+stores in order; the stamp is one aligned 8-byte store).
 
 GPU mode adds :class:`CudaLayerEvents`: an interprocess CUDA event per slot and layer,
 recorded on the daemon's copy stream after each layer and waited on by the engine's

@@ -180,6 +180,31 @@ def test_a_load_into_past_the_engines_own_prefix_reads_the_pages_before_it_from_
         worker.close()
 
 
+def test_an_attached_session_stores_from_the_pools_blocks(daemon):
+    """A session attached to an engine-owned pool stores from that pool's blocks (the
+    same engine's: a scheduler or a second client of the worker), as its owner does."""
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="st")
+    other = CacheClient(daemon.endpoint)
+    try:
+        other.attach("st")
+        seq = toks(300, 4, tail=2)
+        blocks = [6, 2, 17, 9]
+        worker.compute(seq, blocks)
+        stored = other.store(seq, blocks)
+        assert (stored.num_copied, stored.num_cached) == (4, 4)
+        assert worker.client.store(seq, blocks).num_copied == 0  # the owner finds them cached
+        m = worker.client.match(seq)
+        assert m.num_host_pages == 4
+        worker.wipe(range(1, NUM_BLOCKS))
+        _, done = load(worker, other, seq, [30, 31, 32, 33])
+        assert done.num_loaded_pages == 4
+        worker.check(seq, [30, 31, 32, 33])
+        stats_and_check(daemon.endpoint)
+    finally:
+        other.close()
+        worker.close()
+
+
 def test_owner_going_ends_its_attached_sessions_and_returns_their_locks(daemon):
     engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="gone")
     scheduler = CacheClient(daemon.endpoint, timeout_s=2.0, reconnect_interval_s=0.1)

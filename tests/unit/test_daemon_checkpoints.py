@@ -12,6 +12,7 @@ from hicache.daemon.service import Daemon
 from hicache.errors import ErrorCode
 from hicache.fdpass import FdExchange
 from hicache.keys import key_self_test
+from hicache.tree import Tier
 from test_checkpoints import SPEC, STATE_SLOTS, StateEngine
 from tiers_util import SPEC as PLAIN
 from tiers_util import Engine, offered, wired
@@ -189,3 +190,33 @@ def _raw(daemon, message: dict):
     except p.ProtocolError as exc:
         return daemon.undecodable(payload, exc)
     return daemon.handle(decoded)
+
+
+def test_checkpoint_events_are_kept_when_their_spec_is_let_go(daemon):
+    """A spec let go (here: unused, its tree emptied by eviction, when another spec
+    registers) takes its checkpoint counts with it; the counter must not go back."""
+    engine, other = StateEngine(), Engine(num_pages=8, spec=PLAIN)
+    try:
+        sid = register(daemon, SPEC, engine.exported)
+        tokens = np.arange(100, 100 + 4 * PS, dtype="<i4").tobytes()
+        pages = daemon.handle(p.Alloc(id=3, session=sid, num_pages=4)).pages
+        engine.set_state(1, 71)
+        inserted = settle(daemon, wired(daemon, p.Insert(id=4, session=sid, tokens=tokens, pages=pages,
+                                                         checkpoints=[(2, 1)])))
+        assert inserted.checkpoints == 1
+        daemon.refresh_snapshot()
+        assert value(daemon.metrics, "hicache_checkpoint_events_total", event="offered") == 1
+        daemon.handle(p.Bye(id=5, session=sid))
+        (manager,) = daemon.managers.values()
+        manager.flush()
+        daemon.poll()
+        for tier in (Tier.HOST, Tier.DISK):
+            manager.evict(tier, 1 << 10)
+        assert manager.num_nodes == 0
+        register(daemon, PLAIN, other.exported)
+        assert SPEC.fingerprint not in daemon.managers  # (let go: it cached nothing)
+        daemon.refresh_snapshot()
+        assert value(daemon.metrics, "hicache_checkpoint_events_total", event="offered") == 1
+    finally:
+        other.close()
+        engine.close()

@@ -498,7 +498,8 @@ class Daemon:
         oldest = self.sessions.oldest_lock_since()
         self._snapshot = snapshot.occupancy(managers=self.managers.values(), sessions=len(self.sessions),
                                             oldest_lock_s=0.0 if oldest is None else self.clock() - oldest,
-                                            storage=self.storage)
+                                            storage=self.storage,
+                                            closed_checkpoint_events=self.specs.closed_checkpoint_events)
         if self.events is not None:
             self._snapshot["events"] = self.events.stats()
 

@@ -9,7 +9,7 @@ half second (:data:`SNAPSHOT_S`) and before answering a test that asks.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hicache import __version__
@@ -50,10 +50,13 @@ def tenant_pages(managers: Iterable[TierManager]) -> dict[str, list[int]]:
     return out
 
 
-def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage) -> dict[str, Any]:
+def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: float, storage,
+              closed_checkpoint_events: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The state figures of :meth:`hicache.metrics.Metrics.add_state_collector`: pages
     by tier and state (every spec together), sessions, the oldest lock's age, the queues
-    between the tiers (every spec together), storage figures and the build."""
+    between the tiers (every spec together), storage figures and the build.
+    ``closed_checkpoint_events``: the checkpoint event counts of the managers let go,
+    added to those serving (a counter does not go back when a spec is let go)."""
     managers = list(managers)
     pages: dict[str, dict[str, int]] = {tier: dict.fromkeys(TierAccount._fields, 0)
                                         for tier in TIERS}
@@ -80,11 +83,12 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
         "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
     }
     held = [m.checkpoints for m in managers if m.checkpoints is not None]
-    if held:
+    closed = closed_checkpoint_events or {}
+    if held or closed:
         out["checkpoints"] = {
             "host": sum(c.count()[0] for c in held), "disk": sum(c.count()[1] for c in held),
             "device": sum(c.count()[2] for c in held),
             "host_slots": sum(c.num_slots for c in held),
-            **{event: sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS},
+            **{event: closed.get(event, 0) + sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS},
         }
     return out

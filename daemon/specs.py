@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from hicache.config import DaemonConfig
 from hicache.daemon.sessions import Session
 from hicache.errors import Draining, InvalidArgument, ResourceExhausted
 from hicache.jobs import Completions
+from hicache.metrics import CHECKPOINT_EVENTS
 from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
 from hicache.tiers import TierManager
@@ -84,6 +86,9 @@ class Specs:
         self._registered_at: dict[bytes, float] = {}  # spec fingerprint -> its last registration
         self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
         self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
+        # The checkpoint event counts of the managers let go: the metric is a counter, so
+        # they stay in it (with the counts of those serving) instead of leaving with them.
+        self.closed_checkpoint_events: Counter[str] = Counter()
         # Called when a manager starts serving. The server sets it to gc.freeze: what the
         # new manager allocated (tree, indexes, and the modules its first use imported —
         # torch alone brings ~150,000 objects) moves to the permanent generation (O(1)),
@@ -168,6 +173,9 @@ class Specs:
     def _close(self, fingerprint: bytes, why: str) -> None:
         manager = self.managers.pop(fingerprint)
         self._registered_at.pop(fingerprint, None)
+        if manager.checkpoints is not None:
+            self.closed_checkpoint_events.update({event: getattr(manager.checkpoints, event)
+                                                  for event in CHECKPOINT_EVENTS})
         if not manager.close():
             logger.warning("spec %s: tiers let go unclosed (the store did not commit in time), no engine uses them "
                            "and %s", manager.spec.fingerprint_hex, why)

@@ -373,7 +373,8 @@ class StateCollector:
          "tenants": {tenant: [host pages, disk pages]},  # every spec together
          "events": {"events": n, "batches": n, "dropped": n} or absent (no [events]),
          "checkpoints": {"host": n, "disk": n, "host_slots": n, "offered": n, ...} or absent
-                        (no spec with state layers),
+                        (no spec with state layers yet; the events keep the counts of
+                        specs let go),
          "build": {"version": ..., "protocol_version": ..., "mode": "cpu" or "gpu"}}
 
     It is called from the HTTP thread, so it must only hand over that copy.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 
@@ -86,3 +87,23 @@ class SlowStore:
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
+
+
+class HungMooncakeStore:
+    """A stand-in for ``MooncakeDistributedStore`` whose ``close`` hangs (a master gone
+    mid-RPC) until the test lets it go."""
+
+    def __init__(self):
+        self.closing = threading.Event()
+        self.release = threading.Event()
+
+    def register_buffer(self, ptr, size):
+        return 0
+
+    def unregister_buffer(self, ptr):
+        return 0
+
+    def close(self):
+        self.closing.set()
+        self.release.wait(60)  # (a hang guard: the test sets it)
+

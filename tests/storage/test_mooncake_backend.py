@@ -152,3 +152,18 @@ def test_an_unregistered_buffer_frees_its_range(mooncake_store):
     finally:
         joined.close()
         lazy.close()
+
+
+def test_close_gives_up_at_its_time_limit_when_the_store_hangs():
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+    from storage_util import HungMooncakeStore
+
+    store = HungMooncakeStore()
+    backend = MooncakeBackend(MooncakeConfig(master="127.0.0.1:1"), store=store)
+    try:
+        with pytest.raises(TimeoutError):
+            backend.close(0.01)
+        assert store.closing.wait(60)  # the store's close was called, and is still hung
+        backend.close(0.01)  # (closed already: nothing to wait for)
+    finally:
+        store.release.set()

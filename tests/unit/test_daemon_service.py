@@ -18,7 +18,7 @@ from hicache.errors import ErrorCode
 from hicache.keys import key_self_test, namespace_id
 from hicache.spec import KVSpec
 from hicache.tree import Place, Tier
-from storage_util import stored_run
+from storage_util import HungMooncakeStore, stored_run
 from tiers_util import SPEC, Engine, offered, wired
 
 PS = SPEC.page_size
@@ -641,3 +641,34 @@ def test_a_register_refused_at_decoding_drops_its_descriptors_too(tmp_path, engi
                                    pools=pools)), ErrorCode.INVALID_ARGUMENT)
     assert daemon.fds.take(pools[0]["token"]) is None
     daemon.close()
+
+
+class _TickingClock(Clock):
+    """Every look is ``step_s`` later: the stop's deadline is past by the time it
+    reaches the remote store."""
+
+    def __init__(self, step_s):
+        super().__init__()
+        self.step_s = step_s
+
+    def __call__(self):
+        self.now += self.step_s
+        return self.now
+
+
+def test_close_gives_up_on_a_remote_store_whose_close_hangs_at_the_stops_deadline(tmp_path, caplog):
+    """The stop has one deadline for the drain and every close: a Mooncake ``close``
+    that hangs (its master gone) is given up at it, and the stop says so."""
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+    store = HungMooncakeStore()
+    remote = MooncakeBackend(MooncakeConfig(master="127.0.0.1:1"), store=store)
+    clock = _TickingClock(step_s=60.0)
+    daemon = Daemon(DaemonConfig.load(overrides={"disk.enabled": False, "server.socket": str(tmp_path / "s.sock")}),
+                    clock=clock, remote=remote, fds=FdExchange(tmp_path / "fds"))
+    try:
+        assert daemon.close(clock.now) is False
+        assert store.closing.wait(60)  # (still hung: the stop went on without it)
+        assert "remote store" in caplog.text
+    finally:
+        store.release.set()

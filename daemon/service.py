@@ -572,12 +572,12 @@ class Daemon:
 
     def close(self, deadline: float | None = None) -> bool:
         """End the sessions, close every spec's tiers, the store and the rest. What
-        waits (transfers in flight, the store's last commit) waits until ``deadline``
-        (on :attr:`clock`; default: ``[server].drain_timeout_s`` from now), and at least
-        :data:`_CLOSE_GRACE_S` from now: past it, what has not finished is logged —
-        each spec's pages not on disk, lost — and left to the process's exit (a
-        storage that hangs must not hold the stop past what systemd was told). True
-        when everything finished and was let go."""
+        waits (transfers in flight, the store's last commit, leaving the remote store)
+        waits until ``deadline`` (on :attr:`clock`; default: ``[server].drain_timeout_s``
+        from now), and at least :data:`_CLOSE_GRACE_S` from now: past it, what has not
+        finished is logged — each spec's pages not on disk, lost — and left to the
+        process's exit (a storage that hangs must not hold the stop past what systemd
+        was told). True when everything finished and was let go."""
         if deadline is None:
             deadline = self.clock() + self.config.server.drain_timeout_s
         deadline = max(deadline, self.clock() + _CLOSE_GRACE_S)
@@ -600,7 +600,11 @@ class Daemon:
                 logger.error("gave up closing the store: %s; what it had not committed is lost (the store stays "
                              "consistent)", exc)
         if self.remote is not None:
-            self.remote.close()
+            try:
+                self.remote.close(max(0.0, deadline - self.clock()))
+            except TimeoutError as exc:
+                closed = False
+                logger.error("gave up closing the remote store: %s", exc)
         if self.events is not None:
             self.events.close()
         self.tenant_log.close()

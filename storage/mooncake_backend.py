@@ -438,11 +438,24 @@ class MooncakeBackend:
         if self._closed:
             raise StorageUnavailable("the remote store is closed")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Unregister the memory registered with the store and leave it. Idempotent;
+        every other method raises afterwards. Past ``timeout_s`` (``None``: no bound)
+        with that still running — Mooncake's calls block while its master is gone —
+        raises ``TimeoutError``: it is left to a daemon thread and the process's exit
+        (the store's master leases and evicts on its own: nothing is lost but the wait)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        closer = threading.Thread(target=self._leave, name="hicache-remote-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            raise TimeoutError(f"closing the Mooncake Store client ({self.config.master}) did not finish in "
+                               f"{timeout_s:g} s")
+
+    def _leave(self) -> None:
         self._checker.shutdown(wait=True)
         if self._store is None:
             return
@@ -452,5 +465,3 @@ class MooncakeBackend:
             self._store.close()
         except Exception as exc:  # (closing a store whose master is gone)
             logger.warning("closing the remote store: %s", exc)
-
-

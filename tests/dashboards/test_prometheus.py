@@ -158,14 +158,14 @@ def test_dashboard_is_provisionable():
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
 
 
-def unfiltered_selectors(expr: str) -> list[str]:
-    """The metric names in ``expr`` selected without ``instance=~"$instance"``. String
-    literals are matched and skipped, so a label value equal to a name does not count."""
+def unfiltered_selectors(expr: str, matcher: str = 'instance=~"$instance"') -> list[str]:
+    """The metric names in ``expr`` selected without ``matcher``. String literals are
+    matched and skipped, so a label value equal to a name does not count."""
     unfiltered = []
     for name in metric_names(expr):
         pattern = rf'"(?:[^"\\]|\\.)*"|(?<![\w:]){re.escape(name)}(?![\w:])(\{{[^}}]*\}})?'
         for match in re.finditer(pattern, expr):
-            if not match.group(0).startswith('"') and 'instance=~"$instance"' not in (match.group(1) or ""):
+            if not match.group(0).startswith('"') and matcher not in (match.group(1) or ""):
                 unfiltered.append(name)
     return unfiltered
 
@@ -187,6 +187,15 @@ def test_every_panel_has_targets_filtered_by_instance():
         assert panel["targets"], f"{panel['title']!r} has no targets"
         for target in panel["targets"]:
             assert not unfiltered_selectors(target["expr"]), f"{panel['title']!r}: {target['expr']}"
+
+
+def test_metrics_every_exporter_has_are_filtered_by_job():
+    """``up`` and ``process_*`` come from every target, not only hicache's: a node's
+    other exporters often share its ``instance`` label (see
+    test_a_daemon_down_reads_as_down_beside_another_exporter_of_its_node)."""
+    for title, expr in dashboard_exprs(load_dashboard()):
+        shared = [name for name in unfiltered_selectors(expr, 'job="hicache"') if not name.startswith("hicache_")]
+        assert not shared, f"{title!r}: {expr}"
 
 
 def test_dashboard_uses_only_exported_metrics():
@@ -222,17 +231,26 @@ def free_port() -> int:
 
 class PrometheusServer:
     """A ``prometheus`` process in ``directory`` scraping one hicache daemon every second
-    (job "hicache", as alerts.yml expects) and evaluating a copy of alerts.yml."""
+    (job "hicache", as alerts.yml expects) and evaluating a copy of alerts.yml.
+    ``instance``: the target's instance label (default: its address); ``other_jobs``:
+    more jobs, ``{job name: (target, instance label)}``; ``port``: the one it listens
+    on (default: a free one)."""
 
-    def __init__(self, directory: Path, target: str) -> None:
+    def __init__(self, directory: Path, target: str, *, instance: str | None = None,
+                 other_jobs: dict[str, tuple[str, str]] | None = None, port: int | None = None) -> None:
         directory.mkdir()
         shutil.copy(ALERTS, directory / "alerts.yml")
         config = directory / "prometheus.yml"
+        jobs = {"hicache": (target, instance), **(other_jobs or {})}
+        scrape_configs = "".join(
+            f'  - job_name: {job}\n    static_configs:\n      - targets: ["{address}"]\n'
+            + (f'        labels: {{instance: "{label}"}}\n' if label else "")
+            for job, (address, label) in jobs.items())
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
             "rule_files:\n  - alerts.yml\n"
-            f'scrape_configs:\n  - job_name: hicache\n    static_configs:\n      - targets: ["{target}"]\n')
-        self.url = f"http://127.0.0.1:{free_port()}"
+            f"scrape_configs:\n{scrape_configs}")
+        self.url = f"http://127.0.0.1:{port or free_port()}"
         self.log = directory / "prometheus.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -390,3 +408,31 @@ def test_every_dashboard_and_alert_query_answers_from_a_live_daemon(tmp_path):
             prometheus.stop()
         code = daemon.stop()
     assert code == 0, daemon.log.read_text()
+
+
+@needs_prometheus
+def test_a_daemon_down_reads_as_down_beside_another_exporter_of_its_node(tmp_path):
+    """Prometheus setups often give a node's targets one ``instance`` label (relabelled
+    to the node, so that node_exporter's and hicache's series join). With the daemon
+    down and another exporter of its node up (here: Prometheus itself), the panels that
+    read ``up`` and the ``process_*`` metrics (which every exporter has) show the daemon
+    down and nothing of its process — not the other exporter's."""
+    node = "gpu-node-01"
+    port = free_port()
+    prometheus = PrometheusServer(tmp_path / "prometheus", f"127.0.0.1:{free_port()}", instance=node,
+                                  other_jobs={"node": (f"127.0.0.1:{port}", node)}, port=port)
+    try:
+        prometheus.wait_for("prometheus to be ready", prometheus.ready)
+        prometheus.wait_for("a scrape of both jobs", lambda: len(prometheus.results(f'up{{instance="{node}"}}')) == 2)
+        values = {**VARIABLE_VALUES, "instance": node}
+        answers = {}
+        for panel in dashboard_panels(load_dashboard()):
+            for target in panel["targets"]:
+                if not any(name.startswith("hicache_") for name in metric_names(target["expr"])):
+                    results = prometheus.results(substitute(target["expr"], values))
+                    answers[panel["title"], target["legendFormat"]] = [float(r["value"][1]) for r in results]
+        assert answers.pop(("Daemons up", "up")) == [0.0]
+        assert answers.pop(("Daemons up", "scraped")) == [1.0]
+        assert answers and all(got == [] for got in answers.values()), answers  # the process panels
+    finally:
+        prometheus.stop()

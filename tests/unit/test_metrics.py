@@ -220,3 +220,26 @@ def test_disk_figures(tmp_path):
     assert metrics.registry.get_sample_value("hicache_lmdb_map_size_bytes") > 0
     assert metrics.registry.get_sample_value("hicache_disk_corrupt_records_total") == 0
     daemon.close()
+
+
+def test_a_queue_without_a_bound_has_no_limit_sample(engine, tmp_path):
+    """hicache_queue_limit_pages is a bound: a queue without one (no disk writer: no
+    disk tier, or no spec registered yet) has no sample, rather than a bound of 0 that a
+    ratio divides by or that an empty queue is "at"."""
+    config = DaemonConfig.load(overrides={"disk.enabled": False, "server.socket": str(tmp_path / "s"),
+                                          "host.ratio": 1.0})
+    daemon = Daemon(config, fds=FdExchange(tmp_path / "fds"))
+    try:
+        registry = daemon.metrics.registry
+        daemon.refresh_snapshot()
+        for queue in ("host_staging", "disk_write"):
+            assert registry.get_sample_value("hicache_queue_pages", {"queue": queue}) == 0
+            assert registry.get_sample_value("hicache_queue_limit_pages", {"queue": queue}) is None, queue
+        sid = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION)).session
+        wired(daemon, p.Register(id=2, session=sid, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                                 key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)]))
+        daemon.refresh_snapshot()
+        assert registry.get_sample_value("hicache_queue_limit_pages", {"queue": "host_staging"}) == 12
+        assert registry.get_sample_value("hicache_queue_limit_pages", {"queue": "disk_write"}) is None
+    finally:
+        daemon.close()

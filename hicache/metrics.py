@@ -79,7 +79,8 @@ hicache_queue_pages                    (gauge)  queue (backup_deferred, host_sta
                                                 disk_write, disk_write_deferred,
                                                 load_waiting)
 hicache_queue_limit_pages              (gauge)  queue (the bounded ones: host_staging,
-                                                disk_write)
+                                                disk_write; absent while a queue has no
+                                                bound — no spec registered, no disk tier)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
 hicache_disk_corrupt_records_total              —
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
@@ -406,8 +407,8 @@ class StateCollector:
         for queue in QUEUES:
             pages_in, limit = snap.get("queues", {}).get(queue, (0, None))
             queues.add_metric([queue], pages_in)
-            if queue in BOUNDED_QUEUES:
-                limits.add_metric([queue], limit or 0)
+            if queue in BOUNDED_QUEUES and limit is not None:  # (no bound yet, or none: no sample, not a 0)
+                limits.add_metric([queue], limit)
         yield queues
         yield limits
         tenants = GaugeMetricFamily("hicache_tenant_pages", "Host and disk pages cached per tenant",

@@ -15,6 +15,8 @@ from hicache.errors import InvalidArgument
     ("metrics.port", -1),
     ("server.socket_mode", 0o10660),  # not permission bits
     ("server.socket_mode", -1),
+    ("sharing.disabled_extra_keys", [1, 2]),  # accepted, then no extra key (a string) ever matched
+    ("sharing.disabled_extra_keys", ["secret", None]),
 ])
 def test_a_value_that_would_fail_later_is_refused_at_load(dotted, value):
     section, _, key = dotted.partition(".")
@@ -24,7 +26,8 @@ def test_a_value_that_would_fail_later_is_refused_at_load(dotted, value):
 
 def test_the_defaults_and_the_edges_load():
     DaemonConfig.load(overrides={"tiers.eviction": "lfu", "tiers.io_threads": 1, "tiers.copy_threads": 1,
-                                 "metrics.port": 0, "server.socket_mode": 0o600})
+                                 "metrics.port": 0, "server.socket_mode": 0o600,
+                                 "sharing.disabled_extra_keys": ["secret", ""]})
 
 
 @pytest.mark.parametrize("dotted, value", [

@@ -222,6 +222,13 @@ class SharingConfig:
     enabled: bool = True
     disabled_extra_keys: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # (an extra key is a string on the wire: any other value would match none, and
+        # the sharing it was meant to turn off would stay on without a word)
+        for key in self.disabled_extra_keys:
+            if not isinstance(key, str):
+                raise InvalidArgument(f"[sharing].disabled_extra_keys must be strings, got {key!r}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:

@@ -499,6 +499,33 @@ def test_a_write_never_evicts_the_disk_copy_of_its_own_parent(engine, tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("capacity_pages", [0, 2])
+def test_a_prompt_larger_than_the_whole_disk_tier_is_not_written_and_its_host_copy_goes(engine, tmp_path,
+                                                                                       capacity_pages, caplog):
+    """[disk].capacity_bytes below one page (0 pages) or below a prompt's pages: that
+    prompt can never be on disk. Its host copy goes when host evicts it — as a tenant's
+    over its disk quota does — rather than waiting for a write that cannot start (the
+    host tier would fill with pages nothing can evict) or failing at the store each
+    time; a disk tier that holds no page of the spec is named at the start."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=max(1, capacity_pages * SPEC.host_page_bytes))
+    tm, _ = make_tm(engine, host_pages=8, storage=store)
+    try:
+        assert ("capacity_bytes" in caplog.text) == (capacity_pages == 0)
+        prefill(tm, engine, tokens(100, 4))
+        settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)
+        assert tm.tree.sizes(Tier.HOST).cached == 4
+        assert tm.evict(Tier.HOST, 8) == 4
+        settle(tm)
+        assert tm.tree.sizes(Tier.HOST).cached == 0 and store.stats().records == 0
+        assert "disk write failed" not in caplog.text
+    finally:
+        tm.close()
+        store.close()
+
+
 def test_pages_written_after_their_parent_left_the_disk_tier_are_deleted_not_orphaned(engine, store):
     """The store drops a parent's records on its own while its child's write is in flight:
     the child's records, which the tree cannot take, are deleted when the write lands."""

@@ -46,6 +46,11 @@ class DiskTier(Protocol):
         (a space quota)?"""
 
     @property
+    def too_large(self) -> bool:
+        """Did the last :meth:`write` not start because its path has more pages than
+        the whole tier holds (it never will)?"""
+
+    @property
     def write_limit(self) -> int:
         """Pages the writer's queue holds at most (0: no writer)."""
 
@@ -84,6 +89,7 @@ class NoDisk:
     capacity_pages = 0
     pending = 0
     over_quota = False
+    too_large = False
 
     def __init__(self) -> None:
         self.on_store_evicted: Callable[[Sequence[bytes]], None] = self.forget_keys
@@ -141,7 +147,12 @@ class LocalDisk:
         self.core = core
         self.clean_host_floor = clean_host_floor
         self.storage = storage
-        self.capacity_pages = storage.stats().capacity_bytes // core.spec.host_page_bytes
+        capacity_bytes = storage.stats().capacity_bytes
+        self.capacity_pages = capacity_bytes // core.spec.host_page_bytes
+        if not self.capacity_pages:
+            logger.warning("[disk].capacity_bytes (%d) is smaller than one page of spec %s (%d bytes): none of its "
+                           "pages will be written to disk", capacity_bytes, core.spec.fingerprint_hex,
+                           core.spec.host_page_bytes)
         self._writer = DiskWriter(core, storage, self, write_backlog)
         self._reader = DiskReader(core, storage, self)
         # Told the keys the store evicted to make room for this tree's writes. A store
@@ -159,6 +170,10 @@ class LocalDisk:
     @property
     def over_quota(self) -> bool:
         return self._writer.over_quota
+
+    @property
+    def too_large(self) -> bool:
+        return self._writer.too_large
 
     @property
     def write_limit(self) -> int:
@@ -188,8 +203,6 @@ class LocalDisk:
 
     def room(self, num_pages: int) -> bool:
         """Keep the tree's disk tier within capacity: evict its LRU to make room."""
-        if not self.capacity_pages:
-            return True
         if num_pages > self.capacity_pages:
             return False
         used = self.core.tree.sizes(Tier.DISK).cached + self.pending

@@ -36,6 +36,7 @@ class DiskWriter:
         self.limit = max(1, limit)  # pages queued (written, not committed) at most
         self.pending = 0  # pages written and not committed yet
         self.over_quota = False  # the last write did not start: its tenant's disk quota
+        self.too_large = False  # the last write did not start: more pages than the whole tier holds
         self.committed = 0  # pages that reached the disk tier, ever
         self.deferred: OrderedDict[int, bool] = OrderedDict()  # node id -> then_drop_host: over the bound
 
@@ -44,7 +45,7 @@ class DiskWriter:
         False if not now (deferred when only the queue's bound is in the way)."""
         core = self.core
         tree = core.tree
-        self.over_quota = False
+        self.over_quota = self.too_large = False
         path = [n for n in tree.path(node) if not n.on_disk and not core.inflight.busy(n, Kind.DISK_WRITE)]
         if not path or any(n.host_pages is None or not n.tokens for n in path):
             # Nothing to write, or nothing that can be: a page not on host, or one whose
@@ -52,6 +53,10 @@ class DiskWriter:
             self.deferred.pop(node.node_id, None)
             return False
         total = sum(n.num_pages for n in path)
+        if total > self.disk.capacity_pages:  # ([disk].capacity_bytes too small for it: never written)
+            self.deferred.pop(node.node_id, None)
+            self.too_large = True
+            return False
         if self.pending and self.pending + total > self.limit:  # (a path over the bound goes alone)
             if node.node_id not in self.deferred:
                 self.deferred[node.node_id] = then_drop_host

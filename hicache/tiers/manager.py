@@ -684,7 +684,7 @@ class TierManager:
             if self._write_before_drop(node):
                 if self.disk.write(node, then_drop_host=True) or self.disk.is_deferred(node):
                     coming += node.num_pages
-                elif self.disk.over_quota:  # its tenant has no disk room: the host copy just goes
+                elif self.disk.over_quota or self.disk.too_large:  # no disk room for it: the host copy just goes
                     freed += self._drop_host(node)
             else:
                 freed += self._drop_host(node)

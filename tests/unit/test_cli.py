@@ -173,3 +173,16 @@ def test_client_commands_find_a_system_daemon_by_its_config_file(tmp_path, monke
         assert cli._endpoint(Namespace(endpoint=None, config=None)) == DaemonConfig().server.endpoints[0]
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--log-level", "verbose", "status"], "--log-level"),  # was a ValueError traceback from logging
+    (["status", "--watch", "-1"], "--watch"),  # was a ValueError traceback from time.sleep, after one status
+    (["status", "--timeout", "-1"], "--timeout"),  # was "no answer ... within -1 s"
+    (["check", "--timeout", "0"], "--timeout"),
+])
+def test_a_bad_option_value_is_a_usage_error(argv, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--endpoint", f"ipc://{tmp_path}/nobody.sock"])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err

@@ -225,10 +225,26 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.endpoint, args.conversations, args.turns, args.seed)
 
 
+def _log_level(text: str) -> str:
+    if not isinstance(logging.getLevelName(text.upper()), int):  # (a name it knows maps to its number)
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}: DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return text.upper()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV-cache tier daemon")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument("--log-level", default="INFO", type=_log_level, help="DEBUG, INFO, WARNING, ...")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the daemon in the foreground")
@@ -245,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--config", help=f"TOML configuration file, to find the socket (default: {SYSTEM_CONFIG} "
                                           "if there is one, else the embedded defaults)")
         sub.add_argument("--endpoint", help="e.g. ipc:///run/hicache/hicache.sock")
-        sub.add_argument("--timeout", type=float, default=5.0)
+        sub.add_argument("--timeout", type=_seconds, default=5.0)
         sub.add_argument("--server-key", help="the daemon's public key (Z85) or its .key file: CURVE")
         sub.add_argument("--key-file", help="this client's .key_secret file (with --server-key)")
         if name == "status":
             sub.add_argument("--json", action="store_true")
-            sub.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+            sub.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
                              help="refresh every SECONDS (default 2) until Ctrl-C")
             sub.add_argument("--count", type=int, default=0, help="with --watch: stop after this many")
         sub.set_defaults(run=run)
@@ -267,5 +283,5 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)

@@ -186,3 +186,26 @@ def test_a_bad_option_value_is_a_usage_error(argv, named, tmp_path, capsys):
         main([*argv, "--endpoint", f"ipc://{tmp_path}/nobody.sock"])
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def _run_one_line(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([HICACHE, "--log-level", "WARNING", *argv], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:  # (a hang guard, not a timing assertion)
+        pytest.fail(f"hicache {' '.join(argv)} never ended")
+
+
+@pytest.mark.parametrize("command", ["status", "check", "reload"])
+def test_an_endpoint_that_is_not_one_is_one_line(command):
+    """``--endpoint /run/hicache/hicache.sock`` (a path, not ipc://...): ZeroMQ refuses
+    to connect. It was a traceback, and then the command hung for good (the context
+    waited for the socket that failed to connect, never closed)."""
+    done = _run_one_line([command, "--endpoint", "bogus"])
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "bogus" in done.stderr, done.stderr
+
+
+def test_demo_against_a_daemon_that_is_not_there_is_one_line(tmp_path):
+    done = _run_one_line(["demo", "--endpoint", f"ipc://{tmp_path}/nobody.sock"])
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "no answer" in done.stderr, done.stderr

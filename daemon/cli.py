@@ -113,8 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from hicache.client import RemoteError
-    from hicache.errors import Unavailable
+    from hicache.errors import HicacheError
 
     client = _client(args)
     try:
@@ -122,7 +121,7 @@ def _status(args: argparse.Namespace) -> int:
         while True:
             try:
                 stats = client.stats()
-            except (RemoteError, Unavailable) as exc:  # (refused: an identity that is no administrator)
+            except HicacheError as exc:  # (refused: an identity that is no administrator; no daemon; ...)
                 print(f"hicache: {exc}", file=sys.stderr)
                 return 1
             if args.watch:
@@ -163,13 +162,12 @@ def _print_status(stats: dict, as_json: bool) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hicache.client import RemoteError
-    from hicache.errors import Unavailable
+    from hicache.errors import HicacheError
 
     client = _client(args)
     try:
         client.check()
-    except (RemoteError, Unavailable) as exc:
+    except HicacheError as exc:
         print(f"hicache check: FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -190,13 +188,12 @@ def _client(args: argparse.Namespace):
 
 
 def _reload(args: argparse.Namespace) -> int:
-    from hicache.client import RemoteError
-    from hicache.errors import Unavailable
+    from hicache.errors import HicacheError
 
     client = _client(args)
     try:
         figures = client.reload()
-    except (RemoteError, Unavailable) as exc:
+    except HicacheError as exc:
         print(f"hicache reload: FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -221,8 +218,13 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from hicache.daemon.demo import run
+    from hicache.errors import HicacheError
 
-    return run(args.endpoint, args.conversations, args.turns, args.seed)
+    try:
+        return run(args.endpoint, args.conversations, args.turns, args.seed)
+    except HicacheError as exc:  # (no daemon at --endpoint, or it refused the demo's engine)
+        print(f"\nhicache demo: {exc}", file=sys.stderr)
+        return 1
 
 
 def _log_level(text: str) -> str:

@@ -266,7 +266,12 @@ class CacheClient:
         sock.setsockopt(zmq.LINGER, 0)
         if self._keys is not None:
             self._keys.apply(sock)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # (not an endpoint: a socket left open would hold close()'s term for good)
+            sock.close(linger=0)
+            raise InvalidArgument(f"cannot connect to {self.endpoint!r}: {exc.strerror} (an endpoint is "
+                                  "ipc://PATH or tcp://HOST:PORT)") from None
         return sock
 
     def _connect(self) -> zmq.Socket:

@@ -209,3 +209,19 @@ def test_demo_against_a_daemon_that_is_not_there_is_one_line(tmp_path):
     done = _run_one_line(["demo", "--endpoint", f"ipc://{tmp_path}/nobody.sock"])
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "no answer" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("section, key", [("disk", "path"), ("server", "socket")])
+def test_serve_with_a_directory_it_cannot_make_exits_with_a_clear_error(tmp_path, section, key):
+    """[disk] path or [server] socket under a regular file (a typo, a mount missing):
+    one line naming the key and exit 2, as for any other bad value — it was a
+    FileExistsError / NotADirectoryError traceback."""
+    from daemon_util import write_config
+
+    (tmp_path / "file").write_text("")
+    where = tmp_path / "file" / ("lmdb" if key == "path" else "hicache.sock")
+    config = write_config(tmp_path, **{section: {key: str(where)}})
+    done = _run_one_line(["serve", "--config", str(config)])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"[{section}].{key}" in done.stderr and "not starting" in done.stderr, done.stderr

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from hicache.config import DaemonConfig
+from hicache.errors import InvalidArgument
 
 
 class AlreadyRunning(RuntimeError):
@@ -38,15 +39,20 @@ class StateLock:
     def for_config(cls, config: DaemonConfig) -> "StateLock":
         """The locks of a daemon with this configuration (creating the socket's and the
         store's directories: the runtime one 0750, for engines of the group to enter;
-        the store 0700)."""
+        the store 0700). A directory it cannot make or use is an :class:`InvalidArgument`
+        naming the key, as for any other bad value (a typo, a volume not mounted)."""
         socket_path = config.server.socket_path
-        socket_path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        paths = [socket_path.with_name(socket_path.name + ".lock")]
+        _make_dir(socket_path.parent, 0o750, "[server].socket")
+        paths = [(socket_path.with_name(socket_path.name + ".lock"), "[server].socket")]
         if config.disk.enabled:
             store = config.disk.store_path
-            store.mkdir(mode=0o700, parents=True, exist_ok=True)
-            paths.append(store / "hicache.lock")
-        return cls(paths)
+            _make_dir(store, 0o700, "[disk].path")
+            paths.append((store / "hicache.lock", "[disk].path"))
+        try:
+            return cls([path for path, _ in paths])
+        except OSError as exc:  # (no permission, a read-only file system; AlreadyRunning is not one)
+            key = next((key for path, key in paths if str(path) == exc.filename), "a state lock")
+            raise InvalidArgument(f"{key}: cannot open {exc.filename}: {exc.strerror}") from None
 
     @staticmethod
     def _take(path: Path) -> int:
@@ -68,3 +74,10 @@ class StateLock:
     def release(self) -> None:
         while self._fds:
             os.close(self._fds.pop())  # closing the descriptor drops the lock
+
+
+def _make_dir(path: Path, mode: int, key: str) -> None:
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as exc:  # (exists as a file, a parent is a file, no permission, read-only, ...)
+        raise InvalidArgument(f"{key}: cannot make the directory {path}: {exc.strerror}") from None

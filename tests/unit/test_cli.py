@@ -225,3 +225,18 @@ def test_serve_with_a_directory_it_cannot_make_exits_with_a_clear_error(tmp_path
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert f"[{section}].{key}" in done.stderr and "not starting" in done.stderr, done.stderr
+
+
+def test_serve_on_a_socket_path_too_long_for_a_unix_socket_exits_with_a_clear_error(tmp_path):
+    """A Unix socket's path holds at most 107 bytes, and the descriptor socket beside
+    it (``<socket>.fds``) is longer still: a deep [server].socket was an OSError
+    traceback ("AF_UNIX path too long") from the descriptor exchange."""
+    from daemon_util import write_config
+
+    socket_path = tmp_path / ("s" * max(1, 110 - len(str(tmp_path)))) / "hicache.sock"
+    config = write_config(tmp_path, server={"socket": str(socket_path)})
+    done = _run_one_line(["serve", "--config", str(config)])
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "[server].socket" in done.stderr and "not starting" in done.stderr, done.stderr
+    assert not socket_path.exists()

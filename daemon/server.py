@@ -250,7 +250,9 @@ class Server:
         socket_path = self.config.server.socket_path
         if socket_path.exists():
             socket_path.unlink()  # a stale socket from a daemon that died (we hold the state's lock)
-        self.daemon.fds = FdExchange(socket_path_for(socket_path), mode=self.config.server.socket_mode)
+        fd_path = socket_path_for(socket_path)
+        self.daemon.fds = _listen(f"the descriptor socket {fd_path} (beside [server].socket)",
+                                  lambda: FdExchange(fd_path, mode=self.config.server.socket_mode))
         router.bind(self._wake_endpoint)
         for endpoint in self.config.server.endpoints:
             curve = self._secure(router, endpoint)

@@ -33,7 +33,12 @@ How the two sides work (they are separate processes):
   (``get_block_ids_with_load_errors``) so that vLLM recomputes them; a store stops before
   the first such block (it holds what it held before, and the blocks after it were
   computed on top of it), and the scheduler stores those pages again once vLLM has
-  recomputed them.
+  recomputed them. The store is synchronous on purpose: vLLM frees a preempted request's
+  blocks inside ``schedule()`` and may hand them at once to a request whose
+  ``update_state_after_alloc`` starts a ``load_into`` them, before any worker hook runs
+  (``handle_preemptions`` comes later), so a store still reading them would cache another
+  prompt's KV. On this CPU a store of 62 fresh pages costs the step about 10 ms, 1.4 %
+  of a 2,000-token prefill.
 * **Scheduler** (attached to the worker's pool): ``get_num_new_matched_tokens`` matches the
   prompt beyond vLLM's own hit — whole blocks, never the last prompt token — and
   ``update_state_after_alloc`` starts ``load_into`` the blocks vLLM allocated (before

@@ -1,13 +1,15 @@
-"""The daemon's file descriptors (:mod:`hicache.fdpass`, :mod:`hicache.daemon.registration`):
-what a session had published and never fetched goes with the session; unfetched
-descriptors are capped per user; out of descriptors, a registration is refused
-(``RESOURCE_EXHAUSTED``, undone) and the descriptor socket rests instead of spinning —
-and all of it comes back once descriptors do."""
+"""The daemon's file descriptors (:mod:`hicache.fdpass`, :mod:`hicache.daemon.registration`,
+:mod:`hicache.daemon.connections`): what a session had published and never fetched goes
+with the session; unfetched descriptors are capped per user; out of descriptors, a
+registration is refused (``RESOURCE_EXHAUSTED``, undone) and the descriptor socket
+rests instead of spinning; a flood of connections is shed before libzmq runs out of
+descriptors — and all of it comes back once descriptors do."""
 
 from __future__ import annotations
 
 import os
 import resource
+import socket
 import time
 
 import pytest
@@ -157,3 +159,40 @@ def test_out_of_descriptors_refuses_and_rests_then_recovers(daemon, raw):
         resource.prlimit(pid, resource.RLIMIT_NOFILE, limit)
         victim.close()
         engine.close()
+
+
+def test_a_flood_of_connections_is_shed_and_the_daemon_serves_on(daemon):
+    """More connections than the daemon has descriptors for (raw ones that never speak,
+    as a hostile local user can open): libzmq aborted the process when an accept failed
+    for want of a descriptor. Near the limit the daemon now drops each new connection;
+    the engine connected before is served throughout, and once the flood is gone new
+    engines connect again."""
+    pid = daemon.proc.pid
+    victim = ClientEngine(daemon.endpoint)
+    limit = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    path = daemon.endpoint[len("ipc://"):]
+    flood: list[socket.socket] = []
+    try:
+        victim.prefill(SEQ)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_num_fds(pid) + 200, limit[1]))
+        for _ in range(400):
+            conn = socket.socket(socket.AF_UNIX)
+            conn.connect(path)
+            flood.append(conn)
+        assert daemon.proc.poll() is None, daemon.log.read_text()[-2000:]
+        again = victim.client.match(SEQ)
+        assert again.num_device_pages == 4
+        victim.engine.check(victim.ns(), SEQ, again.device_pages)
+    finally:
+        for conn in flood:
+            conn.close()
+        if daemon.proc.poll() is None:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, limit)
+    fresh = ClientEngine(daemon.endpoint)
+    try:
+        fresh.prefill(list(range(900, 900 + 2 * PS)))
+        fresh.client.check()
+    finally:
+        fresh.close()
+        victim.close()
+    assert "shedding new connections" in daemon.log.read_text()

@@ -82,6 +82,7 @@ from hicache.config import AuthConfig, DaemonConfig
 from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
+from hicache.daemon.connections import ConnectionShedder
 from hicache.daemon.sd_notify import Notifier
 from hicache.daemon.service import LOCAL, Daemon, PeerCreds
 from hicache.daemon.statelock import StateLock
@@ -168,6 +169,7 @@ class Server:
         self._zap: ZapHandler | None = None
         self._next_watchdog = 0.0
         self._router: zmq.Socket | None = None
+        self._shedder: ConnectionShedder | None = None  # (watching the router's connections)
         self._ready: deque[tuple[list[bytes], p.Reply]] = deque()
         self._dropped_since_log = 0  # messages dropped (see _drop) since the last log line
         self._next_drop_log = 0.0
@@ -254,6 +256,7 @@ class Server:
         self.daemon.fds = _listen(f"the descriptor socket {fd_path} (beside [server].socket)",
                                   lambda: FdExchange(fd_path, mode=self.config.server.socket_mode))
         router.bind(self._wake_endpoint)
+        self._shedder = ConnectionShedder(router, lambda: self.daemon.metrics.auth_refused("shed"))
         for endpoint in self.config.server.endpoints:
             curve = self._secure(router, endpoint)
             _listen(endpoint, lambda: router.bind(endpoint))
@@ -270,9 +273,7 @@ class Server:
 
     def _abandon(self) -> None:
         """Undo a bind that failed half-way: nothing was served, so nothing to drain."""
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
+        self._close_router()
         self.daemon.close()
         self.config.server.socket_path.unlink(missing_ok=True)  # no socket for engines to find
         self.close()
@@ -563,9 +564,7 @@ class Server:
         self.notifier.extend_timeout(drain_s + _STOP_MARGIN_S)
         deadline = self.daemon.clock() + drain_s
         logger.info("draining")
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
+        self._close_router()
         try:
             self.daemon.drain(deadline)
             self.unfinished = not self.daemon.close(deadline)
@@ -580,6 +579,14 @@ class Server:
             logger.warning("stopped, leaving what did not finish to the process's exit")
         else:
             logger.info("stopped")
+
+    def _close_router(self) -> None:
+        if self._shedder is not None:
+            self._shedder.close(self._router)
+            self._shedder = None
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
 
     def close(self, *, release_lock: bool = True) -> None:
         """Let go of the wake-up sockets, the context (if ours) and the state's lock

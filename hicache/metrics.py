@@ -60,7 +60,8 @@ hicache_auth_refused_total                      reason (unknown_key: a CURVE key
                                                 names; revoked: a message of a connection
                                                 a reload no longer allows; events: a KV
                                                 events subscriber whose identity may not
-                                                read them)
+                                                read them; shed: a new connection dropped
+                                                near the descriptor limit)
 hicache_quota_refused_total                     identity, quota (locks, requests, sessions:
                                                 requests refused; host_pages, disk_pages: copies to
                                                 that tier not made, the identity's own

@@ -394,6 +394,47 @@ def test_pool_handles_naming_memory_are_invalid(daemon, victim, raw):
         error(raw.register(raw.hello(), [pool]), ErrorCode.INVALID_ARGUMENT)
 
 
+def test_cuda_ipc_descriptions_are_checked_before_anything_is_opened(daemon, victim, raw):
+    """A daemon without CUDA, sent CUDA IPC descriptions (a native pool's and an
+    engine-owned pool's) each wrong in one field: refused naming the field — another
+    user's reference-counter file PERMISSION_DENIED — /dev/shm left as it was; a sane
+    one is refused for want of a device. The victim is untouched (its fixture checks)."""
+    from cuda_ipc_util import another_users, description, hostile, ref_counters
+    from owned_util import OWNED_SPEC, layer_major
+
+    layout, owned_layout = DeviceLayout.build(SPEC, 8), layer_major(4)
+    session = raw.hello()
+
+    def native(cuda: dict) -> p.Reply:
+        return raw.register(session, [{"kind": "cuda_ipc", "layout": layout.to_dict(), "nbytes": layout.nbytes,
+                                       "cuda_ipc": cuda}])
+
+    def owned(cuda: dict) -> p.Reply:
+        buffers = [{"kind": "cuda_ipc", "nbytes": owned_layout.allocations[0].size, "cuda_ipc": cuda}]
+        return raw.call(p.Register(id=0, session=session, spec=OWNED_SPEC.to_dict(),
+                                   fingerprint=OWNED_SPEC.fingerprint,
+                                   key_check=key_self_test(OWNED_SPEC.fingerprint, OWNED_SPEC.page_size), pools=[],
+                                   owned={"layout": owned_layout.to_dict(), "buffers": buffers}))
+
+    def refused(reply: p.Reply, code: ErrorCode, words: str) -> None:
+        error(reply, code)
+        assert words in reply.message, reply.message
+
+    with ref_counters() as files:
+        for register, nbytes in ((native, layout.nbytes), (owned, owned_layout.allocations[0].size)):
+            cases = hostile(nbytes, files)
+            others = another_users(nbytes, files) if os.geteuid() == 0 else None
+            sane = description(nbytes, files.file("sane"))
+            before = files.snapshot()
+            for what, cuda, field in cases:
+                refused(register(cuda), ErrorCode.INVALID_ARGUMENT, field)
+            if others is not None:
+                refused(register(others), ErrorCode.PERMISSION_DENIED, "ref_counter_handle")
+            refused(register(sane), ErrorCode.INVALID_ARGUMENT, "no CUDA device")
+            assert files.snapshot() == before
+    assert raw.call(p.Health(id=0)).state == "serving"
+
+
 def test_unregistered_sessions_are_cheap_to_refuse(tmp_path):
     daemon = DaemonProcess(tmp_path, server={"max_unregistered_per_peer": 3, "register_within_s": 0.5}).start()
     raw = RawPeer(daemon.endpoint)

@@ -5,7 +5,10 @@ pool is mapped: a CPU pool is a sealed memfd segment its engine offered on the
 descriptor socket (:mod:`hicache.fdpass`), named by token, and mapped only if the user
 who offered it is the session's (when the transport tells), owns the segment, and the
 segment is not already mapped as another pool (same device and inode); a GPU pool's
-IPC handle is refused likewise if it is already registered. Everything is checked and
+IPC handle is refused likewise if it is already registered, and opened only once every
+field of it is checked (:mod:`hicache.cuda_ipc`): its reference-counter file must be
+the session's user's, so a session whose user the transport does not tell (on
+``tcp://``) cannot register one. Everything is checked and
 mapped before the session changes: a refused registration leaves it unregistered, as
 it was (and free to try again), and drops the descriptors it named (the engine offers
 them again with its retry). The first registration of a spec may wait for its disk
@@ -31,11 +34,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
+import torch
 
 from hicache import protocol as p
 from hicache.daemon.sessions import Session, Sessions
 from hicache.daemon.specs import Specs
-from hicache.errors import InvalidArgument, ResourceExhausted, SpecMismatch, UnknownSession
+from hicache.errors import InvalidArgument, PermissionDenied, ResourceExhausted, SpecMismatch, UnknownSession
 from hicache.fdpass import FdExchange
 from hicache.foreign import ForeignLayout, ForeignPool, OwnedPoolHandle, SharedMemory
 from hicache.keys import key_self_test
@@ -94,7 +98,8 @@ class Registrar:
                 ranks.append(self._map_owned(session, owned))
                 self.specs.refuse_mapped_twice(ranks)
             for handle in handles:
-                ranks.append(DevicePool.attach(handle, expected=spec, segment=lambda h: self._segment(session, h)))
+                ranks.append(DevicePool.attach(handle, expected=spec, segment=lambda h: self._segment(session, h),
+                                               cuda=lambda h: self._cuda(session, h.cuda_ipc, h.nbytes)))
                 self.specs.refuse_mapped_twice(ranks)
             in_use = distinct_page_ids(m.in_use, ranks[0].num_pages)  # pages a re-registering engine uses
             started = self.clock()
@@ -161,9 +166,9 @@ class Registrar:
                     owners.append(owner)
                     tensors.append(owner.tensor)
                 else:
-                    from hicache.cuda_ipc import open_tensor, segment_id
+                    from hicache.cuda_ipc import segment_id
 
-                    tensors.append(open_tensor(buffer.cuda_ipc, buffer.nbytes))
+                    tensors.append(self._cuda(session, buffer.cuda_ipc, buffer.nbytes))
                     owners.append(_CudaOwner(segment_id(buffer.cuda_ipc)))
             return ForeignPool(handle.layout, tensors, owners)
         except BaseException:
@@ -212,6 +217,16 @@ class Registrar:
         buffer = SharedBuffer.attach(offer.fd, handle.nbytes, uid=offer.uid)
         prefault(buffer)
         return buffer
+
+    def _cuda(self, session: Session, description: dict | None, nbytes: int) -> torch.Tensor:
+        """Open a CUDA IPC description (:func:`hicache.cuda_ipc.open_tensor`, which
+        checks every field first): only for a session whose Unix user the transport
+        tells, since its reference-counter file must be that user's."""
+        from hicache.cuda_ipc import open_tensor
+
+        if session.creds.uid is None:
+            raise PermissionDenied("a CUDA IPC pool registers over ipc://, where the daemon knows the engine's user")
+        return open_tensor(description, nbytes, uid=session.creds.uid)
 
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
                 in_use: np.ndarray, manager: TierManager, name: str | None = None) -> p.RegisterReply:

@@ -29,6 +29,7 @@ bytes of a device pool go where in a host page or host state slot.
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,10 +261,13 @@ class DevicePool:
 
     @classmethod
     def attach(cls, handle: PoolHandle, *, expected: KVSpec | None = None,
-               segment: Callable[[PoolHandle], Any] | None = None) -> "DevicePool":
+               segment: Callable[[PoolHandle], Any] | None = None,
+               cuda: Callable[[PoolHandle], torch.Tensor] | None = None) -> "DevicePool":
         """Map a pool an engine exported (daemon side). ``segment(handle)`` maps a
         ``memfd`` handle's segment and returns its owner: an object with ``tensor``
-        and ``close()`` (the daemon's checks of who offered it live there)."""
+        and ``close()`` (the daemon's checks of who offered it live there).
+        ``cuda(handle)`` opens a ``cuda_ipc`` handle's memory (the daemon's: as the
+        registering user's); by default, as this process's user's."""
         layout = DeviceLayout.from_dict(handle.layout)
         if expected is not None and layout.spec.fingerprint != expected.fingerprint:
             raise SpecMismatch("the pool's KV spec differs from the registered one")
@@ -283,7 +287,11 @@ class DevicePool:
         if handle.kind == "cuda_ipc":
             from hicache.cuda_ipc import open_tensor, segment_id
 
-            pool = cls(layout, open_tensor(handle.cuda_ipc, handle.nbytes), rank=handle.rank)
+            if cuda is None:
+                tensor = open_tensor(handle.cuda_ipc, handle.nbytes, uid=os.getuid())
+            else:
+                tensor = cuda(handle)
+            pool = cls(layout, tensor, rank=handle.rank)
             pool.segment_id = segment_id(handle.cuda_ipc)
             return pool
         raise InvalidArgument(f"unknown pool handle kind {handle.kind!r}")

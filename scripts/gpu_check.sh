@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with a CUDA device (never run by CI):
-#   - CUDA IPC pool export / import between two processes, pinned host pool,
+#   - CUDA IPC pool export / import between two processes (a description whose storage
+#     reaches past its allocation refused once opened: cuMemGetAddressRange), pinned host pool,
 #     interprocess layer events, Triton kernels compiled for real vs their references
 #     (pytest -m gpu tests/gpu);
 #   - an engine-owned pool (vLLM-shaped layout) in CUDA memory: IPC registration,

@@ -1,7 +1,8 @@
 """Checks that need a CUDA device (``pytest -m gpu``; skipped elsewhere).
 
 scripts/gpu_check.sh runs these and the CUDA page-copy benchmark on a GPU machine:
-CUDA IPC pool export / import between two processes, the pinned host pool, every Triton
+CUDA IPC pool export / import between two processes (and a description claiming more
+than its allocation refused once opened), the pinned host pool, every Triton
 kernel compiled for real against its torch reference, interprocess layer events.
 """
 
@@ -116,6 +117,53 @@ def test_cuda_ipc_pool_pinned_host_and_layer_events_across_processes():
         assert not host.pinned or host._registered == []
         counters.close()
         pool.close()
+    finally:
+        if engine.is_alive():
+            engine.kill()
+
+
+def _exporter(conn) -> None:
+    """Child process: one CUDA byte tensor exported, kept alive until the parent is done."""
+    try:
+        from hicache.cuda_ipc import export_tensor
+
+        tensor = torch.arange(1 << 20, device="cuda").to(torch.uint8)
+        torch.cuda.synchronize()
+        conn.send(("exported", export_tensor(tensor), tensor.sum(dtype=torch.int64).item()))
+        assert conn.recv() == "close"
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def test_a_cuda_ipc_storage_past_its_allocation_is_refused_once_opened():
+    """What only the driver knows, checked right after opening: the allocation's real
+    extent (cuMemGetAddressRange). Descriptions that pass every check before opening
+    but put the storage past the end of a 1 MiB tensor's allocation (a larger
+    storage_size_bytes, a larger storage_offset_bytes) are refused; the engine's own
+    description maps the engine's bytes."""
+    from hicache.cuda_ipc import allocation_range, open_tensor
+    from hicache.errors import InvalidArgument
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    engine = ctx.Process(target=_exporter, args=(child,))
+    engine.start()
+    try:
+        description, checksum = _expect(parent, "exported")
+        nbytes, past = 1 << 20, 1 << 34  # (torch's allocation for 1 MiB is a few MiB at most)
+        for bad in (description | {"size": [past], "storage_size_bytes": description["offset"] + past},
+                    description | {"storage_offset_bytes": description["storage_offset_bytes"] + past}):
+            with pytest.raises(InvalidArgument, match="outside the .*allocation"):
+                open_tensor(bad, nbytes, uid=os.getuid())
+        tensor = open_tensor(description, nbytes, uid=os.getuid())
+        assert tensor.sum(dtype=torch.int64).item() == checksum
+        storage = tensor.untyped_storage()
+        start, size = allocation_range(storage.data_ptr(), tensor.device.index)
+        assert start <= storage.data_ptr() and storage.data_ptr() + storage.nbytes() <= start + size
+        del tensor, storage
+        parent.send("close")
+        engine.join(TIMEOUT_S)
+        assert engine.exitcode == 0
     finally:
         if engine.is_alive():
             engine.kill()

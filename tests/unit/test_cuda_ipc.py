@@ -2,7 +2,9 @@
 anything (torch's ``rebuild_cuda_tensor`` trusts them all). No GPU here: a stand-in for
 torch records what would have been opened; tests/gpu checks the allocation bounds."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ from cuda_ipc_util import another_users, description, hostile, ref_counters
 from hicache import cuda_ipc
 from hicache import protocol as p
 from hicache.config import DaemonConfig
-from hicache.daemon.service import Daemon
-from hicache.errors import ErrorCode
+from hicache.daemon.service import Daemon, PeerCreds
+from hicache.errors import ErrorCode, InvalidArgument, PermissionDenied
 from hicache.fdpass import FdExchange
 from hicache.keys import key_self_test
 from hicache.pools import DeviceLayout
@@ -130,3 +132,81 @@ def test_another_users_reference_counter_is_permission_denied(daemon, opened, ki
         assert not opened, f"torch was asked to open {opened[-1]}"
         refused(reply, ErrorCode.PERMISSION_DENIED, "ref_counter_handle")
         assert files.snapshot() == before
+
+
+def test_a_session_whose_user_is_not_known_cannot_register_cuda_memory(daemon, opened):
+    """On tcp:// the daemon does not know the engine's Unix user, so it cannot know
+    whose reference-counter file it would decrement."""
+    identity = daemon.identities.local(os.getuid(), os.getgid())
+    daemon.peer_creds = lambda peer: PeerCreds(None, None, None, "tcp://127.0.0.1", identity=identity)
+    with ref_counters() as files:
+        reply = register(daemon, **native(description(LAYOUT.nbytes, files.file())))
+    refused(reply, ErrorCode.PERMISSION_DENIED, "ipc://")
+    assert not opened
+
+
+class Opened:
+    """Torch's rebuild stood in for by a CPU tensor over ``storage`` bytes (as torch
+    builds it from the description), and the driver by ``allocation`` = (start, size)
+    relative to where the handle's allocation was mapped."""
+
+    def __init__(self, monkeypatch, allocation: tuple[int, int]) -> None:
+        self.allocation = allocation
+        self.tensors = []
+        self.asked = []
+        monkeypatch.setattr(cuda_ipc, "rebuild_cuda_tensor", self.rebuild)
+        monkeypatch.setattr(cuda_ipc, "allocation_range", self.allocation_range)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def rebuild(self, cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size_bytes,
+                storage_offset_bytes, *rest):
+        storage = torch.zeros(storage_size_bytes, dtype=torch.uint8)
+        self.mapped = storage.data_ptr() - storage_offset_bytes
+        tensor = storage.as_strided(size, stride, offset)
+        self.tensors.append(weakref.ref(tensor))
+        return tensor
+
+    def allocation_range(self, address: int, device: int) -> tuple[int, int]:
+        self.asked.append((address, device))
+        start, size = self.allocation
+        return self.mapped + start, size
+
+
+def test_an_opened_storage_inside_its_allocation_is_kept(monkeypatch):
+    with ref_counters() as files:
+        cuda = description(4096, files.file())  # storage: bytes 4096 .. 4096 + 4608 of the allocation
+        stand_in = Opened(monkeypatch, (0, 4096 + 4608))
+        tensor = cuda_ipc.open_tensor(cuda, 4096, uid=os.getuid())
+    assert tensor.shape == (4096,) and tensor.dtype == torch.uint8
+    assert stand_in.asked == [(stand_in.mapped, 0)]  # asked where the handle itself was mapped
+
+
+@pytest.mark.parametrize("allocation", [(0, 4096 + 4607), (1, 4096 + 4608), (0, 4096)],
+                         ids=["one byte short", "mapped past its start", "the storage outside it"])
+def test_an_opened_storage_outside_its_allocation_is_refused_and_let_go(monkeypatch, allocation):
+    """The engine's storage_size_bytes / storage_offset_bytes against the allocation's
+    real extent: what reaches past it is refused, and the mapping dropped at once."""
+    with ref_counters() as files:
+        cuda = description(4096, files.file())
+        stand_in = Opened(monkeypatch, allocation)
+        with pytest.raises(InvalidArgument, match="outside the .*allocation") as refusal:
+            cuda_ipc.open_tensor(cuda, 4096, uid=os.getuid())
+    gc.collect()
+    assert [ref() for ref in stand_in.tensors] == [None]  # even while the error (and its traceback) lives
+    assert "storage_size_bytes" in str(refusal.value)
+
+
+def test_a_description_is_parsed_into_its_fields():
+    with ref_counters() as files:
+        cuda = description(4096, files.file())
+        h = cuda_ipc.checked(cuda, 4096, uid=os.getuid())
+        with pytest.raises(InvalidArgument, match="size 4096 is less than the 4097 bytes"):
+            cuda_ipc.checked(cuda, 4097, uid=os.getuid())
+        with pytest.raises(PermissionDenied):
+            cuda_ipc.checked(cuda, 4096, uid=os.getuid() + 1)
+    assert (h.size, h.offset, h.storage_size_bytes, h.storage_offset_bytes) == (4096, 256, 4608, 4096)
+    assert h.segment_id == cuda_ipc.segment_id(cuda) == ("cuda", 0, b"h" * 64, 4096)
+    for bad in (None, [], {}, cuda | {"size": 4096}, cuda | {"offset": True}, cuda | {"extra": 1}):
+        with pytest.raises(InvalidArgument):
+            cuda_ipc.parse(bad)

@@ -14,7 +14,8 @@ in ascending, mostly contiguous runs (SGLang's ``need_sort`` / ``release_pages``
 :meth:`free_group` batches many frees into one concatenation (SGLang's ``free_group``).
 
 The device allocator starts at page 1: page 0 is the padding page that engines point
-padded batch entries at, and is never handed out.
+padded batch entries at, and is never handed out. An engine-owned pool's engine
+allocates its blocks itself: its :class:`NullPageAllocator` only knows their range.
 
 Caller bugs — a page freed twice, an id outside the range, a repeated id in one call —
 raise :class:`~hicache.errors.DoubleFree` / :class:`~hicache.errors.PageOutOfRange`
@@ -221,3 +222,36 @@ class PageAllocator:
         if self.sort_free and len(self._free) > 1:
             # _free starts sorted, is sorted again by every merge, and only loses its head.
             assert bool(np.all(self._free[1:] > self._free[:-1])), "sorted free list out of order"
+
+
+class NullPageAllocator:
+    """The allocator of a pool whose engine allocates its pages itself (an engine-owned
+    pool): ids ``1 .. capacity`` are checked against its ``capacity``, but it hands none
+    out and takes none back, and keeps nothing per page. O(1) time and memory."""
+
+    first_page_id = PADDING_PAGE + 1
+    num_free = 0
+    num_allocated = 0
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise InvalidArgument(f"capacity must be a non-negative int, got {capacity!r}")
+        self.capacity = capacity
+
+    def alloc(self, num_pages: int) -> PageIds | None:
+        raise InvalidArgument("this pool's engine allocates its pages itself")
+
+    def take(self, pages: PageIdsLike) -> None:
+        raise InvalidArgument("this pool's engine allocates its pages itself")
+
+    def free(self, pages: PageIdsLike) -> None:
+        """Nothing was handed out: only nothing can come back."""
+        if as_page_ids(pages).size:
+            raise DoubleFree("this pool's allocator handed out no page")
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        yield
+
+    def check_invariants(self) -> None:
+        pass

@@ -2,8 +2,9 @@
 
 Each :class:`DevicePoolState` is one registered pool (one :class:`DevicePool` per TP
 rank), or an *engine-owned* pool (one :class:`~hicache.foreign.ForeignPool` in the
-engine's own layout: the engine allocates its blocks, so the pool's allocator stays
-empty, the tree never holds device pages of it, and pages only move by ``store`` and
+engine's own layout: the engine allocates its blocks, so the pool's allocator is a
+:class:`~hicache.pages.NullPageAllocator` that keeps nothing per block, the tree never
+holds device pages of it, and pages only move by ``store`` and
 ``load_into``): its page allocator, which pages are private to its engine (allocated and not
 inserted), its layer counters, the page movers between each rank and the host pool, and
 the copy engine its transfers use. A pool is retired when its engine goes; it is reaped
@@ -22,7 +23,7 @@ from hicache.counters import LayerCounters
 from hicache.errors import InvalidArgument, SpecMismatch
 from hicache.foreign import ForeignMover, ForeignPool
 from hicache.kernels.copy_plan import CpuCopyWorkers
-from hicache.pages import PageAllocator, PageIds, PageIdsLike, distinct_page_ids
+from hicache.pages import NullPageAllocator, PageAllocator, PageIds, PageIdsLike, distinct_page_ids
 from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
 from hicache.tiers.copying import CopyEngine, CopyEngines
@@ -37,8 +38,8 @@ class DevicePoolState:
     pool_id: PoolId
     ranks: list[DevicePool]
     movers: list[PageMover]
-    allocator: PageAllocator
-    private: np.ndarray  # bool per page id
+    allocator: PageAllocator | NullPageAllocator
+    private: np.ndarray  # bool per page id (none for an engine-owned pool: its engine has no private pages)
     counters: LayerCounters
     copy: CopyEngine
     num_private: int = 0
@@ -147,8 +148,9 @@ class DevicePools:
             cuda_device=device.index or 0 if device.type == "cuda" else None,
         )
         mover = ForeignMover(pool, self._host_pool, workers=self._copy_workers)
-        state = DevicePoolState(pool_id, [pool], [mover], PageAllocator.for_device(pool.num_pages),
-                                np.zeros(pool.num_pages + 1, dtype=bool), counters, self._engines.for_device(device),
+        # Nothing per block: the engine allocates them, and may claim billions of them.
+        state = DevicePoolState(pool_id, [pool], [mover], NullPageAllocator(pool.num_pages),
+                                np.zeros(0, dtype=bool), counters, self._engines.for_device(device),
                                 owned=True, name=name)
         self._pools[pool_id] = state
         return state

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hicache.errors import DoubleFree, InvalidArgument, PageOutOfRange
-from hicache.pages import PADDING_PAGE, PageAllocator, as_page_ids
+from hicache.pages import PADDING_PAGE, NullPageAllocator, PageAllocator, as_page_ids
 
 
 def test_device_allocator_never_hands_out_the_padding_page():
@@ -16,6 +16,22 @@ def test_device_allocator_never_hands_out_the_padding_page():
     assert alloc.alloc(1) is None
     with pytest.raises(PageOutOfRange):
         alloc.free([PADDING_PAGE])
+    alloc.check_invariants()
+
+
+def test_the_null_allocator_of_an_engine_owned_pool_knows_its_range_and_nothing_else():
+    alloc = NullPageAllocator((1 << 31) - 2)  # (costs nothing whatever the engine claims)
+    assert (alloc.capacity, alloc.first_page_id, alloc.num_free, alloc.num_allocated) == ((1 << 31) - 2, 1, 0, 0)
+    with alloc.free_group():
+        alloc.free([])
+    with pytest.raises(DoubleFree):
+        alloc.free([3])
+    with pytest.raises(InvalidArgument):
+        alloc.alloc(1)
+    with pytest.raises(InvalidArgument):
+        alloc.take([3])
+    with pytest.raises(InvalidArgument):
+        NullPageAllocator(-1)
     alloc.check_invariants()
 
 

@@ -57,12 +57,14 @@ class Registrar:
     """Owner thread only."""
 
     def __init__(self, sessions: Sessions, specs: Specs, fds: Callable[[], FdExchange | None],
-                 clock: Callable[[], float]) -> None:
-        """``fds()``: the descriptor exchange now (the server sets it after the daemon is made)."""
+                 clock: Callable[[], float], *, max_pool_pages: int) -> None:
+        """``fds()``: the descriptor exchange now (the server sets it after the daemon is
+        made). ``max_pool_pages``: ``[server].max_pool_pages`` (see :meth:`_bookkeeping`)."""
         self.sessions = sessions
         self.specs = specs
         self._fds = fds
         self.clock = clock
+        self._max_pool_pages = max_pool_pages
         self._pool_ids = itertools.count(1)
 
     def drop_offers(self, tokens: list[bytes]) -> None:
@@ -92,6 +94,8 @@ class Registrar:
             raise InvalidArgument(f"a TP group of {spec.tp_size} registers {spec.tp_size} pool handles, "
                                   f"got {len(m.pools)}")
         handles = [PoolHandle.from_dict(p.as_dict(handle)) for handle in m.pools]
+        for handle in handles:
+            self._bookkeeping(handle)
         ranks: list[DevicePool] = []
         try:
             if owned is not None:
@@ -135,6 +139,18 @@ class Registrar:
 
         self.specs.wait(spec, session, ranks, rebuilt)
         return out
+
+    def _bookkeeping(self, handle: PoolHandle) -> None:
+        """Refuse, before anything is mapped, a pool of hicache's layout of more pages
+        (and checkpoint slots lent) than ``[server].max_pool_pages``: its allocator keeps
+        ~6 bytes for each, and the count is the engine's word — a sparse memfd of the
+        size it implies costs the engine nothing. (An engine-owned pool keeps nothing
+        per block: its engine allocates them.)"""
+        layout = handle.layout
+        num_pages, lent = layout.get("num_pages"), layout.get("checkpoint_slots", 0)
+        if type(num_pages) is int and type(lent) is int and num_pages + lent > self._max_pool_pages:
+            raise InvalidArgument(f"a pool of {num_pages} pages and {lent} checkpoint slots: the daemon keeps "
+                                  f"bookkeeping for at most {self._max_pool_pages} ([server].max_pool_pages)")
 
     def _owned_handle(self, session: Session, spec: KVSpec, m: p.OwnedPoolMsg) -> OwnedPoolHandle:
         data = p.as_dict(m.layout)

@@ -160,7 +160,8 @@ class Daemon:
         self.counts: Counter = Counter()  # (op, status) -> requests, for stats
         self._idle_list: list[tuple[Future, Callable[[], Any]]] = []
         self._unsettled: list[tuple[Callable[..., None], tuple]] = []  # see answer()
-        self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock)
+        self.registrar = Registrar(self.sessions, self.specs, lambda: self.fds, clock,
+                                   max_pool_pages=config.server.max_pool_pages)
         self.sessions.on_ended = self.registrar.session_ended
         self.events: KvEvents | None = None
         if bind_events:

@@ -15,7 +15,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
 
     [server]   socket, socket_mode, tcp, max_message_bytes, max_tokens, max_sessions,
                max_batch, lease_s, register_within_s, max_unregistered_per_peer,
-               max_specs, drain_timeout_s
+               max_specs, max_pool_pages, drain_timeout_s
     [host]     bytes, ratio, max_bytes
     [disk]     enabled, path, capacity_bytes, sync
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hicache.errors import InvalidArgument
+from hicache.pools import MAX_POOL_PAGES
 from hicache.tiers.config import TierConfig
 
 if sys.version_info >= (3, 11):
@@ -78,11 +79,17 @@ class ServerConfig:
     # Sessions one user (ipc://) or address (tcp://; CURVE: an identity at it) may hold unregistered.
     max_unregistered_per_peer: int = 8
     max_specs: int = 64  # KV specs (tier managers) kept at once; see hicache.daemon.specs
+    # Pages (and lent checkpoint slots) of one pool of hicache's layout: the daemon keeps
+    # ~6 bytes of bookkeeping for each (192 MiB at this bound), sized by the engine's
+    # word (a sparse memfd makes any claim free to it). Engine-owned pools keep none.
+    max_pool_pages: int = 1 << 25
     drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_message_bytes", "max_tokens", "max_sessions", "max_batch", "lease_s", "drain_timeout_s",
-                  "register_within_s", "max_unregistered_per_peer", "max_specs")
+                  "register_within_s", "max_unregistered_per_peer", "max_specs", "max_pool_pages")
+        if self.max_pool_pages > MAX_POOL_PAGES:
+            raise InvalidArgument(f"[server].max_pool_pages must be at most {MAX_POOL_PAGES} (int32 page ids)")
         if not 0 <= self.socket_mode <= 0o777:  # (chmod'ed after the socket is bound)
             raise InvalidArgument(f"[server].socket_mode must be permission bits 0o000-0o777, got {self.socket_mode:#o}")
 

@@ -435,6 +435,40 @@ def test_cuda_ipc_descriptions_are_checked_before_anything_is_opened(daemon, vic
     assert raw.call(p.Health(id=0)).state == "serving"
 
 
+def _memory_kib(pid: int) -> dict[str, int]:
+    """A process's VmRSS and VmData, in KiB."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if k in ("VmRSS", "VmData")}
+
+
+def test_a_pool_claiming_2_31_pages_costs_the_daemon_no_memory(daemon, victim, raw):
+    """A pool of 2^31 - 2 pages in a sealed memfd that holds none: free to the engine.
+    The daemon refuses it ([server].max_pool_pages) before it sizes anything by it —
+    its resident memory does not grow — and keeps serving. (Its data segment is capped
+    for the test: were the pool's ~12 GiB of bookkeeping allocated after all, that
+    would be a MemoryError, not the machine's OOM killer.)"""
+    import resource
+
+    pid = daemon.proc.pid
+    before = _memory_kib(pid)
+    _, hard = resource.prlimit(pid, resource.RLIMIT_DATA)
+    resource.prlimit(pid, resource.RLIMIT_DATA, (before["VmData"] * 1024 + (2 << 30), hard))
+    layout = DeviceLayout.build(SPEC, (1 << 31) - 2)
+    fd = os.memfd_create("hicache-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, layout.nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        pool = {"kind": "memfd", "layout": layout.to_dict(), "nbytes": layout.nbytes, "token": raw.offer(fd)}
+        reply = raw.register(raw.hello(), [pool])
+    finally:
+        os.close(fd)
+    error(reply, ErrorCode.INVALID_ARGUMENT)
+    assert "[server].max_pool_pages" in reply.message, reply.message
+    grown_kib = _memory_kib(pid)["VmRSS"] - before["VmRSS"]
+    assert grown_kib < 64 << 10, f"the daemon's resident memory grew by {grown_kib} KiB"
+    assert raw.call(p.Health(id=0)).state == "serving"
+
+
 def test_unregistered_sessions_are_cheap_to_refuse(tmp_path):
     daemon = DaemonProcess(tmp_path, server={"max_unregistered_per_peer": 3, "register_within_s": 0.5}).start()
     raw = RawPeer(daemon.endpoint)

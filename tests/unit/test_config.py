@@ -17,6 +17,8 @@ from hicache.errors import InvalidArgument
     ("server.socket_mode", -1),
     ("sharing.disabled_extra_keys", [1, 2]),  # accepted, then no extra key (a string) ever matched
     ("sharing.disabled_extra_keys", ["secret", None]),
+    ("server.max_pool_pages", 0),
+    ("server.max_pool_pages", (1 << 31) + 1),  # page ids are int32
 ])
 def test_a_value_that_would_fail_later_is_refused_at_load(dotted, value):
     section, _, key = dotted.partition(".")

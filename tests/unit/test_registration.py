@@ -83,8 +83,8 @@ def register(daemon: Daemon, spec: KVSpec, *, pools=(), owned=None):
                                     **({} if owned is None else {"owned": owned})))
 
 
-def native(daemon: Daemon, num_pages: int) -> tuple[dict, Sparse]:
-    layout = DeviceLayout.build(SPEC, num_pages)
+def native(daemon: Daemon, num_pages: int, spec: KVSpec = SPEC, **slots) -> tuple[dict, Sparse]:
+    layout = DeviceLayout.build(spec, num_pages, **slots)
     segment = Sparse(daemon, layout.nbytes)
     return {"kind": "memfd", "layout": layout.to_dict(), "nbytes": layout.nbytes, "token": segment.token}, segment
 
@@ -128,3 +128,29 @@ def test_an_engine_owned_pool_keeps_no_bookkeeping_per_block(daemon, allocators)
     assert isinstance(reply, p.RegisterReply) and reply.num_pages == num_blocks - 1, reply
     assert peak_bytes < num_blocks // 8, f"{peak_bytes:,} bytes allocated to register {num_blocks:,} blocks"
     assert allocators == [], f"device allocators of {allocators} pages for engine-owned pools"
+
+
+def test_max_pool_pages_bounds_a_pool_and_the_checkpoint_slots_it_lends(tmp_path):
+    from test_checkpoints import SPEC as HYBRID, STATE_SLOTS
+
+    daemon = make_daemon(tmp_path, **{"server.max_pool_pages": 64})
+    segments = []
+    try:
+        for spec, num_pages, slots, fits in ((SPEC, 65, {}, False), (SPEC, 64, {}, True),
+                                             (HYBRID, 56, {"checkpoint_slots": 9}, False),
+                                             (HYBRID, 56, {"checkpoint_slots": 8}, True)):
+            if spec is HYBRID:
+                slots["num_state_slots"] = STATE_SLOTS
+            handle, segment = native(daemon, num_pages, spec, **slots)
+            segments.append(segment)
+            reply = register(daemon, spec, pools=[handle])
+            if fits:
+                assert isinstance(reply, p.RegisterReply) and reply.num_pages == num_pages, reply
+            else:
+                assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+                assert "at most 64 ([server].max_pool_pages)" in reply.message, reply.message
+                assert daemon.fds.take(handle["token"]) is None  # the offer dropped, as for any refusal
+    finally:
+        for segment in segments:
+            segment.close()
+        daemon.close()

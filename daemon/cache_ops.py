@@ -268,6 +268,7 @@ class CacheOps:
         session = self._session(m.session)
         tokens = self._tokens(m.tokens)
         manager = session.manager
+        self._resolve(session, m.extra_key, m.tenant)  # (a tenant the identity may not use: refused first)
         # Checked before the namespace is noted: a refused store leaves nothing behind.
         blocks = manager.store_blocks(session.pool_id, tokens, m.pages)
         if self._sharing_for(m.extra_key) is self._no_sharing:  # nothing is kept for these keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -89,6 +90,17 @@ def io_threads(pid: int | str = "self") -> dict[int, int]:
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that just ended
     return out
+
+
+def engine_processes() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for engines in processes of their own: a fork
+    server's, its heavy imports (torch, the client library) done once, in the server. A
+    spawned child imported them anew, ~2 s each; like a spawned one, a child shares no
+    thread, socket or descriptor with the test process."""
+    ctx = multiprocessing.get_context("forkserver")
+    # (a no-op once the fork server runs: it is one for the whole test run)
+    ctx.set_forkserver_preload(["hicache.client", "hicache.engine.kv_pool", "hicache.tree"])
+    return ctx
 
 
 class DaemonProcess:

@@ -1,6 +1,5 @@
 """The daemon as a real process over ipc://, with engines in other processes."""
 
-import multiprocessing
 import os
 import re
 import signal
@@ -12,7 +11,7 @@ import traceback
 import lmdb
 import pytest
 
-from daemon_util import ClientEngine, DaemonProcess, io_threads
+from daemon_util import ClientEngine, DaemonProcess, engine_processes, io_threads
 from hicache.client import CacheClient
 from hicache.errors import Unavailable
 from tiers_util import SPEC
@@ -76,7 +75,7 @@ def _other_engine(conn, endpoint, seq, extra_key):
 
 
 def run_other_engine(endpoint, seq, extra_key=""):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = engine_processes()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_other_engine, args=(child, endpoint, seq, extra_key))
     proc.start()
@@ -114,7 +113,7 @@ def _doomed_engine(conn, endpoint):
 
 
 def test_killed_engine_gives_everything_back_within_the_lease(daemon):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = engine_processes()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_doomed_engine, args=(child, daemon.endpoint))
     proc.start()

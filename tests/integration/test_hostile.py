@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import mmap
-import multiprocessing
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer, clean_daemon
+from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer, clean_daemon, engine_processes
 from hicache import fdpass
 from hicache.client import CacheClient
 from hicache import protocol as p
@@ -318,7 +317,7 @@ def test_nothing_outlives_its_owner(tmp_path):
         assert _daemon_pools(daemon.proc.pid) == 2
         polite.close()
         assert _daemon_pools(daemon.proc.pid) == 1
-        ctx = multiprocessing.get_context("spawn")
+        ctx = engine_processes()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_engine_then_wait, args=(child, daemon.endpoint))
         proc.start()

@@ -8,13 +8,13 @@ side) — and checks the bytes of that layer, and that the next layer is not yet
 Nothing is ordered by sleeping: each step waits for the other side's message.
 """
 
-import multiprocessing
 import os
 import traceback
 
 import numpy as np
 import torch
 
+from daemon_util import engine_processes
 from hicache import fdpass
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
 from hicache.engine.kv_pool import export_kv_pool
@@ -99,7 +99,7 @@ def expect(conn, kind):
 def test_engine_and_daemon_share_a_pool_layer_by_layer(tmp_path):
     """The pool and the ring travel as descriptors on a real descriptor socket."""
     exchange = FdExchange(tmp_path / "fds")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = engine_processes()
     parent, child = ctx.Pipe()
     engine = ctx.Process(target=engine_main, args=(child, str(exchange.path)))
     engine.start()

@@ -117,7 +117,7 @@ def _engine_client(endpoint: str, offset: int, **client_args):
     return client, exported, packed
 
 
-def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, results,
+def engine(endpoint: str, seconds: float, batch: int, start, results,
            echo_endpoints: tuple[str, str, str] | None = None, payload_size: int = 0,
            curve: dict | None = None) -> None:
     """An engine process: register, insert the sequence, then match as fast as it can
@@ -183,8 +183,8 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
         client.close()
         exported.close()
         return
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.time()))
+    if start is not None:
+        start.wait(120)  # every engine set up: all of them time their matches together
     samples = []
     deadline = time.perf_counter() + seconds
     ops = 0
@@ -204,9 +204,17 @@ def engine(endpoint: str, seconds: float, batch: int, start_at: float | None, re
     exported.close()
 
 
+def engine_context():
+    """Engines run in processes of their own, forked from a server that imported the
+    client library (torch with it) once: a spawned engine took ~2 s to import them."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["hicache.client", "hicache.engine.kv_pool"])
+    return ctx
+
+
 def run_latency(endpoint: str, echo_endpoints: tuple[str, str, str], payload_size: int, seconds: float,
                 curve: dict):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = engine_context()
     results = ctx.Queue()
     proc = ctx.Process(target=engine, args=(endpoint, seconds, 1, None, results, echo_endpoints, payload_size,
                                             curve))
@@ -217,10 +225,10 @@ def run_latency(endpoint: str, echo_endpoints: tuple[str, str, str], payload_siz
 
 
 def run_engines(endpoint: str, count: int, seconds: float, batch: int = 1):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = engine_context()
     results = ctx.Queue()
-    start_at = time.time() + 4.0 if count > 1 else None
-    procs = [ctx.Process(target=engine, args=(endpoint, seconds, batch, start_at, results)) for _ in range(count)]
+    start = ctx.Barrier(count) if count > 1 else None
+    procs = [ctx.Process(target=engine, args=(endpoint, seconds, batch, start, results)) for _ in range(count)]
     for proc in procs:
         proc.start()
     out = [results.get(timeout=120) for _ in procs]

@@ -47,7 +47,14 @@ class Node:
         self.engine: ReferenceEngine | None = None
 
     def start(self) -> "Node":
-        self.daemon.start()
+        return self.launch().ready()
+
+    def launch(self) -> "Node":
+        self.daemon.launch()
+        return self
+
+    def ready(self) -> "Node":
+        self.daemon.wait_ready()
         self.engine = ReferenceEngine(self.model, num_pages=64, client=CacheClient(
             self.daemon.endpoint, timeout_s=5.0, reconnect_interval_s=0.1))
         return self
@@ -73,8 +80,9 @@ class Node:
 
 def test_a_prefix_computed_on_one_node_is_served_on_another(tmp_path, mooncake_store, model):
     plain = ReferenceEngine(model, num_pages=200)
-    a = Node(tmp_path / "a", mooncake_store, model).start()
-    b = Node(tmp_path / "b", mooncake_store, model).start()
+    a, b = (Node(tmp_path / name, mooncake_store, model).launch() for name in "ab")  # side by side
+    a.ready()
+    b.ready()
     rng = np.random.default_rng(0)
     try:
         def run(node, prompt):
@@ -147,8 +155,9 @@ def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_stor
     from hicache.storage.mooncake_backend import object_name
 
     plain = ReferenceEngine(model, num_pages=200)
-    a = Node(tmp_path / "a", mooncake_store, model).start()
-    b = Node(tmp_path / "b", mooncake_store, model).start()
+    a, b = (Node(tmp_path / name, mooncake_store, model).launch() for name in "ab")  # side by side
+    a.ready()
+    b.ready()
     raw = mooncake_store.client()
     try:
         prompt = np.random.default_rng(1).integers(0, CONFIG.vocab, 129).tolist()

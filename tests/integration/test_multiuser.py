@@ -121,13 +121,16 @@ def test_daemon_and_engines_as_different_users_sharing_a_group(accounts):
         users = {daemon_user.pw_uid, engine_user.pw_uid}
         assert not {name for name in set(os.listdir("/dev/shm")) - shm_before
                     if _owner(Path("/dev/shm") / name) in users}
-        # Outside the group, the socket is out of reach.
+        # Outside the group, the socket is out of reach. (That process runs while the
+        # daemon's user offers a pool: two interpreters starting, one core each.)
         outsider = _as(accounts["outsider"], "0022", "engine", endpoint, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
-        _, err = outsider.communicate(timeout=TIMEOUT_S)
+        try:
+            offered = _run_as(daemon_user, "offer", endpoint)
+        finally:
+            _, err = outsider.communicate(timeout=TIMEOUT_S)
         assert outsider.returncode != 0 and ("Permission denied" in err or "Unavailable" in err), err[-2000:]
         # An offer is its user's: registered by another user's session, it is refused.
-        offered = _run_as(daemon_user, "offer", endpoint)
         refused = _run_as(engine_user, "register_foreign", endpoint, offered["token"])
         assert refused["reply"] == "Error" and refused["code"] == 2 and "offered by uid" in refused["message"]
     finally:

@@ -342,8 +342,16 @@ def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
     me = {"name": "me", "uids": [os.getuid()], "tenants": ["u"], "admin": True}
     (tmp_path / "plain").mkdir()
     d = DaemonProcess(tmp_path / "plain", auth={"default_identity": "", "identities": [me]})
-    d.start()
+    listed = {"name": "k", "public_keys": [keys["x"]["z85"]], "tenants": ["k"], "admin": True}
+    (tmp_path / "curve").mkdir()
+    endpoint = f"ipc://{tmp_path / 'curve' / 'hicache.sock'}"
+    curve = DaemonProcess(tmp_path / "curve", auth={"secret_key_file": str(keys["server"]["secret"]),
+                                                    "curve_ipc": True, "identities": [listed]},
+                          probe={"endpoint": endpoint, **_creds(keys, "x")})
+    d.launch()
+    curve.launch()  # side by side: the two daemons have nothing to do with each other
     try:
+        d.wait_ready()
         engine = ClientEngine(d.endpoint)
         try:
             engine.prefill(_tokens(7, 2))
@@ -355,16 +363,8 @@ def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
             assert set(engine.client.stats().get("tenants", {})) == {"u"}
         finally:
             engine.close()
-    finally:
         d.stop()
-    listed = {"name": "k", "public_keys": [keys["x"]["z85"]], "tenants": ["k"], "admin": True}
-    (tmp_path / "curve").mkdir()
-    endpoint = f"ipc://{tmp_path / 'curve' / 'hicache.sock'}"
-    d = DaemonProcess(tmp_path / "curve", auth={"secret_key_file": str(keys["server"]["secret"]), "curve_ipc": True,
-                                                "identities": [listed]},
-                      probe={"endpoint": endpoint, **_creds(keys, "x")})
-    d.start()
-    try:
+        curve.wait_ready()
         plain = CacheClient(endpoint, heartbeat=False, timeout_s=0.5)
         try:
             with pytest.raises(Unavailable):
@@ -378,6 +378,7 @@ def test_ipc_peers_by_unix_user_and_curve_on_ipc(tmp_path, keys):
             keyed.close()
     finally:
         d.stop()
+        curve.stop()
 
 
 # -- KV events: every tenant's token ids, for the identities allowed to read them ------

@@ -12,6 +12,23 @@ from hicache import __version__
 from hicache.daemon.cli import main
 
 
+def run_side_by_side(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Run independent commands at once, each to its end: every one is an interpreter
+    importing torch and the client, ~2 s of a core, and there are two cores."""
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command in commands]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
 def test_console_script_is_installed():
     exe = Path(sys.executable).parent / "hicache"
     assert exe.exists(), "make test installs the package, console script included"
@@ -32,23 +49,20 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
         engine.prefill(list(range(100, 100 + 3 * 4)))
         engine.client.flush()  # (its pages on host and disk)
         run = [HICACHE, "--log-level", "WARNING"]
-        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--json"],
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
-        stats = json.loads(done.stdout)
+        as_json, as_text, watched, checked = run_side_by_side(
+            [*run, "status", "--endpoint", daemon.endpoint, "--json"],
+            [*run, "status", "--endpoint", daemon.endpoint],
+            [*run, "status", "--endpoint", daemon.endpoint, "--watch", "0.05", "--count", "3"],
+            [*run, "check", "--endpoint", daemon.endpoint])
+        assert as_json.returncode == 0, as_json.stderr
+        stats = json.loads(as_json.stdout)
         assert stats["sessions"] == 1 and stats["version"] == __version__
         (spec,) = stats["specs"].values()
         assert spec["nodes"] == 1
-        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint], capture_output=True, text=True,
-                              timeout=30)
-        assert done.returncode == 0 and "1 sessions" in done.stdout
-        assert "tenant default: 3 host pages, 3 disk pages" in done.stdout, done.stdout
-        done = subprocess.run([*run, "status", "--endpoint", daemon.endpoint, "--watch", "0.05", "--count", "3"],
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0 and done.stdout.count("1 sessions") == 3
-        done = subprocess.run([*run, "check", "--endpoint", daemon.endpoint], capture_output=True, text=True,
-                              timeout=30)
-        assert done.returncode == 0 and "ok" in done.stdout
+        assert as_text.returncode == 0 and "1 sessions" in as_text.stdout
+        assert "tenant default: 3 host pages, 3 disk pages" in as_text.stdout, as_text.stdout
+        assert watched.returncode == 0 and watched.stdout.count("1 sessions") == 3
+        assert checked.returncode == 0 and "ok" in checked.stdout
     finally:
         engine.close()
         assert daemon.stop() == 0
@@ -143,9 +157,10 @@ def test_status_refused_to_a_non_administrator_is_one_line(tmp_path):
 
     daemon = DaemonProcess(tmp_path, auth={"identities": [{"name": "me", "uids": [os.getuid()]}]}).start()
     try:
-        for command in ("status", "check", "reload"):
-            done = subprocess.run([HICACHE, "--log-level", "WARNING", command, "--endpoint", daemon.endpoint],
-                                  capture_output=True, text=True, timeout=30)
+        commands = ("status", "check", "reload")
+        runs = run_side_by_side(*([HICACHE, "--log-level", "WARNING", command, "--endpoint", daemon.endpoint]
+                                  for command in commands))
+        for command, done in zip(commands, runs):
             assert done.returncode == 1, (command, done.stdout)
             assert "Traceback" not in done.stderr and "administrators" in done.stderr, (command, done.stderr)
     finally:

@@ -589,6 +589,56 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     daemon.close()
 
 
+def test_a_rebuild_goes_on_when_another_specs_writes_evict_its_records_meanwhile(tmp_path, engines, monkeypatch):
+    """While a spec's disk tier is rebuilt between another engine's requests, that
+    engine's writes fill the store and it evicts the oldest records: the rebuilding
+    spec's. The rebuild must take the loss (those pages and what hangs below them are
+    gone) and still answer its registration with a serving manager."""
+    import dataclasses
+
+    page_bytes = SPEC.host_page_bytes
+    store = {"disk.enabled": True, "disk.path": str(tmp_path / "store"), "disk.capacity_bytes": 8 * page_bytes}
+    first = make_daemon(tmp_path, **store)
+    a = engines()
+    sa = session(first, a)
+    prefix = np.arange(0, PS, dtype="<i4")  # one page, then three branches of two
+    branches = [np.concatenate((prefix, np.arange(1000 * b, 1000 * b + 2 * PS, dtype="<i4"))) for b in (1, 2, 3)]
+    for i, tokens in enumerate(branches):
+        pages = ok(first.handle(p.Alloc(id=10 + i, session=sa, num_pages=3 if i == 0 else 2))).pages
+        hit = ok(first.handle(p.Match(id=20 + i, session=sa, tokens=tokens.tobytes())))
+        ok(first.handle(p.Insert(id=30 + i, session=sa, tokens=tokens.tobytes(), pages=hit.device_pages + pages)))
+    first.drain()
+    first.close()
+
+    monkeypatch.setattr(specs, "_REBUILD_STEP", 1)  # one record a step,
+    monkeypatch.setattr(specs, "_REBUILD_SLICE_S", 0.0)  # one step a slice (the test clock stands still)
+    daemon = make_daemon(tmp_path, Clock(), **store)
+    other_spec = dataclasses.replace(SPEC, model="other-model")
+    sb = session(daemon, engines(spec=other_spec), spec=other_spec)
+    sa2 = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))).session
+    pending = register(daemon, sa2, SPEC, [engines().offered(daemon)], request_id=2)
+    (rebuilding,) = [m for m in daemon.specs.all_managers() if m.spec.fingerprint == SPEC.fingerprint]
+    while not rebuilding.tree.sizes(Tier.DISK).cached:  # up to the prefix's node, the branches still to come
+        daemon.poll()
+    assert not pending.done()
+    # Another model's two pages take the store past its capacity: it evicts the
+    # least recently used record, the prefix's page.
+    tokens_b = np.arange(50_000, 50_000 + 2 * PS, dtype="<i4").tobytes()
+    pages_b = ok(daemon.handle(p.Alloc(id=3, session=sb, num_pages=2))).pages
+    ok(daemon.handle(p.Insert(id=4, session=sb, tokens=tokens_b, pages=pages_b)))
+    daemon.managers[other_spec.fingerprint].flush()
+    assert daemon.storage.stats().evicted_records >= 1
+    assert isinstance(answered(daemon, pending), p.RegisterReply)
+    for tokens in branches:  # nothing below the evicted prefix is left to hit ...
+        hit = ok(daemon.handle(p.Match(id=5, session=sa2, tokens=tokens.tobytes())))
+        assert hit.device_pages == b"" and hit.host_pages + hit.disk_pages == 0
+    daemon.managers[SPEC.fingerprint].flush()
+    # ... nor to take room in the store.
+    assert not [key for key, meta in daemon.storage.iter_metadata() if meta.fingerprint == SPEC.fingerprint]
+    ok(daemon.handle(p.Check(id=6)))
+    daemon.close()
+
+
 def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, engines):
     """A daemon closed mid-rebuild answers the waiting registration with an error (and
     closes the pool it had attached) rather than leaving it unanswered."""

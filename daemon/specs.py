@@ -251,9 +251,11 @@ class Specs:
         manager's writes: each manager forgets those of its own tree."""
         for manager in self.managers.values():
             manager.forget_disk_keys(keys)
-        for rebuild in self._rebuilds.values():  # a key may be restored after this: forget it again at the end
+        # A tree being rebuilt is left alone until its rebuild ends: the rebuild holds
+        # nodes it restored, to restore their children under them, and forgetting one
+        # now would end it with an error (a key may be restored after this anyway).
+        for rebuild in self._rebuilds.values():
             rebuild.evicted.update(keys)
-            rebuild.manager.forget_disk_keys(keys)
 
     def stop_rebuilds(self, deadline: float) -> bool:
         """Shutting down: the rebuilds under way end, their registrations refused; their

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections import OrderedDict
@@ -259,6 +261,33 @@ def test_a_slab_file_cut_short_drops_the_records_past_its_end_on_open(open_store
     store.put([record(key, size) for key in keys[2:]], fingerprint=FP).result()
     assert all(np.array_equal(read(store, key, size), content(key, size)) for key in keys)
     store.check_invariants()
+
+
+def test_an_index_file_cut_short_is_refused_on_open_not_a_bus_error(open_store, tmp_path):
+    """A data.mdb shorter than the pages its meta page names (a machine crash without
+    sync, a copy cut short) is a store that cannot be opened: StorageUnavailable, as
+    for a file that is no LMDB file at all. Opened in a child process: a mapping read
+    past the end of the file is SIGBUS, which would take the test run with it."""
+    store = open_store()
+    store.put([record(key_of(("index", i)), 700) for i in range(200)], fingerprint=FP).result()
+    store.close()
+    data = tmp_path / "store" / "data.mdb"
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=2, readonly=True)
+    try:
+        page_bytes, last_page = env.stat()["psize"], env.info()["last_pgno"]
+    finally:
+        env.close()
+    assert last_page > 2
+    os.truncate(data, 2 * page_bytes)  # the two meta pages only
+    opener = ("from hicache.errors import StorageUnavailable\n"
+              "from hicache.storage.lmdb_backend import LmdbBackend\n"
+              "try:\n"
+              f"    LmdbBackend({str(tmp_path / 'store')!r}, capacity_bytes=1 << 20).close()\n"
+              "except StorageUnavailable as exc:\n"
+              "    print(exc)\n")
+    child = subprocess.run([sys.executable, "-c", opener], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "data.mdb" in child.stdout and "damaged" in child.stdout, child.stdout
 
 
 def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_path):

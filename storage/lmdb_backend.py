@@ -1384,6 +1384,7 @@ class LmdbBackend:
         except lmdb.Error as exc:
             raise StorageUnavailable(f"cannot open storage {self._path}: {exc}") from exc
         try:
+            self._check_length(env)
             # Reader slots of processes that died (kill -9) pin old pages; free them.
             num_stale = env.reader_check()
             if num_stale:
@@ -1450,6 +1451,21 @@ class LmdbBackend:
         logger.info("opened %s: %d records, %d bytes, map %d bytes, %d slab files", self._path, num_records,
                     num_bytes, self._map_size, len(self._slabs))
         return [_PurgeOp(tuple(unreadable + unusable), force=True), _DropLegacyOp(tuple(orphans))]
+
+    def _check_length(self, env: lmdb.Environment) -> None:
+        """Refuse a data file shorter than the pages its meta page names (a machine crash
+        without ``sync`` on a file system that does not keep the order of writes, a copy
+        cut short): LMDB reads them through its map, and a read past the end of the file
+        is SIGBUS, which kills the process instead of failing the open. (The meta pages
+        themselves are read with ``pread``: a file without them is refused by LMDB.)"""
+        page_bytes = env.stat()["psize"]
+        needed = (env.info()["last_pgno"] + 1) * page_bytes
+        data = os.path.join(self._path, "data.mdb")
+        size = os.stat(data).st_size
+        if size < needed:
+            raise StorageUnavailable(
+                f"cannot open storage {self._path}: {data} holds {size} bytes, short of the {needed} its pages "
+                "take: damaged; move the store aside to start with an empty disk tier")
 
     def _slab_files(self) -> dict[int, int]:
         """Slot bytes -> size of each slab file in the store directory."""

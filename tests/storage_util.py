@@ -107,3 +107,82 @@ class HungMooncakeStore:
         self.closing.set()
         self.release.wait(60)  # (a hang guard: the test sets it)
 
+
+
+class InProcessMooncake:
+    """A stand-in for ``MooncakeDistributedStore`` in this process: objects in a dict,
+    the zero-copy calls reading and writing the buffers they are given (the addresses
+    ``MooncakeBackend`` hands over), with Mooncake's return codes. ``hold(name)``: that
+    method waits for :attr:`gate` (it starts open) — a store that hangs mid-call;
+    :attr:`entered` is set once a held call waits."""
+
+    NOT_FOUND = -704
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self._held: set[str] = set()
+
+    def hold(self, *methods: str) -> None:
+        self._held.update(methods)
+        self.gate.clear()
+
+    def release(self) -> None:
+        self._held.clear()
+        self.gate.set()
+
+    def _wait(self, method: str) -> None:
+        if method in self._held:
+            self.entered.set()
+            self.gate.wait(60)  # (a hang guard: the test releases it)
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        self._wait("batch_is_exist")
+        return [int(name in self.objects) for name in names]
+
+    def get_size(self, name: str) -> int:
+        value = self.objects.get(name)
+        return self.NOT_FOUND if value is None else len(value)
+
+    def batch_put_from_multi_buffers(self, names, all_ptrs, all_sizes) -> list[int]:
+        import ctypes
+
+        self._wait("batch_put_from_multi_buffers")
+        for name, ptrs, sizes in zip(names, all_ptrs, all_sizes):
+            self.objects[name] = b"".join(ctypes.string_at(ptr, size) for ptr, size in zip(ptrs, sizes))
+        return [0] * len(names)
+
+    def batch_get_into_multi_buffers(self, names, all_ptrs, all_sizes) -> list[int]:
+        import ctypes
+
+        self._wait("batch_get_into_multi_buffers")
+        codes = []
+        for name, ptrs, sizes in zip(names, all_ptrs, all_sizes):
+            value = self.objects.get(name)
+            if value is None:
+                codes.append(self.NOT_FOUND)
+                continue
+            if len(value) > sum(sizes):
+                codes.append(-1)  # (the buffers cannot take the value)
+                continue
+            pos = 0
+            for ptr, size in zip(ptrs, sizes):
+                part = value[pos : pos + size]
+                ctypes.memmove(ptr, part, len(part))
+                pos += len(part)
+            codes.append(len(value))
+        return codes
+
+    def batch_remove(self, names: list[str], force: bool = False) -> list[int]:
+        return [0 if self.objects.pop(name, None) is not None else self.NOT_FOUND for name in names]
+
+    def close(self) -> int:
+        return 0

@@ -1,6 +1,7 @@
 """The remote tier at the tier manager: two managers (two nodes) and one real Mooncake
 Store. Every page a node gets from the remote tier is checked byte for byte against the
-bytes its key stands for (:func:`tiers_util.expected_page`)."""
+bytes its key stands for (:func:`tiers_util.expected_page`). Faults (a store that hangs
+or errors mid-call) use the in-process stand-in, :class:`storage_util.InProcessMooncake`."""
 
 from __future__ import annotations
 
@@ -315,3 +316,51 @@ def test_a_closed_manager_leaves_no_memory_registered_with_the_shared_store(moon
     finally:
         store.close()
         a.close()
+
+
+class StandInNode(Node):
+    """A node whose remote store is :class:`storage_util.InProcessMooncake` (``raw``,
+    shared by the nodes of one test): faults on cue, no Mooncake install needed."""
+
+    def __init__(self, raw, disk=None, **settings) -> None:
+        from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+        self.store = MooncakeBackend(MooncakeConfig(master="127.0.0.1:1"), store=raw)
+        self.disk = disk
+        self.metrics = Metrics()
+        self.engine = Engine(num_pages=32)
+        self.tm = TierManager(SPEC, host_pages=32, metrics=self.metrics, config=TierConfig(), remote=self.store,
+                              storage=disk,
+                              remote_settings=RemoteSettings(**{"prefetch_policy": "wait_complete", **settings}))
+        self.tm.add_namespace(NS)
+        self.counters = self.tm.register_pool(0, [self.engine.pool])
+
+
+def test_a_lookup_the_store_does_not_answer_holds_up_flush_and_close_until_their_deadline():
+    """The store hangs in a lookup (its master unreachable mid-RPC). The lookup is work
+    in flight like a get or a put: a flush waits for it (up to its deadline), and a
+    close gives up at its deadline instead of joining the stuck thread for good (a
+    daemon's stop would hang). Once the store answers, both finish."""
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    a, b = StandInNode(raw), StandInNode(raw, prefetch_policy="best_effort")
+    try:
+        tokens = list(range(1000, 1000 + 6 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        raw.hold("batch_is_exist")
+        assert b.lookup(tokens).match.num_pages == 0  # (best_effort: answered, the lookup goes on)
+        assert raw.entered.wait(60)
+        assert not b.tm.idle()
+        with pytest.raises(TimeoutError):
+            b.tm.flush(timeout_s=0)
+        assert b.tm.close(0) is False  # (nothing let go: the lane's thread is stuck in the store)
+        raw.release()
+        b.tm.flush()
+        assert b.tm.remote.counts["lookup_hit"] == 1 and b.tm.remote.counts["pages_got"] == 6
+        b.tm.check_invariants()
+    finally:
+        raw.release()
+        a.close()
+        b.close()

@@ -441,8 +441,13 @@ class RemoteTier:
         if asked:
             store = self.store
             key_list = [asked[i : i + PAGE_KEY_BYTES] for i in range(0, len(asked), PAGE_KEY_BYTES)]
+            # (in flight like a get: a flush waits for it, and a close gives up at its
+            # deadline rather than join a lane stuck in the store)
+            lookup = Transfer(Kind.REMOTE_READ, None, [], anchor)
+            core.inflight.add_detached(lookup)
             if not self._reads.submit(core, lambda: store.contains(key_list),
-                                      lambda found, error: self._looked_up(fetch, found, error)):
+                                      lambda found, error: self._looked_up(fetch, lookup, found, error)):
+                core.inflight.remove_detached(lookup)
                 self._lookup("busy")
                 return None
         if anchor is not None and not anchor.is_root:
@@ -493,7 +498,9 @@ class RemoteTier:
         self.counts[f"lookup_{result}"] += 1
         self.core.metrics.remote_lookup(result)
 
-    def _looked_up(self, fetch: Fetch, found: list[bool] | None, error: BaseException | None) -> None:
+    def _looked_up(self, fetch: Fetch, lookup: Transfer, found: list[bool] | None,
+                   error: BaseException | None) -> None:
+        self.core.inflight.remove_detached(lookup)
         if error is not None:
             self._failed("lookup", error)
             self._lookup("unavailable")

@@ -266,6 +266,56 @@ def test_a_gone_pools_stream_ends_with_all_blocks_cleared(daemon):
             engine.close()
 
 
+def test_a_namespace_that_holds_pages_keeps_its_extra_key_however_many_others_are_named(daemon, monkeypatch):
+    """The events' extra keys are remembered for a bounded number of namespaces, so that
+    a client naming ever new extra keys (a salt per request) does not grow the daemon.
+    A tenant's namespace that holds pages must not lose its key to that flood, nor one
+    that a session named before the flood and stores under after it: every
+    ``BlockStored`` of their blocks — on the device, on host, on disk, before and after —
+    carries its key, one entry per block."""
+    from hicache.daemon import kv_events
+
+    monkeypatch.setattr(kv_events, "EXTRA_KEYS", 4)
+    context = zmq.Context()
+    engines = [Engine(16), Engine(16)]
+    router = Subscriber(context, daemon)
+    try:
+        sid, _ = register(daemon, engines[0])
+        other, _ = register(daemon, engines[1])
+        daemon.poll()  # (the streams exist from here on: the events go out as they happen)
+        manager = next(iter(daemon.managers.values()))
+
+        def prefill(tokens: list[int], extra_key: str) -> None:
+            packed = np.asarray(tokens, np.int32).tobytes()
+            new = answered(daemon, daemon.handle(p.Alloc(id=6, session=sid, num_pages=len(tokens) // PS)))
+            answered(daemon, daemon.handle(p.Insert(id=7, session=sid, tokens=packed, pages=new.pages,
+                                                    extra_key=extra_key)))
+
+        prefill(list(range(2 * PS)), "tenant-a")
+        answered(daemon, daemon.handle(p.Match(id=8, session=sid, tokens=np.arange(PS, dtype=np.int32).tobytes(),
+                                               extra_key="tenant-b")))
+        daemon.poll()
+        for i in range(2 * kv_events.EXTRA_KEYS):  # (lookups only: nothing stored under these)
+            answered(daemon, daemon.handle(p.Match(id=9, session=other, tokens=np.arange(PS, dtype=np.int32).tobytes(),
+                                                   extra_key=f"salt-{i}")))
+        prefill(list(range(100, 100 + 2 * PS)), "tenant-a")
+        prefill(list(range(200, 200 + 2 * PS)), "tenant-b")
+        manager.flush()
+        router.catch_up()
+        stored = [event for stream in daemon.events.publisher.streams
+                  for _, payload in router.ask_replay(stream.topic, 0)
+                  for event in decode(payload).events if isinstance(event, BlockStored)]
+        assert {event.medium for event in stored} == {"GPU", "CPU", "STORAGE"}
+        for event in stored:
+            key = "tenant-b" if event.token_ids[0] >= 200 else "tenant-a"
+            assert event.extra_keys == [(key,)] * len(event.block_hashes), (event.medium, event.token_ids)
+    finally:
+        router.close()
+        context.destroy(linger=0)
+        for engine in engines:
+            engine.close()
+
+
 def test_every_stream_ends_when_the_daemon_closes(tmp_path):
     """A daemon that shuts down closes its managers: a router must not keep routing to
     its pools for blocks it no longer serves — each stream's last batch clears them."""

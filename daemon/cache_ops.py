@@ -63,6 +63,8 @@ class CacheOps:
         ns, owner = self._resolve(session, extra_key, tenant)
         if storing and self._sharing_for(extra_key) is not self._no_sharing:
             self._claim(session.manager, ns, owner)
+            if self._on_namespace is not None:  # (named again: the session resolved it long ago, maybe)
+                self._on_namespace(ns, extra_key)
         else:
             self._claim_if_known(session.manager, ns, owner)
         return ns

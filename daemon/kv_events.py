@@ -26,7 +26,7 @@ the store's metadata for its ``BlockStored`` (routers such as Dynamo hash the to
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from hicache.tree import DISK_SLOT, HOST_SLOT, Node, Slot
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_SLICE = 2000  # nodes a snapshot announces per loop turn
-EXTRA_KEYS = 1 << 16  # namespaces whose extra key is remembered
+EXTRA_KEYS = 1 << 16  # namespaces named and holding no page yet whose extra key is remembered
 REPLAYS_PER_TURN = 4  # replay requests answered per loop turn at most (each up to a ring of batches)
 
 
@@ -50,13 +50,13 @@ class ManagerEvents:
     """One tier manager's events (the tree's observer; owner thread)."""
 
     def __init__(self, publisher: EventPublisher, manager: TierManager, topic: str,
-                 extra_keys: dict[bytes, str]) -> None:
-        """``extra_keys``: namespace id -> the extra key it was made with (the daemon
-        fills it as namespaces are made)."""
+                 extra_key: Callable[[bytes], str | None]) -> None:
+        """``extra_key(namespace id)``: the extra key it was made with, if known (see
+        :meth:`KvEvents.extra_key`)."""
         self.publisher = publisher
         self.manager = manager
         self.topic = topic
-        self.extra_keys = extra_keys
+        self.extra_key = extra_key
         self.block_size = manager.spec.page_size
         self.streams: dict[int, EventStream] = {}  # pool id -> its stream
         self._snapshots: dict[int, Iterator[None]] = {}  # pool id -> the snapshot in progress
@@ -88,7 +88,7 @@ class ManagerEvents:
     def _stored(self, stream: EventStream, node: Node, medium: str) -> None:
         parent = None if node.parent is None or node.parent.is_root else _hashes(node.parent)[-1]
         tokens = node.tokens or self._tokens_from_store(node)
-        extra = self.extra_keys.get(node.namespace)
+        extra = self.extra_key(node.namespace)
         stream.stored(_hashes(node), parent, np.frombuffer(tokens, dtype="<i4").tolist(), self.block_size, medium,
                       extra_keys=[[extra]] * node.num_pages if extra else None)
 
@@ -188,17 +188,33 @@ class KvEvents:
     def __init__(self, publisher: EventPublisher, topic: str = "") -> None:
         self.publisher = publisher
         self.topic = topic
+        # The extra keys of the namespaces that hold pages: kept as long as the trees
+        # keep those namespaces (for good), since their blocks may be announced any time.
         self.extra_keys: dict[bytes, str] = {}
+        self._named: dict[bytes, str] = {}  # of namespaces named and holding no page yet: the last EXTRA_KEYS
         self._managers: dict[bytes, ManagerEvents] = {}
 
     def namespace(self, namespace: bytes, extra_key: str) -> None:
-        """A namespace the daemon made, and its extra key (the events' ``extra_keys``;
-        the last :data:`EXTRA_KEYS` remembered: a client naming ever new extra keys does
-        not grow the daemon)."""
-        if extra_key:
-            self.extra_keys[namespace] = extra_key
-            if len(self.extra_keys) > EXTRA_KEYS:
-                del self.extra_keys[next(iter(self.extra_keys))]
+        """A namespace the daemon made (or a session stores under), and its extra key
+        (the events' ``extra_keys``). Until one of its blocks is announced only the last
+        :data:`EXTRA_KEYS` are remembered: a client naming ever new extra keys does not
+        grow the daemon, nor pushes out the key of a namespace in use. O(1)."""
+        if not extra_key or namespace in self.extra_keys:
+            return
+        self._named.pop(namespace, None)  # (named again: the newest)
+        self._named[namespace] = extra_key
+        if len(self._named) > EXTRA_KEYS:
+            del self._named[next(iter(self._named))]
+
+    def extra_key(self, namespace: bytes) -> str | None:
+        """The extra key of a namespace whose block is being announced, if known (it
+        holds pages from now on: its key is kept). O(1)."""
+        found = self.extra_keys.get(namespace)
+        if found is None:
+            found = self._named.pop(namespace, None)
+            if found is not None:
+                self.extra_keys[namespace] = found
+        return found
 
     def tick(self, managers: dict[bytes, TierManager]) -> None:
         """The loop's turn: observe new managers (and stop observing closed ones),
@@ -207,7 +223,7 @@ class KvEvents:
             self._managers.pop(fingerprint).close()  # a manager closed (its spec unused; see hicache.daemon.specs)
         for fingerprint, manager in managers.items():
             if fingerprint not in self._managers:
-                self._managers[fingerprint] = ManagerEvents(self.publisher, manager, self.topic, self.extra_keys)
+                self._managers[fingerprint] = ManagerEvents(self.publisher, manager, self.topic, self.extra_key)
         for events in self._managers.values():
             events.tick()
         self.publisher.publish()

@@ -224,6 +224,38 @@ def test_owner_going_ends_its_attached_sessions_and_returns_their_locks(daemon):
     scheduler.close()
 
 
+def test_an_engine_that_says_bye_while_its_store_copies_leaves_its_memory_free_to_register_again(daemon):
+    """Store and bye back to back on the engine's connection: the bye ends the session
+    while the store's copy is still to be taken in, so its pool is retired in use. By
+    the time the store is answered the pool is unmapped: the daemon maps none of its
+    memory, and that memory registers again, under the same name."""
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="going", heartbeat=False)
+    again = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        seq = toks(500, 4)
+        engine.compute(seq, [1, 2, 3, 4])
+        client = engine.client
+        sock = client._socket
+        sock.send(p.encode(p.Store(id=1, session=client.session_id, tokens=np.asarray(seq, "<i4").tobytes(),
+                                   pages=np.asarray([1, 2, 3, 4], "<i4").tobytes())))
+        sock.send(p.encode(p.Bye(id=2, session=client.session_id)))
+        replies = {}
+        while len(replies) < 2:
+            assert sock.poll(30_000), "the daemon stopped answering"
+            reply = p.decode_reply(sock.recv())
+            replies[reply.id] = reply
+        assert isinstance(replies[1], p.StoreReply) and isinstance(replies[2], p.Ok), replies
+        client._session = 0  # (said bye)
+        assert daemon_mapped_bytes(daemon.proc.pid, "hicache-owned-0") is None
+        stats_and_check(daemon.endpoint)
+        again.register_owned(OWNED_SPEC, engine.exported.handle)
+        assert again.match(seq).num_host_pages == replies[1].cached
+        stats_and_check(daemon.endpoint)
+    finally:
+        again.close()
+        engine.close()
+
+
 def test_bad_input_is_refused_with_its_code_and_changes_nothing(daemon):
     engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="e")
     other = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="f")

@@ -170,6 +170,36 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     daemon.close()
 
 
+@pytest.mark.parametrize("ending", ["bye", "lease_expired"])
+def test_a_pool_whose_engine_went_while_its_backup_copied_is_unmapped_once_the_copy_lands(tmp_path, engines,
+                                                                                          ending):
+    """The engine inserts and goes (bye, or killed: its lease runs out) before the
+    daemon has taken in the write-through backup of its pages (no poll since): the pool
+    is retired with a transfer in flight. Once that lands, the pool is unmapped and its
+    pages forgotten — the same memory registers again."""
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock)
+    engine = engines()
+    sid = session(daemon, engine)
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=2))).pages
+    ok(daemon.handle(p.Insert(id=2, session=sid, tokens=np.arange(2 * PS, dtype="<i4").tobytes(), pages=pages)))
+    (manager,) = daemon.managers.values()
+    assert not manager.idle()  # the backup is in flight
+    if ending == "bye":
+        ok(daemon.handle(p.Bye(id=3, session=sid)))
+    else:
+        clock.now += 6.0
+        daemon.sessions.expire()
+    assert sid not in daemon.sessions
+    while not manager.idle():
+        daemon.poll(0.01)
+    assert not any(place.tier == Tier.DEVICE for place in manager.accounting())  # the pool is gone
+    ok(daemon.handle(p.Check(id=4)))
+    session(daemon, engine)  # its memory is no other pool's
+    ok(daemon.handle(p.Check(id=5)))
+    daemon.close()
+
+
 def test_a_session_answers_only_on_the_connection_that_said_hello(tmp_path, engines):
     daemon = make_daemon(tmp_path)
     hello = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION), peer=b"conn-a"))

@@ -44,6 +44,9 @@ def check_invariants(core: Core, pools: DevicePools, disk: DiskTier) -> None:
         host_alloc.num_allocated, host_cached, core.host_staging)
     for pool in pools:
         pool.check(tree.sizes(Tier.DEVICE, pool.pool_id).cached)
+    busy = core.inflight.pools()
+    idle = [pool.pool_id for pool in pools if pool.retired and pool.pool_id not in busy]
+    assert not idle, f"pools {idle} are retired and no transfer uses them, but they are still mapped"
     gone = tree.locked_pools() - {pool.pool_id for pool in pools}
     assert not gone, f"pools {sorted(gone)} are gone but hold locks"
     core.inflight.check(tree)

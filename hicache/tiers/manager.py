@@ -765,7 +765,9 @@ class TierManager:
         """Run completed transfers' callbacks (at most ``limit``; 0: none, for an owner
         that drains them itself) and due timers (owner thread)."""
         ran = self.completions.drain(timeout_s, limit)
-        if ran and self.pools.any_retired():
+        # Whoever drained them (the daemon drains the completions it shares with every
+        # manager itself: ``limit=0``), a retired pool's last transfer may have ended.
+        if self.pools.any_retired():
             self.pools.reap(self._inflight.pools(), self.tree)
         if self._backups.deferred:
             ran += self._retry_backups()

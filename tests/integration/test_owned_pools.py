@@ -687,6 +687,44 @@ def test_a_store_its_engine_gave_up_on_never_copies_the_blocks_reused_since(tmp_
             assert daemon.stop() == 0
 
 
+def test_a_load_into_its_engine_gave_up_on_never_writes_the_blocks_reused_since(tmp_path):
+    """The load_into times out (the daemon is stopped: a stall), the client answers
+    "nothing loaded" and the engine computes another request into those blocks; the
+    daemon, resumed, must not copy the cached pages over them (before, it did, once
+    the engine had stopped waiting for them)."""
+    import os
+    import signal
+
+    daemon = DaemonProcess(tmp_path, server={"lease_s": 30.0}, **sections(tmp_path)).start()
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="slow-load", load_timeout_s=0.3)
+    status = admin(daemon.endpoint)
+    try:
+        seq, other = toks(400, 3), toks(9000, 3)
+        engine.compute(seq, [1, 2, 3])
+        engine.client.store(seq, [1, 2, 3])
+        m = engine.client.match(seq)
+        engine.client.lock(m.handle)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            assert engine.client.load_into(m.handle, [10, 11, 12]).num_loaded_pages == 0  # given up: degraded
+            engine.compute(other, [10, 11, 12])  # the blocks' next owner
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not any(key.startswith("load_into/") for key in status.stats()["requests"]):
+            assert time.monotonic() < deadline, "the daemon never answered the load_into"
+            time.sleep(0.05)
+        status.flush()  # (every copy landed)
+        engine.check(other, [10, 11, 12])
+        assert status.stats()["requests"].get("load_into/TIMEOUT") == 1
+        status.check()
+    finally:
+        status.close()
+        engine.close()
+        if daemon.proc is not None:
+            assert daemon.stop() == 0
+
+
 def daemon_mapped_bytes(pid: int, memfd_name: str) -> int | None:
     """The daemon's Rss of its mapping of the memfd ``memfd_name`` (``None``: not mapped)."""
     with open(f"/proc/{pid}/smaps") as smaps:

@@ -383,6 +383,48 @@ def test_an_owned_pool_retired_while_its_load_into_waits_for_disk_reads_ends_the
         tm.close()
 
 
+def test_an_owned_load_into_whose_engine_stopped_waiting_during_its_disk_reads_writes_no_block(store):
+    """``expired()`` says the engine gave up on the load_into (its call timed out: it
+    takes the blocks as loaded with nothing, and may reuse them): one expired on
+    arrival is refused before anything changes, and one whose disk reads end after
+    that copies nothing into the blocks and holds nothing."""
+    import torch
+
+    from hicache.errors import DeadlinePassed
+    from hicache.foreign import ForeignPool
+    from owned_util import OWNED_SPEC, layer_major
+
+    layout = layer_major(8)
+    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
+    tm = TierManager(OWNED_SPEC, host_pages=8, storage=store, config=TierConfig(prefetch_min_pages=1000))
+    try:
+        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+        tm.add_namespace(ns)
+        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
+        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
+        buffers[0][:] = 1  # the engine's KV of ``toks`` in blocks 1-3 (and every other block)
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3])).num_cached == 3
+        tm.flush()
+        tm.evict(Tier.HOST, 8)
+        tm.flush()
+        buffers[0][:] = 2  # blocks 4-6 hold another request's KV now
+        node = tm.match(ns, toks, 0).match.node
+        tm.lock(node, 0)
+        with pytest.raises(DeadlinePassed):
+            tm.load_into(node, 0, [4, 5, 6], expired=lambda: True)
+        answers = iter([False, True])  # in time on arrival, late when the reads are done
+        future = tm.load_into(node, 0, [4, 5, 6], expired=lambda: next(answers))
+        assert not future.done()  # reading from disk
+        assert tm.wait(future) == (0, ())
+        tm.flush()
+        assert bool((buffers[0] == 2).all())  # no block was written
+        tm.unlock(node, 0)
+        tm.check_invariants()
+        assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
+    finally:
+        tm.close()
+
+
 def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tokens(engine, tmp_path):
     """The tree keeps no tokens for pages on disk and in no device pool. A disk tier of
     four pages evicts the oldest prompt while its host copy stays: its tokens are read back from the records

@@ -278,12 +278,9 @@ class CacheOps:
             done: Future = Future()
             done.set_result(p.StoreReply(id=m.id, node=-1, copied=0, cached=0))
             return done
-        expired = None
-        if m.deadline_ns is not p.UNSET:
-            deadline_ns, clock_ns = m.deadline_ns, self._clock_ns
-            expired = lambda: clock_ns() >= deadline_ns  # noqa: E731
-            if expired():
-                raise DeadlinePassed("store: its deadline passed before it arrived; nothing copied")
+        expired = self._expiry(m.deadline_ns)
+        if expired is not None and expired():
+            raise DeadlinePassed("store: its deadline passed before it arrived; nothing copied")
         namespace = self._namespace(session, m.extra_key, m.tenant, storing=len(blocks) > 0)
         future = manager.store(namespace, tokens, session.pool_id, blocks, expired=expired)
         out: Future = Future()
@@ -300,12 +297,21 @@ class CacheOps:
         future.add_done_callback(answer)
         return out
 
+    def _expiry(self, deadline_ns) -> Callable[[], bool] | None:
+        """A request's ``deadline_ns`` as ``expired()``: has its engine stopped waiting,
+        now? (``None``: a request without one, whose engine waits for good.)"""
+        if deadline_ns is p.UNSET:
+            return None
+        clock_ns = self._clock_ns
+        return lambda: clock_ns() >= deadline_ns
+
     def load_into(self, m: p.LoadInto) -> Future:
         session = self._session(m.session)
         node = self.sessions.node(session, m.node)
         if m.unlocked is not True:
             self.sessions.require_lock(session, node, m.node)
-        future = session.manager.load_into(node, session.pool_id, m.pages, m.first)
+        future = session.manager.load_into(node, session.pool_id, m.pages, m.first,
+                                           expired=self._expiry(m.deadline_ns))
         out: Future = Future()
 
         def answer(f: Future) -> None:

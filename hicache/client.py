@@ -235,6 +235,7 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._store_deadlines = False  # the daemon honours Store.deadline_ns (its hello says so)
         self._load_unlocked = False  # the daemon honours LoadInto.unlocked (likewise)
+        self._load_deadlines = False  # the daemon honours LoadInto.deadline_ns (likewise)
         self._session = 0  # the registered session's id; 0 before the first registration
         self.epoch = 0
         self._down_since: float | None = None
@@ -454,6 +455,7 @@ class CacheClient:
         self._session = hello.session
         self._store_deadlines = hello.store_deadlines
         self._load_unlocked = hello.load_unlocked
+        self._load_deadlines = hello.load_deadlines
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
@@ -758,7 +760,12 @@ class CacheClient:
         before a reconnect, none. Raises :class:`UnknownNode` / :class:`LockUnderflow`
         for a handle this client holds no lock on. ``locked=False``: for a handle this
         client did not lock — what the path still holds loads (the load holds it while
-        it copies), in one round trip where the daemon can (else lock, load, unlock)."""
+        it copies), in one round trip where the daemon can (else lock, load, unlock).
+
+        A load_into not answered within ``load_timeout_s`` is given up (degraded mode:
+        none loaded), and the engine may reuse the blocks; so it carries that moment as
+        its deadline, and the daemon copies nothing into them once it has passed (a
+        daemon that was only slow would otherwise write over another request's KV)."""
         if handle is None:
             return LoadedInto(0, ())
         if not locked and not self._load_unlocked:
@@ -772,9 +779,15 @@ class CacheClient:
         ids = as_page_ids(pages)
         if handle.epoch != self.epoch:
             return LoadedInto(0, ())
+        timeout_ns = max(1, int(self.load_timeout_s * 1000)) * 1_000_000  # (what _call waits: whole ms)
+
+        def stamp(message: p.LoadInto) -> None:  # (sent at once: the call's wait starts after this)
+            if self._load_deadlines:
+                message.deadline_ns = p.monotonic_ns() + timeout_ns
+
         reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first,
                                          unlocked=True if not locked else p.UNSET),
-                              timeout_s=self.load_timeout_s, epoch=handle.epoch)
+                              timeout_s=self.load_timeout_s, epoch=handle.epoch, stamp=stamp)
         if reply is None:
             return LoadedInto(0, ())
         return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait))

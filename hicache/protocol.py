@@ -273,13 +273,17 @@ class LoadInto(_Request, tag="load_into"):
     engine's blocks ``pages``, layer by layer. ``unlocked`` (only to a daemon whose
     hello says ``load_unlocked``): the session holds no lock on the node — the daemon
     loads what the path still holds (the load holds it while it copies), in one round
-    trip instead of lock, load_into and unlock."""
+    trip instead of lock, load_into and unlock. ``deadline_ns`` (:func:`monotonic_ns`;
+    only to a daemon whose hello says ``load_deadlines``): when the engine stops waiting
+    and takes the blocks as loaded with nothing — a load_into the daemon receives after
+    it is refused (``TIMEOUT``), and one whose disk reads end after it copies nothing."""
 
     session: int
     node: int
     pages: bytes
     first: int = 0
     unlocked: bool | UnsetType = UNSET
+    deadline_ns: int | UnsetType = UNSET
 
 
 class Heartbeat(_Request, tag="heartbeat"):
@@ -348,6 +352,7 @@ class HelloReply(_Reply, tag="hello"):
     fd_socket: str = ""  # where CPU pools' descriptors are offered (hicache.fdpass)
     store_deadlines: bool = False  # honours Store.deadline_ns (older daemons: absent, and refuse the field)
     load_unlocked: bool = False  # honours LoadInto.unlocked (likewise)
+    load_deadlines: bool = False  # honours LoadInto.deadline_ns (likewise)
     max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
 
 

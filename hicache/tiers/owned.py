@@ -20,7 +20,10 @@ engine keeps its own device prefix cache, and hicache is the tier below it.
   first — those of the path before ``first`` too, which a page on host needs above it —
   and the future completes once they are there (or failed), with the number of
   pages that will land: a short or failed read shortens the load, and nothing that will
-  not be written is reported as loaded.
+  not be written is reported as loaded. Like a store, a load_into may say when its
+  engine stops waiting (``expired``): from then on the engine takes the blocks as loaded
+  with nothing and may reuse them, so one expired on arrival is refused, and one whose
+  reads end after that copies nothing (it would write over another request's KV).
 """
 
 from __future__ import annotations
@@ -145,9 +148,12 @@ class OwnedTransfers:
 
     # -- load_into -----------------------------------------------------------------
 
-    def load_into(self, pool: DevicePoolState, node: Node, blocks: PageIds, first: int) -> Future:
+    def load_into(self, pool: DevicePoolState, node: Node, blocks: PageIds, first: int,
+                  expired: Callable[[], bool] | None = None) -> Future:
         """A future of :class:`LoadedInto` (see the module docstring): pages ``first
         ..`` of ``node``'s path (locked by the caller) into ``blocks``."""
+        if expired is not None and expired():
+            raise DeadlinePassed("load_into: its deadline passed before it arrived; nothing copied")
         tree = self.core.tree
         if not tree.is_live(node):
             raise UnknownNode(f"{node!r} is not a live node")
@@ -180,10 +186,15 @@ class OwnedTransfers:
 
         def read_done() -> None:
             left[0] -= 1
-            if not left[0] and pool.reading.pop(future, None) is not None:
-                self._start(pool, hold, first, blocks, future)  # (else the pool retired: cancel ended it)
+            if left[0] or pool.reading.pop(future, None) is None:
+                return  # (reads left, or the pool retired: cancel ended it)
+            if expired is not None and expired():  # the engine took it for nothing loaded
+                self._short(len(blocks), 0)
+                cancel()
+                return
+            self._start(pool, hold, first, blocks, future)
 
-        def cancel() -> None:  # the pool retired first: nothing loads
+        def cancel() -> None:  # the pool retired first, or the engine stopped waiting: nothing loads
             tree.unlock(hold, pool.pool_id)
             future.set_result(LoadedInto(0, ()))
 

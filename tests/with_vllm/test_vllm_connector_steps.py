@@ -434,6 +434,49 @@ def test_a_store_that_timed_out_does_not_copy_blocks_vllm_has_reused(tmp_path):
             d.stop()
 
 
+def test_a_load_the_scheduler_gave_up_on_does_not_write_blocks_vllm_has_reused(tmp_path):
+    """The scheduler's ``load_into`` waits ``hicache.load_timeout_s`` and gives up: the
+    worker reports the blocks, vLLM recomputes them or the request ends, and the blocks
+    go to another request. A daemon that was only slow (stopped here) executes the
+    load later: it must not write into blocks that hold another request's KV by then
+    (the load carries its deadline)."""
+    d = DaemonProcess(tmp_path, server={"lease_s": 30.0}, host={"bytes": 64 << 20},
+                      disk={"enabled": False}).start()
+    e = Engine(d.endpoint, **{"hicache.load_timeout_s": 0.5})
+    admin = CacheClient(d.endpoint, heartbeat=False)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        r2 = request("r2", p)
+        r2_blocks = [11, 12, 13, 14, 15]
+        s = e.scheduler
+        s.on_new_request(r2)
+        ext, _ = s.get_num_new_matched_tokens(r2, 0)
+        assert ext == 4 * BS
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            s.update_state_after_alloc(r2, blocks(r2_blocks), ext)  # the load times out
+            errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext),
+                            forward=lambda: e.fill(r2_blocks[4:], 9.0))
+            assert set(r2_blocks[:4]) <= errors  # vLLM recomputes them...
+            e.finish(r2, r2_blocks)  # ... or the request is aborted meanwhile
+            e.fill(r2_blocks, STALE)  # the blocks' next owner writes its own KV
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+
+        def loads_answered() -> int:
+            return sum(n for key, n in admin.stats()["requests"].items() if key.startswith("load_into/"))
+
+        wait_until(lambda: loads_answered() >= 1, "the daemon answered the load")
+        admin.flush()  # (nothing in flight any more: a copy it started has landed)
+        assert e.values(r2_blocks) == [{STALE}] * 5, "a load the scheduler gave up on wrote reused blocks"
+    finally:
+        admin.close()
+        e.close()
+        if d.proc is not None:
+            d.stop()
+
+
 def test_shutdown_never_closes_a_client_a_connecting_thread_is_using(tmp_path, monkeypatch):
     """``shutdown()`` while the daemon is down: the connector's thread is inside an
     attempt (a hello waiting for the daemon). Closing that client under it aborted the

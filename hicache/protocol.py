@@ -41,9 +41,9 @@ class ProtocolError(HicacheError, ValueError):
 
 
 def monotonic_ns() -> int:
-    """The clock of :attr:`Store.deadline_ns`: the host's ``CLOCK_MONOTONIC``, which an
-    engine-owned pool's engine shares with the daemon (its blocks are in the daemon's
-    host memory, or on its GPUs)."""
+    """The clock of :attr:`Store.deadline_ns` and :attr:`LoadInto.deadline_ns`: the
+    host's ``CLOCK_MONOTONIC``, which an engine-owned pool's engine shares with the
+    daemon (its blocks are in the daemon's host memory, or on its GPUs)."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 

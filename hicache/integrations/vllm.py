@@ -44,8 +44,10 @@ How the two sides work (they are separate processes):
   ``update_state_after_alloc`` starts ``load_into`` the blocks vLLM allocated (before
   the forward: a synchronous load, ``load_async=False``) in one round trip, without a
   lock of its own (the load holds the path until it lands; what was evicted since the
-  match loads short); the tickets travel to the worker in the connector metadata, and
-  the loaded pages count as stored (a step stores only what hicache lacks).
+  match loads short; a load not answered within ``hicache.load_timeout_s`` is given up,
+  its blocks recomputed, and the daemon writes nothing of it later); the tickets travel
+  to the worker in the connector metadata, and the loaded pages count as stored (a step
+  stores only what hicache lacks).
 
 The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks on: the
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and

@@ -134,6 +134,20 @@ def test_a_store_deadline_is_optional_both_ways():
     assert p.decode_reply(msgpack.packb(old_hello)).store_deadlines is False
 
 
+def test_a_load_into_deadline_is_optional_both_ways():
+    """``LoadInto.deadline_ns`` likewise, sent only to a daemon whose hello says
+    ``load_deadlines``."""
+    plain = p.decode_request(p.encode(p.LoadInto(id=1, session=2, node=3, pages=b"")))
+    assert plain.deadline_ns is p.UNSET
+    timed = p.decode_request(p.encode(p.LoadInto(id=1, session=2, node=3, pages=b"", deadline_ns=123)))
+    assert timed.deadline_ns == 123
+    old_hello = {"op": "hello", "id": 1, "session": 2, "version": p.PROTOCOL_VERSION, "daemon": "hicache 0.0",
+                 "lease_s": 5.0, "store_deadlines": True, "load_unlocked": True}
+    import msgpack
+
+    assert p.decode_reply(msgpack.packb(old_hello)).load_deadlines is False
+
+
 def test_the_id_of_a_request_too_large_to_decode_is_read_without_decoding_it():
     """``peek_request_id`` walks the top-level map to ``id`` (tokens and other bytes
     skipped by their length); anything else — a truncation, bad bytes, a walk past its

@@ -3,19 +3,21 @@
 A model big enough that prefill costs something on this CPU (Llama-shaped, dummy
 weights: ``--layers`` 4, ``--hidden`` 512, 8 heads / 4 KV heads of 64), ``--prompts``
 prompts of ``--prompt-tokens`` tokens in ``--groups`` groups sharing ``--shared``-token
-prefixes. In one run, each engine a process of its own (vLLM's multiprocess engine):
+prefixes. Three engines, each a process of its own (vLLM's multiprocess engine), run at
+once and take turns, one request at a time — so that whatever else the machine does
+falls on both sides of every comparison alike (run one after another, a busy minute in
+one engine's run and a quiet one in the other's moved the ratios by tens of percent):
 
-* engine A (with the connector) generates every prompt: hicache stores their pages;
-  before that, **miss**: ``--prompts`` other prompts of the same length that share nothing,
-  each alone, its prefix cache emptied: a miss in hicache and a store of every page (what
-  hicache costs a prompt it cannot help, against the baseline's cold prefill);
-* **hicache**: engine B (with the connector, a new process) generates each prompt alone,
-  its own prefix cache emptied before each one: all whole blocks but the last token's
-  come from hicache's host tier;
-* **baseline**: an engine without hicache, the same prompts, its prefix cache emptied
-  before each one (a cold prefill), and
-* **device hit**: right after each cold prompt, the same prompt again in that engine
-  (vLLM's own prefix cache: the floor).
+* **miss**: engine A (with the connector) generates ``--prompts`` prompts that share
+  nothing, each alone, its prefix cache emptied: a miss in hicache and a store of every
+  page (what hicache costs a prompt it cannot help), each right before or after (the
+  order alternates) the **baseline** engine (without hicache) does the same prompt cold;
+* then engine A generates the benchmark's prompts: hicache stores their pages;
+* **hicache**: engine B (with the connector, its own prefix cache emptied before each
+  prompt) generates each prompt alone: all whole blocks but the last token's come from
+  hicache's host tier; next to it the baseline engine runs the same prompt cold
+  (**baseline**: its prefix cache emptied) and then again (**device hit**: vLLM's own
+  prefix cache, the floor).
 
 Outputs (greedy tokens and logprobs) of B must equal the baseline's. TTFT is vLLM's
 ``first_token_latency`` of each request (median over the prompts), after a warm-up
@@ -26,7 +28,8 @@ request in each engine.
 Run it with the vLLM venv's python (``make test-vllm`` builds ``.venv-vllm``). With
 ``--json`` the last line is one JSON object with ``ttft_s``, ``ttft_baseline_s``,
 ``ttft_device_hit_s``, ``ttft_speedup`` (baseline / hicache), ``device_hit_ratio``
-(hicache / device hit), ``ttft_miss_s``, ``miss_ratio`` (miss / baseline), ``hit_tokens``,
+(hicache / device hit), ``ttft_miss_s``, ``ttft_miss_baseline_s`` (the baseline's cold prefill of the same
+prompts), ``miss_ratio`` (miss / that), ``hit_tokens``,
 ``prompt_tokens`` and ``outputs_identical``.
 """
 
@@ -57,16 +60,54 @@ def make_prompts(n: int, length: int, groups: int, shared: int, seed: int = 7) -
     return [warmup] + [prefixes[i % groups] + words(length - shared) for i in range(n)]
 
 
-def engine(work: Path, name: str, job: dict) -> dict:
-    path = work / f"{name}.json"
-    out = work / f"{name}.out.json"
-    path.write_text(json.dumps(job))
-    with open(work / f"{name}.log", "wb") as log:
-        code = subprocess.call([sys.executable, str(RUNNER), str(path), str(out)], stdout=log,
-                               stderr=subprocess.STDOUT)
-    if code != 0:
-        raise SystemExit(f"engine {name} failed ({code}): see {work / (name + '.log')}")
-    return json.loads(out.read_text())
+IDLE_S = 1.5  # after a batch, how long an engine's worker may spin (vLLM: 1 s after its last read)
+
+
+class Engines:
+    """Engine processes (``engine_run.py``), each gated batch by batch: :meth:`step`
+    lets one run its next batch and waits for it, so that only one engine computes at a
+    time. vLLM's worker busy-waits (``sched_yield``) for its next message for a second
+    after each one it reads; on this machine's two cores that took a third or more of
+    the next engine's prefill (a cold prefill next to an engine just done took 2x as
+    long), so each step then waits for the engine to go idle."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.steps: dict[str, int] = {}
+
+    def start(self, name: str, job: dict) -> None:
+        gate = self.work / f"gate-{name}"
+        gate.mkdir()
+        (self.work / f"{name}.json").write_text(json.dumps({**job, "gate_dir": str(gate)}))
+        with open(self.work / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, str(RUNNER), str(self.work / f"{name}.json"), str(self.work / f"{name}.out.json")],
+                stdout=log, stderr=subprocess.STDOUT)
+        self.steps[name] = 0
+
+    def step(self, name: str) -> None:
+        i = self.steps[name]
+        gate = self.work / f"gate-{name}"
+        (gate / f"go-{i}").write_text("")
+        while not (gate / f"done-{i}").exists():
+            if self.procs[name].poll() is not None:
+                raise SystemExit(f"engine {name} failed: see {self.work / (name + '.log')}")
+            time.sleep(0.005)
+        self.steps[name] = i + 1
+        time.sleep(IDLE_S)
+
+    def results(self) -> dict[str, dict]:
+        for name, proc in self.procs.items():
+            if proc.wait(120) != 0:
+                raise SystemExit(f"engine {name} failed ({proc.returncode}): see {self.work / (name + '.log')}")
+        return {name: json.loads((self.work / f"{name}.out.json").read_text()) for name in self.procs}
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def main() -> None:
@@ -103,16 +144,35 @@ def main() -> None:
                 "max_model_len": 4096, "engine": {"max_num_batched_tokens": 4096}}
         endpoint = f"ipc://{socket}"
         everything = list(range(1, n + 1))
-        store = engine(work, "a", {**base, "endpoint": endpoint,
-                                   "batches": [[0]] + [[i] for i in misses] + [everything],
-                                   "reset_prefix_cache": True})
-        hit = engine(work, "b", {**base, "endpoint": endpoint, "batches": [[0]] + [[i] for i in everything],
-                                 "reset_prefix_cache": True})
-        # Baseline engine: warm-up, then each prompt cold (cache emptied) and again (device hit).
-        batches = [[0]] + [[i] for i in everything for _ in range(2)]
-        cold_batches = [1 + 2 * k for k in range(n)]
-        plain = engine(work, "baseline", {**base, "endpoint": None, "batches": batches,
-                                          "reset_prefix_cache": cold_batches})
+        cold_batches = [n + 1 + 2 * k for k in range(n)]  # the baseline's (each then again: a device hit)
+        engines = Engines(work)
+        try:
+            # A: warm-up, the misses, then every prompt (stored). The baseline: warm-up,
+            # the misses cold, then each prompt cold and again. B: warm-up, each prompt.
+            engines.start("a", {**base, "endpoint": endpoint,
+                                "batches": [[0]] + [[i] for i in misses] + [everything],
+                                "reset_prefix_cache": True})
+            engines.start("baseline", {**base, "endpoint": None,
+                                       "batches": [[0]] + [[i] for i in misses] + [[i] for i in everything for _ in
+                                                                                   range(2)],
+                                       "reset_prefix_cache": list(range(1, n + 1)) + cold_batches})
+            engines.start("b", {**base, "endpoint": endpoint, "batches": [[0]] + [[i] for i in everything],
+                                "reset_prefix_cache": True})
+            for name in ("a", "baseline", "b"):
+                engines.step(name)  # warm-ups (B's loads A's warm-up prompt from hicache)
+            for k in range(n):
+                for name in (("a", "baseline") if k % 2 == 0 else ("baseline", "a")):
+                    engines.step(name)
+            engines.step("a")
+            for k in range(n):
+                turns = (["b"], ["baseline", "baseline"])
+                for names in (turns if k % 2 == 0 else turns[::-1]):
+                    for name in names:
+                        engines.step(name)
+            out = engines.results()
+        finally:
+            engines.stop()
+        store, hit, plain = out["a"], out["b"], out["baseline"]
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -124,12 +184,14 @@ def main() -> None:
     cold = [req(plain, b) for b in cold_batches]
     warm = [req(plain, b + 1) for b in cold_batches]
     missed = [req(store, 1 + k) for k in range(n)]
+    missed_cold = [req(plain, 1 + k) for k in range(n)]
     assert all(r["num_cached_tokens"] == 0 for r in missed), "a miss prompt hit"
     identical = all(h["tokens"] == c["tokens"] and h["logprobs"] == c["logprobs"] for h, c in zip(hicache, cold))
     ttft = statistics.median(r["ttft_s"] for r in hicache)
     ttft_base = statistics.median(r["ttft_s"] for r in cold)
     ttft_dev = statistics.median(r["ttft_s"] for r in warm)
     ttft_miss = statistics.median(r["ttft_s"] for r in missed)
+    ttft_miss_base = statistics.median(r["ttft_s"] for r in missed_cold)
     figures = {
         "prompts": n,
         "prompt_tokens": args.prompt_tokens,
@@ -141,7 +203,8 @@ def main() -> None:
         "ttft_speedup": round(ttft_base / ttft, 2),
         "device_hit_ratio": round(ttft / ttft_dev, 2),
         "ttft_miss_s": round(ttft_miss, 4),
-        "miss_ratio": round(ttft_miss / ttft_base, 3),
+        "ttft_miss_baseline_s": round(ttft_miss_base, 4),
+        "miss_ratio": round(ttft_miss / ttft_miss_base, 3),
         "outputs_identical": identical,
     }
     print(f"{'':24} {'TTFT (median)':>14} {'cached tokens':>14}")
@@ -149,6 +212,7 @@ def main() -> None:
     print(f"{'hicache (host hit)':24} {ttft * 1e3:>11.1f} ms {figures['hit_tokens']:>14}")
     print(f"{'vLLM device hit':24} {ttft_dev * 1e3:>11.1f} ms {figures['device_hit_tokens']:>14}")
     print(f"{'hicache miss (+ store)':24} {ttft_miss * 1e3:>11.1f} ms {0:>14}")
+    print(f"{'baseline, the same':24} {ttft_miss_base * 1e3:>11.1f} ms {0:>14}")
     print(f"speedup {figures['ttft_speedup']}x over a cold prefill; {figures['device_hit_ratio']}x the device hit; "
           f"outputs identical: {identical}; a miss costs {figures['miss_ratio']}x the baseline")
     if args.json:

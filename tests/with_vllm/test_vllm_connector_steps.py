@@ -24,6 +24,7 @@ from connector_harness import (  # noqa: E402
     Engine,
     blocks,
     cached_output,
+    empty_output,
     kv_cache_config,
     kv_caches,
     new_req_output,
@@ -189,6 +190,59 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
         assert ext == 4 * BS and not errors  # the recompute was stored
         assert e.values(r3_blocks[:4]) == [{7.0}] * 4
     finally:
+        e.close()
+
+
+def test_loads_stalled_together_cost_the_step_one_load_timeout(daemon):
+    """A daemon that stops with several loads in flight: their layer counters never
+    move. The step's wait gives them all one ``hicache.load_timeout_s`` between them
+    (before, each its own one after another: 60 stalled loads outlast vLLM's
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` of 300 s, and vLLM kills the engine). Each
+    load is still judged on its own: one whose layers landed loads, after the deadline
+    too. The stall is simulated on the worker's clock: each wait on a stalled load
+    lets the time it was given pass."""
+    from hicache.errors import WaitTimeout
+
+    e = Engine(daemon.endpoint, **{"hicache.load_timeout_s": 2.0})
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        s, w = e.scheduler, e.worker
+        prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
+        for i, p in enumerate(prompts):
+            r = request(f"a{i}", p)
+            e.prefill(r, [1 + 2 * i, 2 + 2 * i, 20], 7.0 + i)
+            e.finish(r, [1 + 2 * i, 2 + 2 * i, 20])
+        targets = [[10, 11], [12, 13], [14, 15]]
+        for i, p in enumerate(prompts):
+            r = request(f"b{i}", p)
+            s.on_new_request(r)
+            ext, _ = s.get_num_new_matched_tokens(r, 0)
+            assert ext == 2 * BS
+            s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
+        loads = list(s._loads)
+        admin.flush()  # (every copy landed: the third load's layers are complete)
+
+        now = [0.0]
+        w._clock = lambda: now[0]
+        stalled = {tuple(t) for load in loads[:2] for t in load.tickets}
+        given: list[float] = []
+        waiter = w._client.waiter
+        real_wait = waiter.wait_layer
+
+        def wait_layer(ticket, layer, *, timeout_s=None, stream=None):
+            if tuple(ticket) not in stalled:
+                return real_wait(ticket, layer, timeout_s=timeout_s, stream=stream)
+            given.append(timeout_s)
+            now[0] += timeout_s  # the counter never moves: the whole time given passes
+            raise WaitTimeout(f"layer {layer} of load {ticket} not complete after {timeout_s} s")
+
+        waiter.wait_layer = wait_layer
+        errors = e.step(empty_output())
+        assert now[0] <= 2.0, f"the step waited {now[0]} s for its stalled loads (given {given})"
+        assert errors == {10, 11, 12, 13}  # the stalled loads' blocks: vLLM recomputes them
+        assert e.values(targets[2]) == [{9.0}] * 2  # the landed load is kept
+    finally:
+        admin.close()
         e.close()
 
 

@@ -9,7 +9,7 @@ Use it with::
 or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. Extra
 config keys (all optional): ``hicache.endpoint`` (default: the daemon's default socket),
 ``hicache.timeout_s`` (1.0: how long a call waits for a daemon that may be gone),
-``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, and a layer's wait), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
+``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk; a layer's wait, one for all of a step's loads), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
 what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
 failed request), ``hicache.server_key`` / ``hicache.key_file`` (CURVE: the daemon's
@@ -70,6 +70,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -279,6 +280,7 @@ class HicacheConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
+            self._clock: Callable[[], float] = time.monotonic  # times a step's layer waits (tests inject one)
             self._num_layers = 0
 
     @property
@@ -543,12 +545,19 @@ class HicacheConnector(KVConnectorBase_V1):
             self._wait_locked(layer)
 
     def _wait_locked(self, layer: int) -> None:
+        """Wait for ``layer`` of every pending load, all of them within one
+        ``load_timeout_s`` from now: a daemon that stops with many loads in flight costs
+        the step one timeout, not one per load (vLLM kills an engine whose step outlasts
+        ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``). Each load is judged on its own: one whose
+        layer has landed passes after the deadline too (a wait of 0 still looks once)."""
+        deadline = self._clock() + self._load_timeout_s
         kept = []
         for load in self._pending:
             try:
                 if self._client is None:
                     raise HicacheError("the connector shut down")
-                self._client.wait_layer([Ticket(*t) for t in load.tickets], layer, timeout_s=self._load_timeout_s)
+                self._client.wait_layer([Ticket(*t) for t in load.tickets], layer,
+                                        timeout_s=max(0.0, deadline - self._clock()))
                 kept.append(load)
             except Exception as exc:  # noqa: BLE001 - failed, stale, timed out: vLLM recomputes these blocks
                 logger.warning("hicache: load for %s failed at layer %d: %s", load.req_id, layer, exc)

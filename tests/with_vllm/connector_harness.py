@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from hicache.integrations.vllm import HicacheConnector, KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
 
 BS = 16  # vLLM block size (tokens)
 LAYERS = 2
@@ -119,6 +120,8 @@ class Engine:
         w.wait_for_save()
         errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
+        # (vLLM's update_from_output: it hands the step's connector output to the scheduler's connector)
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=set(errors)))
         return errors
 
     def prefill(self, req, block_ids: list[int], value: float, local_hit: int = 0) -> tuple[int, set[int]]:

@@ -246,6 +246,54 @@ def test_loads_stalled_together_cost_the_step_one_load_timeout(daemon):
         e.close()
 
 
+def test_blocks_whose_load_failed_are_not_taken_from_vllms_prefix_cache_as_computed(small_daemon):
+    """With ``kv_load_failure_policy = "recompute"`` vLLM keeps the blocks of a failed
+    load in its prefix cache (``Scheduler._handle_invalid_blocks`` evicts them only
+    under "fail"): the request that owns them would recompute them, but it is aborted
+    first. The next prompt with those tokens hits them in vLLM's prefix cache, stale
+    KV counted as computed; the connector reports them as failed loads, so that vLLM
+    recomputes them, and never stores them in hicache under the prompt's tokens (the
+    hicache copy was evicted: a store would cache the stale KV for every engine)."""
+    e = Engine(small_daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        r2 = request("r2", p)
+        s = e.scheduler
+        s.on_new_request(r2)
+        ext, _ = s.get_num_new_matched_tokens(r2, 0)
+        assert ext == 4 * BS
+        q = list(range(5000, 5000 + 6 * BS + 1))  # evicts p's pages from the host tier
+        e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
+        e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
+        r2_blocks = [11, 12, 13, 14, 15]
+        e.fill(r2_blocks, STALE)
+        s.update_state_after_alloc(r2, blocks(r2_blocks), ext)
+        errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext),
+                        forward=lambda: e.fill(r2_blocks[4:], STALE))
+        assert set(r2_blocks[:4]) <= errors
+        e.finish(r2, r2_blocks)  # aborted before its recompute step
+
+        # vLLM's prefix cache: r3's first four blocks are r2's (cached by their hashes).
+        r3 = request("r3", p)
+        r3_blocks = r2_blocks[:4] + [28]
+        ext, errors = e.prefill(r3, r3_blocks, 9.0, local_hit=4 * BS)
+        assert ext == 0
+        assert errors == set(r2_blocks[:4]), "stale blocks from vLLM's prefix cache were taken as computed"
+        e.step(cached_output("r3", 0, len(p)), forward=lambda: e.fill(r3_blocks, 9.0))  # vLLM's recompute
+        e.finish(r3, r3_blocks)
+
+        r4 = request("r4", p)
+        r4_blocks = [16, 17, 18, 19, 27]
+        e.fill(r4_blocks, 0.0)
+        ext, _ = e.prefill(r4, r4_blocks, 1.0)
+        loaded = e.values(r4_blocks[: ext // BS])
+        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+        assert ext == 4 * BS and loaded == [{9.0}] * 4  # the recomputed blocks were stored
+    finally:
+        e.close()
+
+
 def mm_feature(identifier: str, offset: int, length: int) -> SimpleNamespace:
     """vLLM 0.32's MultiModalFeatureSpec: the fields its prefix cache hashes."""
     return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))

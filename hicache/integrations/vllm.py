@@ -33,12 +33,16 @@ How the two sides work (they are separate processes):
   (``get_block_ids_with_load_errors``) so that vLLM recomputes them; a store stops before
   the first such block (it holds what it held before, and the blocks after it were
   computed on top of it), and the scheduler stores those pages again once vLLM has
-  recomputed them. The store is synchronous on purpose: vLLM frees a preempted request's
-  blocks inside ``schedule()`` and may hand them at once to a request whose
-  ``update_state_after_alloc`` starts a ``load_into`` them, before any worker hook runs
-  (``handle_preemptions`` comes later), so a store still reading them would cache another
-  prompt's KV. On this CPU a store of 62 fresh pages costs the step about 10 ms, 1.4 %
-  of a 2,000-token prefill.
+  recomputed them. vLLM keeps those blocks in its own prefix cache meanwhile (under
+  ``recompute`` it evicts nothing), so the scheduler remembers them
+  (``update_connector_output``) until a request computes them again, and has a request
+  that takes one from vLLM's prefix cache as computed report it too, so that vLLM
+  recomputes it rather than read (and hicache store) stale KV. The store is synchronous
+  on purpose: vLLM frees a preempted request's blocks inside ``schedule()`` and may hand
+  them at once to a request whose ``update_state_after_alloc`` starts a ``load_into``
+  them, before any worker hook runs (``handle_preemptions`` comes later), so a store
+  still reading them would cache another prompt's KV. On this CPU a store of 62 fresh
+  pages costs the step about 10 ms, 1.4 % of a 2,000-token prefill.
 * **Scheduler** (attached to the worker's pool): ``get_num_new_matched_tokens`` matches the
   prompt beyond vLLM's own hit — whole blocks, never the last prompt token — and
   ``update_state_after_alloc`` starts ``load_into`` the blocks vLLM allocated (before
@@ -96,6 +100,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -125,6 +130,7 @@ class StoreMeta:
 class HicacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadMeta] = field(default_factory=list)
     stores: list[StoreMeta] = field(default_factory=list)
+    invalid: set[int] = field(default_factory=set)  # stale blocks a request counts as computed: reported
 
 
 @dataclass
@@ -270,6 +276,7 @@ class HicacheConnector(KVConnectorBase_V1):
             self._requests: dict[str, _Request] = {}
             self._matches: dict[str, tuple[Any, int]] = {}  # req id -> (node handle, num_computed_tokens)
             self._loads: list[LoadMeta] = []
+            self._stale: set[int] = set()  # blocks whose load failed, not computed again since
             if self._enabled:  # (vLLM makes the scheduler after the workers registered their pools)
                 client = self._new_client("vllm-scheduler")
                 self._start_connecting(client, lambda: client.attach(self._pool_name),
@@ -369,6 +376,7 @@ class HicacheConnector(KVConnectorBase_V1):
         first = num_computed // bs
         block_ids = list(blocks.get_block_ids()[0])
         target = block_ids[first : first + num_external_tokens // bs]
+        self._stale.difference_update(target)  # (new blocks: a failed load reports them again)
         load = LoadMeta(req_id, target, 0, [])
         client = self._client
         if client is not None:
@@ -397,6 +405,7 @@ class HicacheConnector(KVConnectorBase_V1):
     def _collect_stores(self, out: "SchedulerOutput", meta: HicacheConnectorMetadata) -> None:
         """Stores for the whole prompt pages this step completes."""
         scheduled = out.num_scheduled_tokens
+        steps: list[tuple[_Request, int, int]] = []  # (request, tokens computed before the step, scheduled)
         for new in out.scheduled_new_reqs:
             if new.req_id not in scheduled:
                 continue
@@ -404,7 +413,7 @@ class HicacheConnector(KVConnectorBase_V1):
             if req is None:  # (on_new_request saw it first: its cache salt is there)
                 continue
             req.blocks = list(new.block_ids[0])
-            self._store_if_due(req, new.num_computed_tokens, scheduled[new.req_id], meta)
+            steps.append((req, new.num_computed_tokens, scheduled[new.req_id]))
         cached = out.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for i, req_id in enumerate(cached.req_ids):
@@ -417,7 +426,25 @@ class HicacheConnector(KVConnectorBase_V1):
                     req.blocks = list(new_blocks[0])
                 else:
                     req.blocks.extend(new_blocks[0])
-            self._store_if_due(req, cached.num_computed_tokens[i], scheduled[req_id], meta)
+            steps.append((req, cached.num_computed_tokens[i], scheduled[req_id]))
+        if self._stale:
+            self._report_stale(steps, meta)
+        for req, num_computed, num_scheduled in steps:
+            self._store_if_due(req, num_computed, num_scheduled, meta)
+
+    def _report_stale(self, steps: list[tuple["_Request", int, int]], meta: HicacheConnectorMetadata) -> None:
+        """Blocks whose load failed hold stale KV until a request computes them again, yet
+        with ``kv_load_failure_policy = "recompute"`` vLLM keeps them in its prefix cache
+        (``Scheduler._handle_invalid_blocks`` evicts them only under "fail"), so that a
+        request aborted or preempted before its recompute leaves them to the next prompt
+        with those tokens as computed. A block a request computes from this step on is
+        good again; one it counts as computed is reported as a failed load again
+        (``meta.invalid``): vLLM recomputes it, and the worker stores nothing from it."""
+        bs = self._block_size
+        for req, num_computed, _ in steps:
+            self._stale.difference_update(req.blocks[num_computed // bs :])
+        for req, num_computed, _ in steps:
+            meta.invalid.update(b for b in req.blocks[: num_computed // bs] if b in self._stale)
 
     def _store_if_due(self, req: _Request, num_computed: int, num_scheduled: int,
                       meta: HicacheConnectorMetadata) -> None:
@@ -433,6 +460,12 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         req.stored_pages = pages
         meta.stores.append(StoreMeta(req.tokens[: pages * self._block_size], req.blocks[:pages], req.extra_key))
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """The blocks the workers reported as failed loads (``invalid_block_ids``) are
+        stale until computed again (see :meth:`_report_stale`)."""
+        if self._enabled:
+            self._stale.update(connector_output.invalid_block_ids or ())
 
     def on_new_request(self, request: "Request") -> None:
         if self._enabled:
@@ -527,6 +560,7 @@ class HicacheConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
+        self._load_errors.update(meta.invalid)
         for load in meta.loads:
             if self._client is None or not load.tickets:
                 self._load_errors.update(load.blocks)

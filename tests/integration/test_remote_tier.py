@@ -322,14 +322,14 @@ class StandInNode(Node):
     """A node whose remote store is :class:`storage_util.InProcessMooncake` (``raw``,
     shared by the nodes of one test): faults on cue, no Mooncake install needed."""
 
-    def __init__(self, raw, disk=None, **settings) -> None:
+    def __init__(self, raw, disk=None, pages: int = 32, **settings) -> None:
         from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
         self.store = MooncakeBackend(MooncakeConfig(master="127.0.0.1:1"), store=raw)
         self.disk = disk
         self.metrics = Metrics()
-        self.engine = Engine(num_pages=32)
-        self.tm = TierManager(SPEC, host_pages=32, metrics=self.metrics, config=TierConfig(), remote=self.store,
+        self.engine = Engine(num_pages=pages)
+        self.tm = TierManager(SPEC, host_pages=pages, metrics=self.metrics, config=TierConfig(), remote=self.store,
                               storage=disk,
                               remote_settings=RemoteSettings(**{"prefetch_policy": "wait_complete", **settings}))
         self.tm.add_namespace(NS)
@@ -360,6 +360,86 @@ def test_a_lookup_the_store_does_not_answer_holds_up_flush_and_close_until_their
         b.tm.flush()
         assert b.tm.remote.counts["lookup_hit"] == 1 and b.tm.remote.counts["pages_got"] == 6
         b.tm.check_invariants()
+    finally:
+        raw.release()
+        a.close()
+        b.close()
+
+
+def _on_disk_only(node: StandInNode, prompts) -> None:
+    """Prefill ``prompts`` on ``node``, then push their pages off the device and host:
+    they are on its disk only."""
+    for tokens in prompts:
+        node.prefill(tokens)
+    node.tm.flush()
+    num_pages = sum(len(t) // PS for t in prompts)
+    node.tm.evict(Tier.DEVICE, num_pages, 0)
+    node.tm.evict(Tier.HOST, num_pages)
+    node.tm.flush()
+    assert node.tm.tree.sizes(Tier.HOST).cached == 0
+    assert node.tm.tree.sizes(Tier.DISK).cached == num_pages
+
+
+def test_a_write_back_of_more_pages_than_its_staging_rows_puts_them_all(tmp_path):
+    """The disk tier evicts a node of more pages than the write-back stages at once (at
+    16-token pages, a prompt of over 1,024 tokens): the write-back goes in parts that
+    fit, every page reaches the store (node B loads it byte-exact) and every record
+    leaves the disk."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    num_pages = STAGING_PAGES + 6
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * num_pages * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=num_pages + 2, policy="write_back")
+    b = StandInNode(raw, pages=num_pages + 2)
+    try:
+        tokens = list(range(100, 100 + num_pages * PS))
+        _on_disk_only(a, [tokens])
+        assert a.tm.evict(Tier.DISK, num_pages) == num_pages
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (num_pages, 0)
+        assert not list(disk.iter_metadata()), "records written back stay on disk"
+        hit, loaded = b.load(tokens)
+        assert hit.remote_pages == num_pages and len(loaded.device_pages) == num_pages
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_write_back_while_another_holds_the_staging_rows_waits_for_them(tmp_path):
+    """A write-back fills every staging row and the store is slow to take it; the disk
+    tier evicts more pages meanwhile. Those wait for rows (their records stay on disk
+    until then) and reach the store once the first put is done."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * (STAGING_PAGES + 4) * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=STAGING_PAGES + 8, policy="write_back")
+    b = StandInNode(raw, pages=STAGING_PAGES + 8)
+    try:
+        first, second = list(range(100, 100 + STAGING_PAGES * PS)), list(range(50_000, 50_000 + 4 * PS))
+        _on_disk_only(a, [first, second])
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, STAGING_PAGES) == STAGING_PAGES  # (the least recent: the first)
+        assert raw.entered.wait(60)
+        assert a.tm.evict(Tier.DISK, 4) == 4
+        disk.flush()
+        assert len(list(disk.iter_metadata())) == STAGING_PAGES + 4  # (nothing deleted before it is put)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (STAGING_PAGES + 4, 0)
+        assert not list(disk.iter_metadata())
+        for tokens in (first, second):
+            hit, _ = b.load(tokens)
+            assert hit.remote_pages == len(tokens) // PS
     finally:
         raw.release()
         a.close()

@@ -12,7 +12,10 @@ and evicts on its own, so what this node could record would go stale. Instead:
   counted — the page stays cached locally, only the fleet does not get it.
   ``policy = "write_back"``: pages go to the remote tier as the local disk tier evicts
   them instead — their records read back into staging pages, put, then deleted from the
-  disk (:meth:`RemoteTier.write_back`); skipped and counted the same way.
+  disk (:meth:`RemoteTier.write_back`). An eviction of more pages than the staging pages
+  free goes in parts: the rest wait for rows (their records stay on disk meanwhile) up
+  to ``write_backlog`` pages in all; beyond that, or while the tier is down, skipped and
+  counted the same way.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
   every machine for the same namespace and tokens) — unless a lookup found nothing at
@@ -43,6 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +64,7 @@ logger = logging.getLogger(__name__)
 REMOTE_POLICIES = ("write_through", "write_back", "none")
 MAX_DEFERRED = 4096  # write-through writes waiting for room in the queue, at most
 MAX_ABSENT = 65536  # page keys remembered as recently absent (see RemoteTier._recently_absent)
-STAGING_PAGES = 64  # a write-back's pages read from disk into this many staging pages at most
+STAGING_PAGES = 64  # write-back pages read from disk into this many staging pages at once, at most
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +130,35 @@ class Fetch:
         for waiter in self.waiters:
             waiter()
         self.waiters.clear()
+
+
+@dataclass(eq=False)
+class _WriteBack:
+    """Pages the disk tier evicted, on their way to the store (``policy = "write_back"``):
+    their keys, and each one's namespace and parent key (concatenated, in the same
+    order). ``doomed``: the records to delete once they are put — those the disk tier
+    writes again meanwhile are taken out (:meth:`RemoteTier.keep_on_disk`)."""
+
+    storage: Any
+    keys: list[bytes]
+    namespaces: bytes
+    parents: bytes
+    doomed: set[bytes]
+
+    def split(self, count: int) -> _WriteBack:
+        """Cut off the first ``count`` pages: returned as a write-back of their own,
+        this one keeps the rest. O(pages)."""
+        cut = count * PAGE_KEY_BYTES
+        head = self.keys[:count]
+        first = _WriteBack(self.storage, head, self.namespaces[:cut], self.parents[:cut],
+                           self.doomed.intersection(head))
+        self.keys, self.namespaces, self.parents = self.keys[count:], self.namespaces[cut:], self.parents[cut:]
+        self.doomed -= first.doomed
+        return first
+
+    def delete_records(self) -> None:
+        """Delete its records from the disk (but those written again meanwhile)."""
+        self.storage.delete([k for k in self.keys if k in self.doomed])
 
 
 class _Lane:
@@ -207,7 +240,9 @@ class RemoteTier:
         self._free_rows = list(range(STAGING_PAGES)) if settings.policy == "write_back" else []
         self._absent: OrderedDict[bytes, float] = OrderedDict()  # first page key -> until when it is known absent
         self._deferred: deque[tuple[int, int]] = deque()  # writes waiting for room: (deepest node id, pages)
-        self._doomed: list[set[bytes]] = []  # each write-back in flight: the disk records it deletes when done
+        self._writing: list[_WriteBack] = []  # write-backs in flight
+        self._waiting: deque[_WriteBack] = deque()  # write-backs waiting for staging pages, oldest first
+        self._waiting_pages = 0
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_recent_miss", "lookup_unavailable",
                                      "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
@@ -278,22 +313,66 @@ class RemoteTier:
         """``policy = "write_back"``: the disk tier evicts these nodes' pages —
         ``(namespace, parent key, page keys)`` each, already out of the tree. Read their
         records from ``storage`` into staging pages and put them to the store, then delete
-        the records (but those written again meanwhile: :meth:`keep_on_disk`); True if it
-        took them (else the caller deletes them now)."""
+        the records (but those written again meanwhile: :meth:`keep_on_disk`). The pages
+        the free staging pages cannot take now wait for them (as puts finish); what is
+        over ``write_backlog`` (being put and waiting), or evicted while the tier is down,
+        is skipped and its records deleted now. True if it took charge of the records
+        (else the caller deletes them now). O(pages)."""
         if self.settings.policy != "write_back":
             return False
-        core = self.core
         keys = [k[i : i + PAGE_KEY_BYTES] for _, _, k in leaving for i in range(0, len(k), PAGE_KEY_BYTES)]
-        total = len(keys)
-        if not self._usable() or self.pending + total > self.settings.write_backlog or total > len(self._free_rows):
-            self._skip_write(total)
-            return False
-        rows = np.array([self._free_rows.pop() for _ in range(total)], dtype=np.int64)
-        staging = self._staging_area()
         namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k in leaving)
         parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k in leaving)
+        part = _WriteBack(storage, keys, namespaces, parents, set(keys))
+        room = self.settings.write_backlog - self.pending - self._waiting_pages if self._usable() else 0
+        taken = max(0, min(room, len(keys)))
+        if taken < len(keys):  # (the pages over the bound: the last ones)
+            over = part
+            part = over.split(taken) if taken else None
+            self._skip_write(len(over.keys))
+            over.delete_records()
+        if part is None:
+            return True
+        self._waiting.append(part)
+        self._waiting_pages += taken
+        self._start_write_backs()
+        deferred = min(taken, self._waiting_pages)  # (the last pages waiting are this eviction's)
+        if deferred:
+            self.counts["put_deferred"] += deferred
+            self.core.metrics.remote_pages("put", "deferred", deferred)
+        return True
+
+    def _start_write_backs(self) -> None:
+        """Start the waiting write-backs, oldest first, in parts that the free staging
+        pages and ``write_backlog`` have room for (at a disk eviction, and as each put
+        finishes: while some wait, one is in flight, whose end starts them)."""
+        while self._waiting:
+            part = self._waiting[0]
+            if not self._usable():
+                self._waiting.popleft()
+                self._waiting_pages -= len(part.keys)
+                self._skip_write(len(part.keys))
+                part.delete_records()
+                continue
+            count = min(len(part.keys), len(self._free_rows), self.settings.write_backlog - self.pending)
+            if count <= 0:
+                return
+            head = part.split(count) if count < len(part.keys) else self._waiting.popleft()
+            self._waiting_pages -= count
+            if not self._put_back(head):  # (the lane's queue is full: a put in flight ends first)
+                self._waiting.appendleft(head)
+                self._waiting_pages += count
+                return
+
+    def _put_back(self, part: _WriteBack) -> bool:
+        """Read ``part``'s records into staging pages and put them to the store (on the
+        write lane; one staging page each, free ones); False if the lane's queue is full."""
+        core = self.core
+        keys, namespaces, parents, storage = part.keys, part.namespaces, part.parents, part.storage
+        total = len(keys)
+        rows = np.array([self._free_rows.pop() for _ in range(total)], dtype=np.int64)
+        staging = self._staging_area()
         store, fingerprint = self.store, core.spec.fingerprint
-        doomed = set(keys)
         transfer = Transfer(Kind.REMOTE_WRITE, None, [], None)  # (detached: its pages left the tree)
         core.inflight.add_detached(transfer)
 
@@ -314,37 +393,38 @@ class RemoteTier:
             core.inflight.remove_detached(transfer)
             self._free_rows.extend(int(r) for r in rows)
             self.pending -= total
-            self._doomed = [d for d in self._doomed if d is not doomed]
-            storage.delete([k for k in keys if k in doomed])
+            self._writing.remove(part)
+            part.delete_records()
             if error is not None:
                 self._failed("put", error)
                 self._skip_write(total)
-                return
-            self._answered()
-            core.report(transfer, written)
-            self.counts["pages_put"] += written
-            core.metrics.remote_pages("put", "ok", written)
-            if written < total:
-                self._skip_write(total - written)
+            else:
+                self._answered()
+                core.report(transfer, written)
+                self.counts["pages_put"] += written
+                core.metrics.remote_pages("put", "ok", written)
+                if written < total:
+                    self._skip_write(total - written)
+            self._start_write_backs()
 
         if not self._writes.submit(core, work, done):
             core.inflight.remove_detached(transfer)
             self._free_rows.extend(int(r) for r in rows)
-            self._skip_write(total)
             return False
-        self._doomed.append(doomed)
+        self._writing.append(part)
         self.pending += total
         return True
 
     def keep_on_disk(self, nodes: list[Node]) -> None:
         """The disk tier writes ``nodes`` again (pages it evicted stayed on host): a
-        write-back in flight of the same pages must not delete their new records (same
-        keys) when it is done. O(pages of ``nodes``) while a write-back is in flight."""
-        if not self._doomed:
+        write-back in flight or waiting with the same pages must not delete their new
+        records (same keys) when it is done. O(pages of ``nodes``) while a write-back is
+        in flight."""
+        if not self._writing:
             return
         keys = {k for n in nodes for k in n.page_key_list()}
-        for doomed in self._doomed:
-            doomed -= keys
+        for part in (*self._writing, *self._waiting):
+            part.doomed -= keys
 
     def _staging_area(self) -> np.ndarray:
         """The write-back's staging pages (allocated and registered with the store once)."""
@@ -607,7 +687,9 @@ class RemoteTier:
 
     def close(self) -> None:
         """Stop the lanes, then take this manager's memory back from the store: the
-        store is shared with other specs' managers and outlives this one."""
+        store is shared with other specs' managers and outlives this one. (Write-backs
+        still waiting for staging pages — a stop whose drain ran out of time — leave
+        their records on disk, not put.)"""
         # (each lane's thread has its own registered scratch area in the store)
         self._reads.close(self.store.release_scratch)
         self._writes.close(self.store.release_scratch)

@@ -444,3 +444,29 @@ def test_a_write_back_while_another_holds_the_staging_rows_waits_for_them(tmp_pa
         raw.release()
         a.close()
         b.close()
+
+
+def test_a_write_back_over_its_backlog_puts_what_fits_and_deletes_the_rest(tmp_path):
+    """An eviction of more pages than ``write_backlog``: the pages that fit are put in
+    parts of the staging pages, the rest are skipped (counted) — and no record of either
+    stays on disk, out of the tree."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    num_pages, backlog = STAGING_PAGES + 10, STAGING_PAGES + 4
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * num_pages * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=num_pages + 2, policy="write_back", write_backlog=backlog)
+    try:
+        _on_disk_only(a, [list(range(100, 100 + num_pages * PS))])
+        assert a.tm.evict(Tier.DISK, num_pages) == num_pages
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_deferred"], counts["put_skipped"]) == (backlog, 4, 6)
+        assert len(raw.objects) == backlog
+        disk.flush()
+        assert not list(disk.iter_metadata())
+    finally:
+        a.close()

@@ -22,7 +22,7 @@ from hicache.daemon.service import Daemon
 from hicache.fdpass import FdExchange
 from hicache.keys import key_self_test, page_keys
 from hicache.tree import DISK_SLOT, HOST_SLOT, Tier
-from kv_event_shapes import BlockStored, apply, decode
+from kv_event_shapes import AllBlocksCleared, BlockStored, apply, decode
 from tiers_util import SPEC, Engine, offered, wired
 
 PS = SPEC.page_size
@@ -335,6 +335,51 @@ def test_every_stream_ends_when_the_daemon_closes(tmp_path):
         assert router.blocks[str(pool_id).encode()] == set()
     finally:
         router.close()
+        context.destroy(linger=0)
+        engine.close()
+
+
+def test_a_subscriber_behind_at_the_stop_still_gets_the_last_clear(tmp_path):
+    """A router reads the events slowly, over tcp://: when the daemon closes, megabytes
+    of batches still wait for it in the daemon's socket (more than the connection's
+    buffers hold). The stream's last batch, AllBlocksCleared, queued behind them, still
+    reaches it after the daemon closed — discarded with the socket, the router would
+    keep routing to a daemon that holds nothing."""
+    config = DaemonConfig.load(overrides={
+        "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0, "disk.path": str(tmp_path / "lmdb"),
+        "events.enabled": True, "events.endpoint": "tcp://127.0.0.1:0", "events.replay_endpoint": "none",
+        "events.insecure_tcp": True})
+    daemon = Daemon(config, fds=FdExchange(tmp_path / "fds"))
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 1)  # (a message at a time, through a small buffer: the rest waits daemon-side)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    engine = Engine(16)
+    closed = False
+    try:
+        sub.connect(daemon.events.publisher.endpoint)
+        sid, pool_id = register(daemon, engine)
+        _prefill(daemon, sid, list(range(2 * PS)))
+        daemon.poll()
+        assert sub.poll(10_000), "the subscriber never joined"
+        stream = daemon.events.publisher.streams[0]
+        for i in range(500):  # (a busy daemon's traffic: ~6 MB of announcements)
+            stream.stored([i], None, list(range(1000, 5000)), 4000, "CPU")
+            daemon.poll()
+        daemon.close()
+        closed = True
+        batches = []
+        while not batches or not isinstance(decode(batches[-1][2]).events[-1], AllBlocksCleared):
+            assert sub.poll(10_000), f"the daemon closed without a last AllBlocksCleared ({len(batches)} batches read)"
+            batches.append(sub.recv_multipart())
+        assert batches[-1][0] == str(pool_id).encode()
+        seqs = [int.from_bytes(b[1], "big") for b in batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "batches lost before the last"
+    finally:
+        if not closed:
+            daemon.close()
+        sub.close(0)
         context.destroy(linger=0)
         engine.close()
 

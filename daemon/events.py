@@ -365,10 +365,18 @@ class EventPublisher:
         except zmq.ZMQError as exc:  # the client is gone, or its queue is full
             logger.debug("replay to %r cut short: %s", identity, exc)
 
-    def close(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the sockets. ``linger_s``: how long the batches already published may
+        still go out to subscribers that have not taken them yet (a stream's last
+        batch, behind the others for a router that reads slowly) — libzmq sends them on
+        its I/O thread after this returns; the context's ``term`` waits that long at
+        most. (On ``ipc://`` a subscriber whose receive queue is full when the
+        connection then closes still loses what its socket buffer held: its libzmq
+        drops it at the hang-up.) A replay in progress is cut short."""
+        if self._pub is not None:
+            self._pub.close(linger=max(0, int(linger_s * 1000)))
+        if self._replay is not None:
+            self._replay.close(linger=0)
 
     def __enter__(self) -> EventPublisher:
         return self

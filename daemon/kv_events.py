@@ -233,10 +233,12 @@ class KvEvents:
         p = self.publisher
         return {"batches": p.batches_sent, "events": p.events_sent, "dropped": p.dropped}
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         """Every stream ends (the daemon's tiers serve nothing while it is down; a
-        daemon that comes back starts its streams over)."""
+        daemon that comes back starts its streams over). ``linger_s``: how long those
+        last batches may take to reach subscribers that are behind (see
+        :meth:`EventPublisher.close`)."""
         for events in self._managers.values():
             events.close()
         self.publisher.publish()
-        self.publisher.close()
+        self.publisher.close(linger_s)

@@ -74,6 +74,12 @@ _ADMIN_OPS = frozenset({"stats", "flush", "check", "reload"})
 # wait for then is the store's last commit and idle threads ending (milliseconds), unless
 # something hangs.
 _CLOSE_GRACE_S = 5.0
+# How long the KV events' last batches (AllBlocksCleared for every stream) may take to
+# reach subscribers that are behind, within the stop's deadline: a router that missed
+# them keeps routing to this daemon. Bounded apart from the deadline too, so that a
+# subscriber that no longer reads (a router host gone without closing its connection)
+# does not hold every stop to its deadline.
+_EVENTS_LINGER_S = 5.0
 
 
 def _as_error(exc: BaseException) -> HicacheError:
@@ -578,7 +584,9 @@ class Daemon:
         from now), and at least :data:`_CLOSE_GRACE_S` from now: past it, what has not
         finished is logged — each spec's pages not on disk, lost — and left to the
         process's exit (a storage that hangs must not hold the stop past what systemd
-        was told). True when everything finished and was let go."""
+        was told). The KV events' last batches get up to :data:`_EVENTS_LINGER_S` of
+        what is left to reach subscribers that are behind. True when everything
+        finished and was let go."""
         if deadline is None:
             deadline = self.clock() + self.config.server.drain_timeout_s
         deadline = max(deadline, self.clock() + _CLOSE_GRACE_S)
@@ -607,7 +615,7 @@ class Daemon:
                 closed = False
                 logger.error("gave up closing the remote store: %s", exc)
         if self.events is not None:
-            self.events.close()
+            self.events.close(min(_EVENTS_LINGER_S, max(0.0, deadline - self.clock())))
         self.tenant_log.close()
         if self.fds is not None:
             self.fds.close()

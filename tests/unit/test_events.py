@@ -386,3 +386,33 @@ def test_a_client_gone_before_its_reply_is_skipped(context, publisher, dealer):
     gone.close()
     publisher.serve_replay()  # the reply may find no one: it must not raise
     assert [r[2] for r in ask(publisher, dealer, seq8(3))] == [seq8(3), seq8(4), END_SEQ]
+
+
+def test_replies_over_a_clients_queue_go_on_as_it_reads(context):
+    """A client asks for the whole ring twice back to back and reads nothing meanwhile:
+    the replies fill its queue. Each still arrives whole, in order, with its end marker,
+    as the client reads (vLLM's subscriber reads a replay up to that marker)."""
+    with EventPublisher("inproc://events-full", replay_endpoint="inproc://replay-full", hwm=1, buffer_steps=4,
+                        context=context) as publisher:
+        stream = publisher.stream("t")
+        for i in range(4):
+            stream.removed([i], MEDIUM_CPU)
+            publisher.publish()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)  # (inproc: the queue is the two ends' bounds, 5 + 1 messages)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send(seq8(0))
+        dealer.send(seq8(0))
+        assert publisher.serve_replay() == 2
+        replies = []
+        deadline = time.monotonic() + WAIT_S
+        while [r[2] for r in replies].count(END_SEQ) < 2:
+            assert time.monotonic() < deadline, \
+                f"a reply without its end marker: {[int.from_bytes(r[2], 'big', signed=True) for r in replies]}"
+            publisher.serve_replay()
+            while dealer.poll(10):
+                replies.append(dealer.recv_multipart())
+        assert [r[2] for r in replies] == [*(seq8(s) for s in range(4)), END_SEQ] * 2
+        assert [decode(r[3]).events[0].block_hashes for r in replies if r[3]] == [[0], [1], [2], [3]] * 2
+        dealer.close()

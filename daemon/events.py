@@ -17,7 +17,9 @@ A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks 
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
 first stream) or ``[topic, start_seq8]``, and gets ``[b"", topic, seq8, payload]`` for
 each batch still in the stream's ring, then the end marker ``[b"", b"", -1 as 8 bytes,
-b""]``.
+b""]``. Every request gets its end marker, in the order asked: a reply that fills the
+client's queue goes on as the client reads (the owner's next turns), up to
+:data:`MAX_REPLIES_WAITING` replies per client — a request beyond those gets nothing.
 
 A subscriber that misses events has a wrong picture, and nothing in the format says
 which blocks it got wrong. So whenever events are lost (the bounded queue overflows, the
@@ -37,7 +39,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -55,6 +58,7 @@ MEDIUM_STORAGE = "STORAGE"
 MAX_QUEUE_EVENTS = 100_000
 BUFFER_STEPS = 10_000
 HWM = 100_000
+MAX_REPLIES_WAITING = 64  # replay replies a client has not made room for yet, at most
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _PAGE_KEY_BYTES = 16
@@ -82,6 +86,17 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
     pass
+
+
+@dataclass(slots=True)
+class _Reply:
+    """A replay request being answered: the batches of stream ``topic`` from
+    ``next_seq`` up to (without) ``end_seq`` — those published before it was asked —
+    then the end marker. ``topic`` None: the end marker alone (nothing to replay)."""
+
+    topic: bytes | None
+    next_seq: int = 0
+    end_seq: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -184,6 +199,13 @@ class EventStream:
             return []
         return list(islice(self._ring, max(0, start_seq - self._ring[0][0]), None))
 
+    def iter_replay(self, start_seq: int) -> Iterator[tuple[int, bytes]]:
+        """:meth:`replay`, lazily (the ring must not change meanwhile): a reply that
+        stops after a few batches does not copy the ring's references first."""
+        if self._ring:
+            for i in range(max(0, start_seq - self._ring[0][0]), len(self._ring)):
+                yield self._ring[i]
+
 
 def _bind_again(sock: zmq.Socket, endpoint: str) -> None:
     """Bind ``endpoint`` that ``sock`` just unbound: libzmq closes the old listener on
@@ -222,6 +244,7 @@ class EventPublisher:
         self._ended_batches = self._ended_events = self._ended_dropped = 0
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
+        self._replies: dict[bytes, deque[_Reply]] = {}  # client identity -> its replies not yet sent whole
         context = context if context is not None else zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         try:
@@ -236,7 +259,7 @@ class EventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # A replay is up to one message per batch in the ring; past the queue's
                 # bound (or to a client gone) a send raises rather than being dropped
-                # unseen, and the reply to that client stops.
+                # unseen: the reply waits for the client to read (see serve_replay).
                 self._replay.setsockopt(zmq.SNDHWM, max(hwm, buffer_steps + 1))
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
@@ -330,23 +353,33 @@ class EventPublisher:
         return sent
 
     def serve_replay(self, limit: int | None = None) -> int:
-        """Answer the replay requests waiting (at most ``limit``: a reply may be a whole
-        ring of batches, and a client sending requests back to back must not hold its
-        owner's thread), without blocking; returns how many. A request that does not
-        parse gets the end marker alone."""
+        """Go on with the replies a client's full queue held up, then answer the replay
+        requests waiting (at most ``limit``: a reply may be a whole ring of batches, and
+        a client sending requests back to back must not hold its owner's thread),
+        without blocking; returns how many requests. A request that does not parse gets
+        the end marker alone. O(messages sent + clients whose replies wait)."""
         if self._replay is None:
             return 0
+        for identity in list(self._replies):
+            self._send_replies(identity)
         served = 0
         while limit is None or served < limit:
             try:
                 frames = self._replay.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return served
-            self._answer(frames[0], frames[1:])
             served += 1
+            identity = frames[0]
+            replies = self._replies.setdefault(identity, deque())
+            if len(replies) >= MAX_REPLIES_WAITING:
+                logger.debug("replay request of %r dropped: %d replies wait for it to read", identity, len(replies))
+                continue
+            replies.append(self._reply_to(frames[1:]))
+            if len(replies) == 1:
+                self._send_replies(identity)
         return served
 
-    def _answer(self, identity: bytes, body: list[bytes]) -> None:
+    def _reply_to(self, body: list[bytes]) -> _Reply:
         if body and not body[0]:  # the empty delimiter of a REQ socket (or a DEALER that mimics one)
             body = body[1:]
         stream = None
@@ -354,16 +387,33 @@ class EventPublisher:
             stream = next(iter(self._streams.values()), None)
         elif len(body) == 2:
             stream = self._streams.get(body[0])
-        batches = []
-        if stream is not None and len(body[-1]) == 8:
-            batches = stream.replay(int.from_bytes(body[-1], "big"))
+        if stream is None or len(body[-1]) != 8:
+            return _Reply(None)
+        return _Reply(stream.topic, int.from_bytes(body[-1], "big"), stream.next_seq)
+
+    def _send_replies(self, identity: bytes) -> None:
+        """Send ``identity``'s replies in order, each ending with the end marker, until
+        its queue is full (the rest waits for the next call); a client gone loses them.
+        Batches that left the ring (or a stream that ended) meanwhile are skipped."""
+        replies = self._replies[identity]
         try:
-            for seq, payload in batches:
-                self._replay.send_multipart([identity, b"", stream.topic, seq.to_bytes(8, "big"), payload],
-                                            _NOBLOCK, copy=False)
-            self._replay.send_multipart([identity, b"", b"", END_SEQ, b""], _NOBLOCK)
-        except zmq.ZMQError as exc:  # the client is gone, or its queue is full
-            logger.debug("replay to %r cut short: %s", identity, exc)
+            while replies:
+                reply = replies[0]
+                stream = self._streams.get(reply.topic) if reply.topic is not None else None
+                if stream is not None:
+                    for seq, payload in stream.iter_replay(reply.next_seq):
+                        if seq >= reply.end_seq:
+                            break
+                        self._replay.send_multipart([identity, b"", stream.topic, seq.to_bytes(8, "big"), payload],
+                                                    _NOBLOCK, copy=False)
+                        reply.next_seq = seq + 1
+                self._replay.send_multipart([identity, b"", b"", END_SEQ, b""], _NOBLOCK)
+                replies.popleft()
+        except zmq.Again:  # its queue is full: on at the next call
+            return
+        except zmq.ZMQError as exc:  # the client is gone
+            logger.debug("replay to %r dropped: %s", identity, exc)
+        del self._replies[identity]
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the sockets. ``linger_s``: how long the batches already published may

@@ -416,3 +416,40 @@ def test_replies_over_a_clients_queue_go_on_as_it_reads(context):
         assert [r[2] for r in replies] == [*(seq8(s) for s in range(4)), END_SEQ] * 2
         assert [decode(r[3]).events[0].block_hashes for r in replies if r[3]] == [[0], [1], [2], [3]] * 2
         dealer.close()
+
+
+def test_a_client_that_never_reads_holds_a_bounded_number_of_replies(context):
+    """Requests from a client whose replies wait for it to read queue up to
+    ``MAX_REPLIES_WAITING`` replies; the ones beyond get nothing, and the replies queued
+    still arrive whole, in order, once it reads."""
+    from hicache.daemon.events import MAX_REPLIES_WAITING
+
+    with EventPublisher("inproc://events-bound", replay_endpoint="inproc://replay-bound", hwm=1, buffer_steps=4,
+                        context=context) as publisher:
+        stream = publisher.stream("t")
+        for i in range(4):
+            stream.removed([i], MEDIUM_CPU)
+            publisher.publish()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.setsockopt(zmq.SNDHWM, 4 * MAX_REPLIES_WAITING)
+        dealer.connect(publisher.replay_endpoint)
+        for _ in range(2 * MAX_REPLIES_WAITING):
+            dealer.send(seq8(2))
+        assert publisher.serve_replay() == 2 * MAX_REPLIES_WAITING
+        replies = []
+        deadline = time.monotonic() + WAIT_S
+        while [r[2] for r in replies].count(END_SEQ) < MAX_REPLIES_WAITING:
+            assert time.monotonic() < deadline, "replies lost"
+            publisher.serve_replay()
+            while dealer.poll(10):
+                replies.append(dealer.recv_multipart())
+        publisher.serve_replay()
+        while dealer.poll(50):
+            replies.append(dealer.recv_multipart())
+        ends = [r[2] for r in replies].count(END_SEQ)
+        # (the first replies fit the queue at once: only the later ones waited)
+        assert MAX_REPLIES_WAITING <= ends < 2 * MAX_REPLIES_WAITING
+        assert [r[2] for r in replies] == [seq8(2), seq8(3), END_SEQ] * ends
+        dealer.close()

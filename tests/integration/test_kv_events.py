@@ -10,6 +10,7 @@ equal the tree's, and every ``BlockStored`` must carry the block's own tokens.
 
 from __future__ import annotations
 
+import socket
 from concurrent.futures import Future
 
 import numpy as np
@@ -443,6 +444,40 @@ def test_without_auth_any_local_subscriber_reads_and_replays_the_events(tmp_path
     try:
         assert handshake(sub_monitor) == handshake(replay_monitor) == "admitted"
         tokens = np.random.default_rng(5).integers(1, 30_000, 2 * PS).tolist()
+        engine.prefill(tokens)
+        seen: list[bytes] = []
+        while not set(tokens) <= token_ids(seen):
+            assert sub.poll(30_000), "the subscription got no events"
+            seen.append(sub.recv_multipart()[2])
+        assert set(tokens) <= token_ids(replayed(replay))
+    finally:
+        engine.close()
+        for sock in (sub, sub_monitor, replay, replay_monitor):
+            sock.close(0)
+        assert daemon.stop() == 0
+
+
+def test_an_insecure_tcp_events_endpoint_serves_whoever_reaches_it(tmp_path):
+    """``[events] insecure_tcp = true``: ``hicache serve`` starts, and a plain subscriber
+    over ``tcp://`` reads and replays the events (libzmq 4.3.5 refuses to set an empty
+    ZAP domain, so the endpoint must be bound without one: setting it to "" failed the
+    bind, and the daemon would not start)."""
+    from daemon_util import ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    daemon = DaemonProcess(tmp_path, events={"enabled": True, "insecure_tcp": True,
+                                             "endpoint": f"tcp://127.0.0.1:{ports[0]}",
+                                             "replay_endpoint": f"tcp://127.0.0.1:{ports[1]}"}).start()
+    sub, sub_monitor = events_socket(zmq.SUB, f"tcp://127.0.0.1:{ports[0]}")
+    replay, replay_monitor = events_socket(zmq.DEALER, f"tcp://127.0.0.1:{ports[1]}")
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        assert handshake(sub_monitor) == handshake(replay_monitor) == "admitted"
+        tokens = np.random.default_rng(6).integers(1, 30_000, 2 * PS).tolist()
         engine.prefill(tokens)
         seen: list[bytes] = []
         while not set(tokens) <= token_ids(seen):

@@ -202,24 +202,28 @@ class Server:
         except zmq.ZMQError:
             pass  # a wake-up is already queued, or we are shutting down
 
-    def _secure(self, sock: zmq.Socket, endpoint: str, domain: bytes = ZAP_DOMAIN) -> bool:
+    def _secure(self, sock: zmq.Socket, endpoint: str, domain: bytes | None = ZAP_DOMAIN) -> bool:
         """Set ``sock``'s security for binding ``endpoint`` (options apply to the
         endpoints bound after they are set): CURVE on ``tcp://`` (and ``ipc://`` with
         ``curve_ipc``) when the daemon has a key pair, and the ZAP domain that has the
-        handler ask about plain connections too. True when CURVE."""
+        handler ask about plain connections too (``None``: none, nobody is asked). True
+        when CURVE."""
         curve = self._server_keys is not None and (endpoint.startswith("tcp://") or self.config.auth.curve_ipc)
         sock.setsockopt(zmq.CURVE_SERVER, int(curve))
         if curve:
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._server_keys[1])
-        sock.setsockopt(zmq.ZAP_DOMAIN, domain)
+        if domain is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, domain)
         return curve
 
     def _secure_events(self, sock: zmq.Socket, endpoint: str) -> None:
         """The KV events sockets: as the server's, in the events' own ZAP domain — but a
         plain ``tcp://`` endpoint (``[events].insecure_tcp``) asks nobody: whoever
-        reaches it reads (and replays) the events, as its setting says."""
-        if not self._secure(sock, endpoint, EVENTS_ZAP_DOMAIN) and endpoint.startswith("tcp://"):
-            sock.setsockopt(zmq.ZAP_DOMAIN, b"")
+        reaches it reads (and replays) the events, as its setting says. (Such a socket
+        gets no ZAP domain at all: libzmq 4.3.5 refuses to set an empty one.)"""
+        plain_tcp = endpoint.startswith("tcp://") and self._server_keys is None
+        self._secure(sock, endpoint, None if plain_tcp else EVENTS_ZAP_DOMAIN)
+        if plain_tcp:
             logger.warning("KV events on %s with NO AUTHENTICATION ([events].insecure_tcp): whoever reaches it "
                            "reads every tenant's token ids", endpoint)
 

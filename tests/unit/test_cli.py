@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import socket
 import subprocess
@@ -255,3 +256,34 @@ def test_serve_on_a_socket_path_too_long_for_a_unix_socket_exits_with_a_clear_er
     assert "Traceback" not in done.stderr, done.stderr
     assert "[server].socket" in done.stderr and "not starting" in done.stderr, done.stderr
     assert not socket_path.exists()
+
+
+@pytest.mark.parametrize("damage", ["not_lmdb", "cut_short"])
+def test_serve_on_a_damaged_store_exits_with_a_clear_error(tmp_path, damage):
+    """A ``data.mdb`` that is no LMDB file, or one cut short after its meta pages (a
+    crash without sync, a copy cut short): the store cannot be opened. One line naming
+    the store and exit 1, as for a socket another daemon holds — it was a
+    StorageUnavailable traceback — and no socket left for engines to find."""
+    import lmdb
+
+    from daemon_util import write_config
+
+    store = tmp_path / "lmdb"
+    store.mkdir()
+    if damage == "not_lmdb":
+        (store / "data.mdb").write_bytes(b"not an LMDB file\n" * 512)
+    else:
+        env = lmdb.open(str(store), max_dbs=2)
+        with env.begin(write=True) as txn:
+            for i in range(200):
+                txn.put(i.to_bytes(4, "big"), bytes(700))
+        page_bytes = env.stat()["psize"]
+        env.close()
+        os.truncate(store / "data.mdb", 2 * page_bytes)  # the two meta pages only
+    config = write_config(tmp_path)
+    done = _run_one_line(["serve", "--config", str(config)])
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert str(store) in done.stderr and "not starting" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "hicache.sock").exists()

@@ -13,10 +13,11 @@ SIGTERM or SIGINT drains it and it exits 0 within ``[server].drain_timeout_s`` a
 few seconds, also when a transfer never finishes (then logged with the pages it loses).
 If another daemon serves the same socket or store, it exits 1 at once, having touched
 neither; if another process has a port it is to listen on (``[metrics]``, ``[server]
-tcp``, ``[events]``), it exits 1 naming the address. ``status`` prints the live figures
-of a running daemon, ``check`` runs its invariant checks (exit 1 if one fails),
-``reload`` makes it re-read the ``[auth]`` section of its configuration file (as SIGHUP
-does). ``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode
+tcp``, ``[events]``), it exits 1 naming the address; if it cannot open its store (a
+``data.mdb`` that is no LMDB file, or one cut short), it exits 1 naming the store.
+``status`` prints the live figures of a running daemon, ``check`` runs its invariant
+checks (exit 1 if one fails), ``reload`` makes it re-read the ``[auth]`` section of its
+configuration file (as SIGHUP does). ``keygen`` writes a CURVE key pair (``<stem>.key``, ``<stem>.key_secret`` mode
 0600). The client commands find the daemon by ``--endpoint``, else by the socket of
 ``--config``, else of ``/etc/hicache/hicache.toml`` where there is one (the unit's: a
 shell has no ``RUNTIME_DIRECTORY``), else of the embedded defaults. They take
@@ -80,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["server.tcp"] = args.tcp
     if args.no_disk:
         overrides["disk.enabled"] = False
-    from hicache.errors import InvalidArgument
+    from hicache.errors import HicacheError, InvalidArgument
 
     try:
         config = DaemonConfig.load(args.config, overrides)
@@ -92,6 +93,9 @@ def _serve(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:  # the configuration, or a key file it names
         print(f"hicache: {exc.message}; not starting", file=sys.stderr)
         return 2
+    except HicacheError as exc:  # a store it cannot open (damaged), a remote tier that refuses it
+        print(f"hicache: {exc.message}; not starting", file=sys.stderr)
+        return 1
     try:
         endpoints = server.bind()
     except CannotListen as exc:  # another process has the port: as AlreadyRunning, exit 1

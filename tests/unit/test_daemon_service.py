@@ -669,6 +669,46 @@ def test_a_rebuild_goes_on_when_another_specs_writes_evict_its_records_meanwhile
     daemon.close()
 
 
+def test_a_rebuild_at_once_that_fails_lets_go_of_the_new_tiers(tmp_path, engines, monkeypatch):
+    """The first registration of a spec, nobody else to serve: its disk tier is rebuilt
+    at once, and the store fails to read (EIO). The registration is refused, and the
+    tier manager made for it is closed — its host pool released, as when a rebuild in
+    slices fails — rather than left for the collector (a pinned pool stays registered
+    with CUDA for good) once per retried registration; the retry, the store readable
+    again, serves."""
+    from hicache.errors import StorageUnavailable
+    from hicache.pools import HostPool
+
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
+    made = []
+    real_init = HostPool.__init__
+
+    def host_pool(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    def unreadable(*args, **kwargs):
+        raise StorageUnavailable("the store's metadata cannot be read: EIO")
+
+    monkeypatch.setattr(HostPool, "__init__", host_pool)
+    read = daemon.storage.iter_metadata
+    monkeypatch.setattr(daemon.storage, "iter_metadata", unreadable)
+    engine = engines()
+    for attempt in range(2):
+        sid = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION))).session
+        error(register(daemon, sid, SPEC, [engine.offered(daemon)]), ErrorCode.STORAGE_UNAVAILABLE)
+        assert len(made) == attempt + 1
+        assert all(pool.buffer is None for pool in made), "a refused registration's host pool is still mapped"
+        ok(daemon.handle(p.Bye(id=3, session=sid)))
+    assert not daemon.managers and not daemon.specs.all_managers()
+    monkeypatch.setattr(daemon.storage, "iter_metadata", read)
+    sid = session(daemon, engine)
+    ok(daemon.handle(p.Alloc(id=4, session=sid, num_pages=2)))
+    assert made[-1].buffer is not None
+    ok(daemon.handle(p.Check(id=5)))
+    daemon.close()
+
+
 def test_a_registration_waiting_for_a_rebuild_is_refused_at_shutdown(tmp_path, engines):
     """A daemon closed mid-rebuild answers the waiting registration with an error (and
     closes the pool it had attached) rather than leaving it unanswered."""

@@ -141,6 +141,12 @@ class Specs:
         gc.disable()
         try:
             restored = manager.rebuild_from_storage(progress=self.progress)
+        except BaseException:
+            # A store that fails to read refuses the registration: the manager goes, as
+            # when a rebuild in slices fails (a pinned host pool would stay registered
+            # with CUDA for good, once per retry).
+            manager.close()
+            raise
         finally:
             if collecting:
                 gc.enable()

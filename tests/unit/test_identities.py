@@ -344,3 +344,36 @@ def test_one_tenant_cannot_fill_the_tenant_log(tmp_path):
     again.close()
     assert len((tmp_path / "tenants").read_text().splitlines()) == 5
     assert set(again.tenants_of(fp).values()) == {"a", "b"}
+
+
+def test_a_torn_or_damaged_line_of_the_tenant_log_names_no_tenant(tmp_path):
+    """A power loss mid-append leaves the log's last line cut short — ``<fp> <ns> team``
+    of ``<fp> <ns> team-a``: that must not give the namespace to tenant ``team`` (whose
+    quota its pages would count against), nor swallow the line the restarted daemon
+    appends next; a line whose bytes changed on disk names no tenant either. The lines
+    before them still count, and a log of the old format (no checksums) is still read."""
+    from hicache.daemon.tenant_log import TenantLog
+
+    fp = SPEC.fingerprint
+    path = tmp_path / "tenants"
+    kept, torn, flipped, later = (namespace_id(fp, key, "team-a") for key in ("kept", "torn", "flipped", "later"))
+    mine = namespace_id(fp, "mine", "team")
+    log = TenantLog(path)
+    log.note(fp, kept, "team-a")
+    log.note(fp, flipped, "team-a")
+    log.note(fp, mine, "team")
+    log.note(fp, torn, "team-a")
+    log.close()
+    data = path.read_bytes()
+    flip_at = data.index(flipped.hex().encode())
+    line_end = data.index(b"\n", flip_at)
+    data = data[:flip_at] + data[flip_at:line_end].replace(b"team-a", b"team-b") + data[line_end:]
+    path.write_bytes(data[: data.rindex(b"team-a") + len("team")])  # torn in the tenant's name
+    again = TenantLog(path)
+    assert again.tenants_of(fp) == {kept: "team-a", mine: "team"}
+    again.note(fp, later, "team-a")
+    again.close()
+    assert TenantLog(path).tenants_of(fp) == {kept: "team-a", mine: "team", later: "team-a"}
+    old = tmp_path / "old-tenants"
+    old.write_text(f"{fp.hex()} {kept.hex()} team-a\n{fp.hex()} {mine.hex()} team\n")  # before checksums
+    assert TenantLog(old).tenants_of(fp) == {kept: "team-a", mine: "team"}

@@ -5,18 +5,27 @@ tell a stored page's tenant from it. So that the disk tier's pages count as thei
 tenants' again after a restart (occupancy, space quotas) rather than as "unattributed"
 until each tenant's next request, the daemon appends each namespace it first sees, with
 its spec and tenant, to a small log next to the disk tier (``<store>/tenants``, one line
-``<spec fingerprint hex> <namespace hex> <tenant>``), reads it back at start, and names
-a new tier manager's namespaces from it. Only namespaces that store pages are noted (see
-``CacheOps._claim``). Bounded per tenant: past :data:`MAX_ENTRIES` namespaces of one
-tenant (a client storing under ever new extra keys) it stops appending that tenant's,
-and says so once — the other tenants' are still kept (tenants are named by the
-configuration, so the log is bounded too). A line that does not parse is skipped.
+``<spec fingerprint hex> <namespace hex> <tenant> <crc32 hex>``), reads it back at
+start, and names a new tier manager's namespaces from it. Only namespaces that store
+pages are noted (see ``CacheOps._claim``). Bounded per tenant: past :data:`MAX_ENTRIES`
+namespaces of one tenant (a client storing under ever new extra keys) it stops
+appending that tenant's, and says so once — the other tenants' are still kept (tenants
+are named by the configuration, so the log is bounded too).
+
+A power loss may cut the last line short, and a cut tenant name is often another
+tenant's (``team`` of ``team-a``): its quota would count the namespace's pages. So a
+line counts only whole — ended by its newline, its checksum (of the text before it)
+verified; a line that does not parse, or fails its checksum, is skipped. The torn end
+of the file is cut off before the next append, which would otherwise join it (and be
+lost with it, or end it with a newline). Lines of three fields (logs written before
+the checksum) are read as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import zlib
 from pathlib import Path
 
 from collections import Counter
@@ -40,31 +49,32 @@ class TenantLog:
         self._entries: Counter = Counter()  # tenant -> namespaces kept
         self._full_said: set[str] = set()  # tenants whose namespaces are no longer kept (said once)
         self._file = None
+        self._torn_at: int | None = None  # where the log's torn last line starts, if it has one
         if path is not None:
             self._read(path)
 
     def _read(self, path: Path) -> None:
         try:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            data = path.read_bytes()
         except FileNotFoundError:
             return
         except OSError as exc:
             logger.warning("cannot read the tenant log %s (%s): stored pages count as unattributed", path, exc)
             return
+        whole = data.rfind(b"\n") + 1
+        if whole < len(data):  # a line cut short: cut off before the next append
+            self._torn_at = whole
+            logger.warning("tenant log %s ends in a line cut short (%d bytes): skipped", path, len(data) - whole)
         skipped = 0
-        for line in text.splitlines():
-            parts = line.split(" ")
-            try:
-                fingerprint, namespace, tenant = bytes.fromhex(parts[0]), bytes.fromhex(parts[1]), parts[2]
-                if len(parts) != 3 or len(namespace) != PAGE_KEY_BYTES or not fingerprint:
-                    raise ValueError
-                check_name("tenant", tenant)
-            except (ValueError, IndexError, InvalidArgument):
+        for line in data[:whole].decode("utf-8", errors="replace").split("\n")[:-1]:
+            entry = _parse(line)
+            if entry is None:
                 skipped += 1
                 continue
-            self._set(fingerprint, namespace, tenant)
+            self._set(*entry)
         if skipped:
-            logger.warning("tenant log %s: %d lines that do not parse were skipped", path, skipped)
+            logger.warning("tenant log %s: %d lines that do not parse or fail their checksum were skipped",
+                           path, skipped)
 
     def _set(self, fingerprint: bytes, namespace: bytes, tenant: str) -> None:
         known = self._by_spec.setdefault(fingerprint, {})
@@ -96,8 +106,12 @@ class TenantLog:
         try:
             if self._file is None:
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                if self._torn_at is not None:
+                    os.ftruncate(fd, self._torn_at)
+                    self._torn_at = None
                 self._file = os.fdopen(fd, "a", encoding="utf-8")
-            self._file.write(f"{fingerprint.hex()} {namespace.hex()} {tenant}\n")
+            text = f"{fingerprint.hex()} {namespace.hex()} {tenant}"
+            self._file.write(f"{text} {_checksum(text)}\n")
             self._file.flush()
         except OSError as exc:
             logger.warning("cannot append to the tenant log %s: %s", self.path, exc)
@@ -106,3 +120,28 @@ class TenantLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _checksum(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _parse(line: str) -> tuple[bytes, bytes, str] | None:
+    """``(spec fingerprint, namespace, tenant)`` of a whole line; ``None`` for one that
+    does not parse or fails its checksum (a line of three fields has none: written
+    before the checksum was)."""
+    parts = line.split(" ")
+    if len(parts) == 4:
+        text, checksum = line.rpartition(" ")[::2]
+        if checksum != _checksum(text):
+            return None
+    elif len(parts) != 3:
+        return None
+    try:
+        fingerprint, namespace, tenant = bytes.fromhex(parts[0]), bytes.fromhex(parts[1]), parts[2]
+        check_name("tenant", tenant)
+    except (ValueError, InvalidArgument):
+        return None
+    if len(namespace) != PAGE_KEY_BYTES or not fingerprint:
+        return None
+    return fingerprint, namespace, tenant

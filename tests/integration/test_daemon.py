@@ -136,6 +136,78 @@ def test_killed_engine_gives_everything_back_within_the_lease(daemon):
     assert spec["host"]["cached_protected"] == 0 and spec["host"]["staging"] == 0
 
 
+@pytest.mark.parametrize("pool", ["device", "owned"])
+def test_a_call_the_stalled_daemon_did_not_answer_in_time_costs_the_engine_no_lease(tmp_path, pool):
+    """The daemon stalls past the client's timeout (stopped here; swap, a stuck disk):
+    the call gives up, the client drops its connection — no bye — and goes degraded.
+    Once the daemon answers again, the engine's first attempt to reconnect takes its
+    pool back: the new session ends the old one (its locks and private pages released
+    as at its lease's end) instead of being refused for the whole lease because the
+    old one still holds the pool's memory (a pool of hicache's layout) or its name (an
+    engine-owned pool). What the engine held is still its own in the new session."""
+    from owned_util import OwnedEngine, layer_major
+
+    daemon = DaemonProcess(tmp_path, server={"lease_s": 60.0}).start()
+    client_args = {"heartbeat": False}  # (revive() reconnects)
+    if pool == "device":
+        engine = ClientEngine(daemon.endpoint, **client_args)
+    else:
+        engine = OwnedEngine(daemon.endpoint, layer_major(16), name="worker", **client_args)
+    client = engine.client
+    try:
+        if pool == "device":
+            seq = tokens(100, 2)
+            engine.prefill(seq)
+            held = client.alloc(3)
+        else:
+            seq = list(range(100, 100 + 2 * engine.layout.spec.page_size))
+            engine.compute(seq, [1, 2])
+            assert client.store(seq, [1, 2]).num_cached == 2
+        m = client.match(seq)
+        client.lock(m.handle)
+        old = client.session_id
+        client.timeout_s = 0.3  # (this call's only: a busy test machine answers the others late)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            assert client.match(seq).handle is None  # no answer in time: degraded
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        client.timeout_s = 5.0
+        assert client.degraded
+        check(daemon.endpoint)  # it answers again
+        assert client.revive(), "the engine's first reconnect was refused"
+        assert client.session_id not in (None, old)
+        stats = check(daemon.endpoint)
+        assert stats["sessions"] == 1  # the old session is gone
+        if pool == "device":
+            (spec,) = stats["specs"].values()
+            (device,) = [v for k, v in spec.items() if k.startswith("device:")]
+            # The old session's lock went with it; the pages the engine uses (its private
+            # pages, the locked path's) are private to the new session.
+            assert device["cached_protected"] == 0 and device["private"] == 3 + 2
+            client.release(held)
+            client.unlock(m.handle)
+            (spec,) = check(daemon.endpoint)["specs"].values()
+            assert [v["private"] for k, v in spec.items() if k.startswith("device:")] == [0]
+            again, loaded, _ = engine.prefill(seq)  # (checks every page's bytes)
+            assert again.num_host_pages + again.num_disk_pages == 2 and loaded.num_loaded_pages == 2
+        else:
+            client.unlock(m.handle)
+            hit = client.match(seq)
+            client.lock(hit.handle)
+            engine.wipe([5, 6])
+            done = client.load_into(hit.handle, [5, 6])
+            assert done.num_loaded_pages == 2
+            for layer in range(engine.layout.spec.num_layers):
+                client.wait_layer(done.wait, layer, timeout_s=30)
+            engine.check(seq, [5, 6])
+            client.unlock(hit.handle)
+        check(daemon.endpoint)
+    finally:
+        engine.close()
+        assert daemon.stop() == 0
+
+
 def test_daemon_restart_reconnects_and_hits_disk(tmp_path):
     daemon = DaemonProcess(tmp_path).start()
     engine = ClientEngine(daemon.endpoint, timeout_s=1.0, reconnect_interval_s=0.1)

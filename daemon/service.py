@@ -383,12 +383,15 @@ class Daemon:
                 f"client speaks protocol {m.version}, this daemon {p.PROTOCOL_VERSION} (hicache {__version__})")
         if self.draining:
             raise Draining("the daemon is shutting down")
-        session = self.sessions.open(self._peer, self.creds(self._peer), m.client, m.pid)
+        creds = self.creds(self._peer)
+        if m.replaces is not p.UNSET:  # (first: the session it ends counts against no limit any more)
+            self.sessions.replace(m.replaces, creds, m.pid)
+        session = self.sessions.open(self._peer, creds, m.client, m.pid)
         return p.HelloReply(id=m.id, session=session.session_id, version=p.PROTOCOL_VERSION,
                             daemon=f"hicache {__version__}", lease_s=self.sessions.lease_s,
                             fd_socket=str(self.fds.path) if self.fds is not None else "", store_deadlines=True,
                             load_unlocked=True, load_deadlines=True,
-                            max_message_bytes=self.config.server.max_message_bytes)
+                            max_message_bytes=self.config.server.max_message_bytes, replace_sessions=True)
 
     def _register(self, m: p.Register) -> p.RegisterReply | Future:
         """See :mod:`hicache.daemon.registration`; a refused one (from any session, or

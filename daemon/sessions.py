@@ -2,18 +2,20 @@
 
 ``hello`` opens a session (its id is a random 63-bit token, usable only from the
 ZeroMQ connection that said hello: another peer naming it is told there is no such
-session), ``register`` attaches the engine's device pool, and from then on the session
-holds node locks, and private pages in its pool (the tier manager keeps those: each
-pool belongs to exactly one session). An unregistered session lives
+session — save its own engine's next ``hello``, which names it to end it: see
+:meth:`Sessions.replace`), ``register`` attaches the engine's device pool, and from
+then on the session holds node locks, and private pages in its pool (the tier manager
+keeps those: each pool belongs to exactly one session). An unregistered session lives
 ``server.register_within_s`` at most, and each peer (a user on ``ipc://``, an address on
 ``tcp://``; on a CURVE connection, that and the identity its key is, so that one
 identity's sessions never count against another's behind the same address) may hold
 ``server.max_unregistered_per_peer`` of them; an identity holds at most its
 ``max_sessions`` sessions, registered or not (see :mod:`hicache.daemon.auth`). Every request of a
 registered session renews its lease, and a request still waiting for its answer keeps
-it; ``bye``, an expired lease (a killed engine) or a drain ends it: its locks are
-released and its pool retired — its private pages freed and the pool unmapped once no
-transfer uses it. Logs name a session by a serial number, never by its id.
+it; ``bye``, an expired lease (a killed engine), its engine's next ``hello`` (its
+client gave up on it) or a drain ends it: its locks are released and its pool retired
+— its private pages freed and the pool unmapped once no transfer uses it. Logs name a
+session by a serial number, never by its id.
 
 Node handles are capabilities: each session gets its own random handle for a node,
 from its own ``match`` / ``insert`` / ``load``, and only that session can use it — any
@@ -196,6 +198,23 @@ class Sessions(Mapping[int, Session]):
                 return session
         return None
 
+    def replace(self, session_id: int, creds: PeerCreds, pid: int) -> None:
+        """A ``hello`` naming the session its engine gave up on (a call not answered in
+        time drops the client's connection, and the ``bye`` with it): end that session
+        now, as its lease's end would, so that the engine registers its pool again at
+        once — its memory, or its engine-owned pool's name, is the old session's until
+        then. Only from the engine that opened it: the id is a secret only its client
+        was told, and the hello must come from the same process (as the client says,
+        and on ``ipc://`` as the transport tells: its user and pid) and the same peer
+        and identity. Any other id ends nothing, and the hello is answered alike."""
+        old = self._by_id.get(session_id)
+        if old is None or old.pid != pid:
+            return
+        was = old.creds
+        if (was.key, was.uid, was.pid, _identity(was)) != (creds.key, creds.uid, creds.pid, _identity(creds)):
+            return
+        self.end(old, "replaced")
+
     def _registered_or_gone(self, session: Session) -> None:
         """The session no longer counts against its peer's unregistered sessions."""
         key = session.creds.key
@@ -207,7 +226,8 @@ class Sessions(Mapping[int, Session]):
         return any(s.manager is not None for s in self._by_id.values())
 
     def end(self, session: Session, reason: str) -> None:
-        """Give back everything the session held. ``reason``: bye, lease_expired, shutdown."""
+        """Give back everything the session held. ``reason``: bye, lease_expired, replaced,
+        shutdown, revoked (and pool_gone, for the sessions attached to its pool)."""
         if self._by_id.get(session.session_id) is not session:
             return
         for attached in list(session.attached):  # they use this session's pool: they go first
@@ -373,3 +393,7 @@ class Sessions(Mapping[int, Session]):
             for node_id in session.locks:
                 if session.manager.find(node_id) is None:
                     raise InvariantBroken(f"{name} holds a lock on node {node_id}, which left the tree")
+
+
+def _identity(creds: PeerCreds) -> str | None:
+    return None if creds.identity is None else creds.identity.name

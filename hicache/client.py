@@ -237,6 +237,11 @@ class CacheClient:
         self._load_unlocked = False  # the daemon honours LoadInto.unlocked (likewise)
         self._load_deadlines = False  # the daemon honours LoadInto.deadline_ns (likewise)
         self._session = 0  # the registered session's id; 0 before the first registration
+        # The session of the last hello, for the next hello to name (Hello.replaces): a
+        # call not answered in time drops the connection, and with it any bye, so the
+        # daemon would keep that session — the pool's memory, its name — for a lease.
+        # 0: none, or a daemon that does not end sessions so.
+        self._replaces = 0
         self.epoch = 0
         self._down_since: float | None = None
         self._next_retry = 0.0
@@ -360,7 +365,8 @@ class CacheClient:
         """The id of the daemon session this client holds now; ``None`` before the first
         registration, in degraded mode and after :meth:`close`. It changes on each
         reconnect (:attr:`epoch` counts them). Name it to the daemon's operators only:
-        the daemon accepts it from this client's connection alone, and never logs it."""
+        the daemon accepts it from this client's connection alone (and, to end it, from
+        this process's next hello), and never logs it."""
         if not self._session or self._down_since is not None:
             return None
         return self._session
@@ -439,7 +445,13 @@ class CacheClient:
 
     def _open_session(self, in_use: Sequence[int]) -> None:
         registration = self._registration
-        hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid()))
+        try:
+            hello = self._call(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name, pid=os.getpid(),
+                                       replaces=self._replaces or p.UNSET))
+        except RemoteError:
+            self._replaces = 0  # answered: that session is ended, or unknown there (a daemon restarted since)
+            raise
+        self._replaces = hello.session if hello.replace_sessions else 0
         self.max_message_bytes = hello.max_message_bytes
         fd_socket = self._fd_socket(hello)
         try:

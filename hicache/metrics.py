@@ -52,7 +52,9 @@ hicache_remote_pages_total                      op, result (get: hit, missing â€
 hicache_remote_errors_total                     op (lookup, get, put): calls that failed
 hicache_remote_up                      (gauge)  â€” (0 while the remote tier is marked down;
                                                 only with a remote tier)
-hicache_sessions_ended_total                    reason (bye, lease_expired, shutdown, pool_gone,
+hicache_sessions_ended_total                    reason (bye, lease_expired, replaced: its
+                                                engine's client gave up on it and said
+                                                hello again, shutdown, pool_gone,
                                                 revoked: its identity, key or user is no
                                                 longer allowed after a reload)
 hicache_auth_refused_total                      reason (unknown_key: a CURVE key no identity
@@ -127,7 +129,7 @@ QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred"
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed", "no_room")
-SESSION_END_REASONS = ("bye", "lease_expired", "shutdown", "pool_gone", "revoked")
+SESSION_END_REASONS = ("bye", "lease_expired", "replaced", "shutdown", "pool_gone", "revoked")
 AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",

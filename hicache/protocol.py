@@ -167,9 +167,16 @@ class OwnedPoolMsg(_Part):
 
 
 class Hello(_Request, tag="hello"):
+    """``replaces``: the id of the last session this client said hello for, which it
+    gave up on (a call not answered in time drops its connection, and any ``bye``
+    with it): the daemon ends that session now, as its lease's end would — only if
+    this hello comes from the same engine (see :meth:`hicache.daemon.sessions.Sessions.replace`); sent only to
+    daemons whose ``hello`` says ``replace_sessions``."""
+
     version: int
     client: str = ""
     pid: int = 0
+    replaces: int | UnsetType = UNSET
 
 
 class Register(_Request, tag="register"):
@@ -354,6 +361,7 @@ class HelloReply(_Reply, tag="hello"):
     load_unlocked: bool = False  # honours LoadInto.unlocked (likewise)
     load_deadlines: bool = False  # honours LoadInto.deadline_ns (likewise)
     max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
+    replace_sessions: bool = False  # honours Hello.replaces (likewise)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -85,12 +85,15 @@ class _Refused(Exception):
 
 class FakeDaemon:
     def __init__(self, directory: Path, *, lease_s: float = 30.0, num_slots: int = 64,
-                 max_message_bytes: int = 0) -> None:
-        """``max_message_bytes``: the limit its hello says (0: none said, as older daemons)."""
+                 max_message_bytes: int = 0, replace_sessions: bool = False) -> None:
+        """``max_message_bytes``: the limit its hello says (0: none said, as older daemons).
+        ``replace_sessions``: its hello says it ends the session a hello names
+        (``Hello.replaces``; the fake only records it)."""
         self.path = Path(directory) / "fake.sock"
         self.endpoint = f"ipc://{self.path}"
         self.lease_s = lease_s
         self.max_message_bytes = max_message_bytes
+        self.replace_sessions = replace_sessions
         self.num_slots = num_slots
         self.fds = fdpass.FdExchange(fdpass.socket_path_for(self.path))
         self.received: list[Received] = []
@@ -297,7 +300,8 @@ class FakeDaemon:
         session_id = next(self._ids)
         self.sessions[session_id] = _Session(identity)
         return p.HelloReply(id=0, session=session_id, version=p.PROTOCOL_VERSION, daemon="fake",
-                            lease_s=self.lease_s, fd_socket="", max_message_bytes=self.max_message_bytes)
+                            lease_s=self.lease_s, fd_socket="", max_message_bytes=self.max_message_bytes,
+                            replace_sessions=self.replace_sessions)
 
     def _register(self, identity: bytes, m: p.Register) -> p.RegisterReply:
         session = self._session(identity, m.session, registered=False)

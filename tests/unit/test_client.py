@@ -279,6 +279,46 @@ def test_a_late_answer_is_never_taken_for_the_next_one(fake, client, clock):
     assert m.handle is not None and m.handle.epoch == client.epoch == 2
 
 
+@pytest.mark.parametrize("replace_sessions", [True, False])
+def test_a_reconnect_names_the_session_it_gave_up_on_to_a_daemon_that_ends_it(tmp_path, engine, clock,
+                                                                                replace_sessions):
+    """A call not answered in time drops the connection, and the session with it; the
+    reconnect's hello names that session (``replaces``) so that the daemon ends it at
+    once, rather than keep the engine's pool for a lease — only to a daemon whose hello
+    said it does so (an older one refuses the field). A hello answered with an error
+    names none the next time (a daemon restarted as an older version meanwhile)."""
+    from hicache import protocol as p
+
+    fake = FakeDaemon(tmp_path, replace_sessions=replace_sessions)
+    client = CacheClient(fake.endpoint, timeout_s=TIMEOUT_S, heartbeat=False, reconnect_interval_s=10.0,
+                         clock=clock)
+    try:
+        client.register(SPEC, [engine.exported.handle])
+        assert fake.last("hello").message.replaces is p.UNSET  # the first hello: nothing to end
+        first = client.session_id
+        fake.script("match", DROP)  # the daemon stalls
+        assert client.match(seq(0, 1)).handle is None and client.degraded
+        clock.advance(10.0)
+        client.match(seq(0, 1))
+        assert not client.degraded and client.session_id != first
+        assert fake.last("hello").message.replaces == (first if replace_sessions else p.UNSET)
+        if not replace_sessions:
+            return
+        fake.script("match", DROP)
+        assert client.match(seq(0, 1)).handle is None and client.degraded
+        fake.script("hello", ErrorCode.INVALID_ARGUMENT)  # (what an older daemon answers the field)
+        clock.advance(10.0)
+        client.match(seq(0, 1))
+        assert client.degraded
+        clock.advance(10.0)
+        client.match(seq(0, 1))
+        assert not client.degraded and fake.last("hello").message.replaces is p.UNSET
+    finally:
+        client.close()
+        fake.close()
+        assert fake.errors == []
+
+
 def test_restart_reregisters_with_private_pages_and_locked_paths(fake, client):
     tokens = seq(700, 3)
     prefill(client, tokens)

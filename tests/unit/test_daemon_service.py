@@ -2,6 +2,7 @@
 groups, leases (with an injected clock)."""
 
 import gc
+import os
 from concurrent.futures import Future
 
 import numpy as np
@@ -110,6 +111,56 @@ def test_hello_and_register_are_checked(tmp_path, engines):
     ok(daemon.handle(p.Hello(id=4, version=p.PROTOCOL_VERSION)))
     error(daemon.handle(p.Hello(id=5, version=p.PROTOCOL_VERSION)), ErrorCode.RESOURCE_EXHAUSTED)
     daemon.close()
+
+
+def test_a_hello_ends_the_session_its_engine_gave_up_on_and_no_other(tmp_path, engines):
+    """A client that gave up on a call (the daemon did not answer in time) dropped its
+    connection, and any bye with it; its next hello names that session
+    (``Hello.replaces``), and the daemon ends it at once — its private pages freed, its
+    pool's memory free to register again — when the hello comes from the same engine:
+    the same process of the same user (as the transport tells and as the hello says),
+    peer and identity. Another process, user or identity naming the id, or a wrong id,
+    ends nothing and is answered like any hello."""
+    uid, gid = os.getuid(), os.getgid()
+    creds = {
+        b"engine": PeerCreds(uid, gid, 4242, f"uid:{uid}"),
+        b"again": PeerCreds(uid, gid, 4242, f"uid:{uid}"),  # the engine's new connection
+        b"sibling": PeerCreds(uid, gid, 4243, f"uid:{uid}"),  # another process of the user
+        b"other-user": PeerCreds(uid + 1, gid, 4242, f"uid:{uid + 1}"),
+        b"other-identity": PeerCreds(uid, gid, 4242, f"uid:{uid}", Identity("team-b", ("b",))),
+    }
+    daemon = make_daemon(tmp_path, **{"metrics.enabled": True})
+    daemon.peer_creds = lambda peer: creds.get(peer, LOCAL)  # (b"": the test itself)
+    engine = engines(num_pages=8)
+
+    def hello(peer, pid=4242, replaces=p.UNSET):
+        reply = ok(daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, pid=pid, replaces=replaces), peer))
+        assert reply.replace_sessions
+        return reply.session
+
+    old = hello(b"engine")
+    ok(wired(daemon, p.Register(id=2, session=old, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                                key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)]),
+             b"engine"))
+    assert len(_pages(ok(daemon.handle(p.Alloc(id=3, session=old, num_pages=7), b"engine")))) == 7
+    for peer, pid, replaces in ((b"sibling", 4243, old), (b"again", 4243, old), (b"other-user", 4242, old),
+                                (b"other-identity", 4242, old), (b"again", 4242, old ^ 1), (b"again", 4242, 0)):
+        sid = hello(peer, pid, replaces)
+        assert old in daemon.sessions, (peer, pid)
+        ok(daemon.handle(p.Bye(id=4, session=sid), peer))
+    new = hello(b"again", replaces=old)
+    assert old not in daemon.sessions and new in daemon.sessions
+    ok(wired(daemon, p.Register(id=5, session=new, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
+                                key_check=key_self_test(SPEC.fingerprint, PS), pools=[engine.offered(daemon)]),
+             b"again"))  # the same memory: the old session's no longer
+    assert len(_pages(ok(daemon.handle(p.Alloc(id=6, session=new, num_pages=7), b"again")))) == 7
+    assert daemon.metrics.registry.get_sample_value("hicache_sessions_ended_total", {"reason": "replaced"}) == 1
+    ok(daemon.handle(p.Check(id=7)))
+    daemon.close()
+
+
+def _pages(reply) -> np.ndarray:
+    return np.frombuffer(reply.pages, dtype="<i4")
 
 
 def test_sessions_cannot_touch_each_others_locks_and_pages(tmp_path, engines):

@@ -148,6 +148,20 @@ def test_a_load_into_deadline_is_optional_both_ways():
     assert p.decode_reply(msgpack.packb(old_hello)).load_deadlines is False
 
 
+def test_a_hello_naming_the_session_it_replaces_is_optional_both_ways():
+    """``Hello.replaces`` is left out by older clients (nothing ended), and a client
+    sends it only to a daemon whose hello says ``replace_sessions``."""
+    plain = p.decode_request(p.encode(p.Hello(id=1, version=p.PROTOCOL_VERSION)))
+    assert plain.replaces is p.UNSET
+    named = p.decode_request(p.encode(p.Hello(id=1, version=p.PROTOCOL_VERSION, replaces=123)))
+    assert named.replaces == 123
+    old_hello = {"op": "hello", "id": 1, "session": 2, "version": p.PROTOCOL_VERSION, "daemon": "hicache 0.0",
+                 "lease_s": 5.0, "store_deadlines": True, "load_unlocked": True, "load_deadlines": True}
+    import msgpack
+
+    assert p.decode_reply(msgpack.packb(old_hello)).replace_sessions is False
+
+
 def test_the_id_of_a_request_too_large_to_decode_is_read_without_decoding_it():
     """``peek_request_id`` walks the top-level map to ``id`` (tokens and other bytes
     skipped by their length); anything else — a truncation, bad bytes, a walk past its

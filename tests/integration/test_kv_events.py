@@ -435,15 +435,24 @@ def test_hostile_replay_requests_leave_the_daemon_serving(tmp_path):
 def test_without_auth_any_local_subscriber_reads_and_replays_the_events(tmp_path):
     """A daemon without [auth] (every local peer the default administrator): a plain
     subscriber of the socket's user is admitted on both sockets, as before identities."""
-    from daemon_util import ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
+    from daemon_util import DaemonProcess
 
     daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
-    sub, sub_monitor = events_socket(zmq.SUB, f"ipc://{tmp_path / 'hicache-events.sock'}")
-    replay, replay_monitor = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")
+    _reads_and_replays(daemon, f"ipc://{tmp_path / 'hicache-events.sock'}",
+                       f"ipc://{tmp_path / 'hicache-events-replay.sock'}", seed=5)
+
+
+def _reads_and_replays(daemon, endpoint: str, replay_endpoint: str, seed: int) -> None:
+    """A plain subscriber and replay client of ``daemon``'s events are admitted, and see
+    a prefill's blocks; then the daemon stops cleanly."""
+    from daemon_util import ClientEngine, events_socket, handshake, replayed, token_ids
+
+    sub, sub_monitor = events_socket(zmq.SUB, endpoint)
+    replay, replay_monitor = events_socket(zmq.DEALER, replay_endpoint)
     engine = ClientEngine(daemon.endpoint)
     try:
         assert handshake(sub_monitor) == handshake(replay_monitor) == "admitted"
-        tokens = np.random.default_rng(5).integers(1, 30_000, 2 * PS).tolist()
+        tokens = np.random.default_rng(seed).integers(1, 30_000, 2 * PS).tolist()
         engine.prefill(tokens)
         seen: list[bytes] = []
         while not set(tokens) <= token_ids(seen):
@@ -462,30 +471,14 @@ def test_an_insecure_tcp_events_endpoint_serves_whoever_reaches_it(tmp_path):
     over ``tcp://`` reads and replays the events (libzmq 4.3.5 refuses to set an empty
     ZAP domain, so the endpoint must be bound without one: setting it to "" failed the
     bind, and the daemon would not start)."""
-    from daemon_util import ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
+    from daemon_util import DaemonProcess
 
     ports = []
     for _ in range(2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    daemon = DaemonProcess(tmp_path, events={"enabled": True, "insecure_tcp": True,
-                                             "endpoint": f"tcp://127.0.0.1:{ports[0]}",
-                                             "replay_endpoint": f"tcp://127.0.0.1:{ports[1]}"}).start()
-    sub, sub_monitor = events_socket(zmq.SUB, f"tcp://127.0.0.1:{ports[0]}")
-    replay, replay_monitor = events_socket(zmq.DEALER, f"tcp://127.0.0.1:{ports[1]}")
-    engine = ClientEngine(daemon.endpoint)
-    try:
-        assert handshake(sub_monitor) == handshake(replay_monitor) == "admitted"
-        tokens = np.random.default_rng(6).integers(1, 30_000, 2 * PS).tolist()
-        engine.prefill(tokens)
-        seen: list[bytes] = []
-        while not set(tokens) <= token_ids(seen):
-            assert sub.poll(30_000), "the subscription got no events"
-            seen.append(sub.recv_multipart()[2])
-        assert set(tokens) <= token_ids(replayed(replay))
-    finally:
-        engine.close()
-        for sock in (sub, sub_monitor, replay, replay_monitor):
-            sock.close(0)
-        assert daemon.stop() == 0
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{port}" for port in ports)
+    daemon = DaemonProcess(tmp_path, events={"enabled": True, "insecure_tcp": True, "endpoint": endpoint,
+                                             "replay_endpoint": replay_endpoint}).start()
+    _reads_and_replays(daemon, endpoint, replay_endpoint, seed=6)

@@ -388,31 +388,52 @@ def test_a_client_gone_before_its_reply_is_skipped(context, publisher, dealer):
     assert [r[2] for r in ask(publisher, dealer, seq8(3))] == [seq8(3), seq8(4), END_SEQ]
 
 
+def _ring_of_four(publisher: EventPublisher) -> None:
+    """Four batches in stream ``t``'s ring (seq 0..3, one removed block each)."""
+    stream = publisher.stream("t")
+    for i in range(4):
+        stream.removed([i], MEDIUM_CPU)
+        publisher.publish()
+
+
+def _slow_reader(context, publisher: EventPublisher, **options: int) -> zmq.Socket:
+    """A replay client whose receive queue holds one message (inproc: the queue is the
+    two ends' bounds)."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    for option, value in options.items():
+        dealer.setsockopt(getattr(zmq, option), value)
+    dealer.connect(publisher.replay_endpoint)
+    return dealer
+
+
+def _read_until_ends(publisher: EventPublisher, dealer: zmq.Socket, ends: int, why) -> list:
+    """Serve replays and read replies until ``ends`` end markers arrived (``why(replies)``:
+    the failure's message if they do not)."""
+    replies = []
+    deadline = time.monotonic() + WAIT_S
+    while [r[2] for r in replies].count(END_SEQ) < ends:
+        assert time.monotonic() < deadline, why(replies)
+        publisher.serve_replay()
+        while dealer.poll(10):
+            replies.append(dealer.recv_multipart())
+    return replies
+
+
 def test_replies_over_a_clients_queue_go_on_as_it_reads(context):
     """A client asks for the whole ring twice back to back and reads nothing meanwhile:
     the replies fill its queue. Each still arrives whole, in order, with its end marker,
     as the client reads (vLLM's subscriber reads a replay up to that marker)."""
     with EventPublisher("inproc://events-full", replay_endpoint="inproc://replay-full", hwm=1, buffer_steps=4,
                         context=context) as publisher:
-        stream = publisher.stream("t")
-        for i in range(4):
-            stream.removed([i], MEDIUM_CPU)
-            publisher.publish()
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 1)  # (inproc: the queue is the two ends' bounds, 5 + 1 messages)
-        dealer.connect(publisher.replay_endpoint)
+        _ring_of_four(publisher)
+        dealer = _slow_reader(context, publisher)
         dealer.send(seq8(0))
         dealer.send(seq8(0))
         assert publisher.serve_replay() == 2
-        replies = []
-        deadline = time.monotonic() + WAIT_S
-        while [r[2] for r in replies].count(END_SEQ) < 2:
-            assert time.monotonic() < deadline, \
-                f"a reply without its end marker: {[int.from_bytes(r[2], 'big', signed=True) for r in replies]}"
-            publisher.serve_replay()
-            while dealer.poll(10):
-                replies.append(dealer.recv_multipart())
+        replies = _read_until_ends(publisher, dealer, 2, lambda replies: "a reply without its end marker: "
+                                   f"{[int.from_bytes(r[2], 'big', signed=True) for r in replies]}")
         assert [r[2] for r in replies] == [*(seq8(s) for s in range(4)), END_SEQ] * 2
         assert [decode(r[3]).events[0].block_hashes for r in replies if r[3]] == [[0], [1], [2], [3]] * 2
         dealer.close()
@@ -426,25 +447,12 @@ def test_a_client_that_never_reads_holds_a_bounded_number_of_replies(context):
 
     with EventPublisher("inproc://events-bound", replay_endpoint="inproc://replay-bound", hwm=1, buffer_steps=4,
                         context=context) as publisher:
-        stream = publisher.stream("t")
-        for i in range(4):
-            stream.removed([i], MEDIUM_CPU)
-            publisher.publish()
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.setsockopt(zmq.SNDHWM, 4 * MAX_REPLIES_WAITING)
-        dealer.connect(publisher.replay_endpoint)
+        _ring_of_four(publisher)
+        dealer = _slow_reader(context, publisher, SNDHWM=4 * MAX_REPLIES_WAITING)
         for _ in range(2 * MAX_REPLIES_WAITING):
             dealer.send(seq8(2))
         assert publisher.serve_replay() == 2 * MAX_REPLIES_WAITING
-        replies = []
-        deadline = time.monotonic() + WAIT_S
-        while [r[2] for r in replies].count(END_SEQ) < MAX_REPLIES_WAITING:
-            assert time.monotonic() < deadline, "replies lost"
-            publisher.serve_replay()
-            while dealer.poll(10):
-                replies.append(dealer.recv_multipart())
+        replies = _read_until_ends(publisher, dealer, MAX_REPLIES_WAITING, lambda _: "replies lost")
         publisher.serve_replay()
         while dealer.poll(50):
             replies.append(dealer.recv_multipart())

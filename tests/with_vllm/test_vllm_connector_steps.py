@@ -75,6 +75,16 @@ def first_request_stores(e, p) -> None:
     e.finish(request("r1", p), [1, 2, 3, 4, 5])
 
 
+def second_request_matches(e, p):
+    """Request r2 of the same prompt ``p`` is new to the scheduler, which finds its
+    whole pages but the last token's in hicache; returns r2 and the tokens matched."""
+    r2 = request("r2", p)
+    e.scheduler.on_new_request(r2)
+    ext, _ = e.scheduler.get_num_new_matched_tokens(r2, 0)
+    assert ext == 4 * BS
+    return r2, ext
+
+
 def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
     e = Engine(daemon.endpoint)
     try:
@@ -162,11 +172,8 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
         p = list(range(100, 100 + 4 * BS + 3))
         first_request_stores(e, p)
 
-        r2 = request("r2", p)
+        r2, ext = second_request_matches(e, p)  # a hit...
         s = e.scheduler
-        s.on_new_request(r2)
-        ext, _ = s.get_num_new_matched_tokens(r2, 0)
-        assert ext == 4 * BS  # a hit...
         # ... evicted before vLLM allocates: another prompt fills the host tier.
         q = list(range(5000, 5000 + 6 * BS + 1))
         e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
@@ -258,11 +265,8 @@ def test_blocks_whose_load_failed_are_not_taken_from_vllms_prefix_cache_as_compu
     try:
         p = list(range(100, 100 + 4 * BS + 3))
         first_request_stores(e, p)
-        r2 = request("r2", p)
+        r2, ext = second_request_matches(e, p)
         s = e.scheduler
-        s.on_new_request(r2)
-        ext, _ = s.get_num_new_matched_tokens(r2, 0)
-        assert ext == 4 * BS
         q = list(range(5000, 5000 + 6 * BS + 1))  # evicts p's pages from the host tier
         e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
         e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
@@ -549,12 +553,9 @@ def test_a_load_the_scheduler_gave_up_on_does_not_write_blocks_vllm_has_reused(t
     try:
         p = list(range(100, 100 + 4 * BS + 3))
         first_request_stores(e, p)
-        r2 = request("r2", p)
+        r2, ext = second_request_matches(e, p)
         r2_blocks = [11, 12, 13, 14, 15]
         s = e.scheduler
-        s.on_new_request(r2)
-        ext, _ = s.get_num_new_matched_tokens(r2, 0)
-        assert ext == 4 * BS
         os.kill(d.proc.pid, signal.SIGSTOP)
         try:
             s.update_state_after_alloc(r2, blocks(r2_blocks), ext)  # the load times out

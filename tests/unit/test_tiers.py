@@ -1,6 +1,7 @@
 """The tier manager on the CPU data plane: write policies, eviction cascade, loads."""
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -348,49 +349,13 @@ def test_a_pool_retired_while_its_load_waits_for_disk_reads_ends_the_load_and_ke
         second.close()
 
 
-def test_an_owned_pool_retired_while_its_load_into_waits_for_disk_reads_ends_the_load(store):
-    """The same for an engine-owned pool's ``load_into``."""
+@contextmanager
+def owned_pages_on_disk(store):
+    """A tier manager with an engine-owned pool (id 0, its blocks' bytes all 1), whose
+    three pages of prompt ``toks`` were stored from blocks 1-3 and are on disk only;
+    yields ``(tm, ns, toks, buffers)`` and closes the manager."""
     import torch
 
-    from hicache.foreign import ForeignPool
-    from owned_util import OWNED_SPEC, layer_major
-
-    layout = layer_major(8)
-    buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
-    tm = TierManager(OWNED_SPEC, host_pages=8, storage=store, config=TierConfig(prefetch_min_pages=1000))
-    try:
-        ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
-        tm.add_namespace(ns)
-        tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
-        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
-        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3])).num_cached == 3
-        tm.flush()
-        tm.evict(Tier.HOST, 8)
-        tm.flush()
-        tm.check_invariants()
-        node = tm.match(ns, toks, 0).match.node
-        assert tm.tree.match(ns, toks, 0, touch=False).num_disk_pages == 3
-        tm.lock(node, 0)
-        future = tm.load_into(node, 0, [4, 5, 6])
-        assert not future.done()
-        tm.unlock(node, 0)
-        tm.retire_pool(0)
-        assert future.done() and future.result().num_loaded == 0
-        tm.flush()
-        tm.check_invariants()
-        assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
-    finally:
-        tm.close()
-
-
-def test_an_owned_load_into_whose_engine_stopped_waiting_during_its_disk_reads_writes_no_block(store):
-    """``expired()`` says the engine gave up on the load_into (its call timed out: it
-    takes the blocks as loaded with nothing, and may reuse them): one expired on
-    arrival is refused before anything changes, and one whose disk reads end after
-    that copies nothing into the blocks and holds nothing."""
-    import torch
-
-    from hicache.errors import DeadlinePassed
     from hicache.foreign import ForeignPool
     from owned_util import OWNED_SPEC, layer_major
 
@@ -407,6 +372,36 @@ def test_an_owned_load_into_whose_engine_stopped_waiting_during_its_disk_reads_w
         tm.flush()
         tm.evict(Tier.HOST, 8)
         tm.flush()
+        yield tm, ns, toks, buffers
+    finally:
+        tm.close()
+
+
+def test_an_owned_pool_retired_while_its_load_into_waits_for_disk_reads_ends_the_load(store):
+    """The same for an engine-owned pool's ``load_into``."""
+    with owned_pages_on_disk(store) as (tm, ns, toks, _):
+        tm.check_invariants()
+        node = tm.match(ns, toks, 0).match.node
+        assert tm.tree.match(ns, toks, 0, touch=False).num_disk_pages == 3
+        tm.lock(node, 0)
+        future = tm.load_into(node, 0, [4, 5, 6])
+        assert not future.done()
+        tm.unlock(node, 0)
+        tm.retire_pool(0)
+        assert future.done() and future.result().num_loaded == 0
+        tm.flush()
+        tm.check_invariants()
+        assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
+
+
+def test_an_owned_load_into_whose_engine_stopped_waiting_during_its_disk_reads_writes_no_block(store):
+    """``expired()`` says the engine gave up on the load_into (its call timed out: it
+    takes the blocks as loaded with nothing, and may reuse them): one expired on
+    arrival is refused before anything changes, and one whose disk reads end after
+    that copies nothing into the blocks and holds nothing."""
+    from hicache.errors import DeadlinePassed
+
+    with owned_pages_on_disk(store) as (tm, ns, toks, buffers):
         buffers[0][:] = 2  # blocks 4-6 hold another request's KV now
         node = tm.match(ns, toks, 0).match.node
         tm.lock(node, 0)
@@ -421,8 +416,6 @@ def test_an_owned_load_into_whose_engine_stopped_waiting_during_its_disk_reads_w
         tm.unlock(node, 0)
         tm.check_invariants()
         assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
-    finally:
-        tm.close()
 
 
 def test_a_page_the_disk_tier_evicts_while_on_host_is_written_again_with_its_tokens(engine, tmp_path):

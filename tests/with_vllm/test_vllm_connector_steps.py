@@ -85,6 +85,24 @@ def second_request_matches(e, p):
     return r2, ext
 
 
+def hit_evicted_before_its_load(e, p):
+    """Request r2 of ``p`` (stored by r1) matches in hicache, then another prompt fills
+    the host tier before vLLM allocates r2's blocks 11-15 (stale values): its load
+    fails, and the step reports the four blocks it was to fill (vLLM recomputes them
+    next step). Returns r2 and its blocks."""
+    r2, ext = second_request_matches(e, p)
+    q = list(range(5000, 5000 + 6 * BS + 1))
+    e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
+    e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
+    r2_blocks = [11, 12, 13, 14, 15]
+    e.fill(r2_blocks, STALE)
+    e.scheduler.update_state_after_alloc(r2, blocks(r2_blocks), ext)
+    # vLLM: num_computed_tokens = local + external; the rest of the prompt scheduled.
+    errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext), forward=lambda: e.fill(r2_blocks[4:], STALE))
+    assert set(r2_blocks[:4]) <= errors
+    return r2, r2_blocks
+
+
 def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
     e = Engine(daemon.endpoint)
     try:
@@ -172,20 +190,7 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
         p = list(range(100, 100 + 4 * BS + 3))
         first_request_stores(e, p)
 
-        r2, ext = second_request_matches(e, p)  # a hit...
-        s = e.scheduler
-        # ... evicted before vLLM allocates: another prompt fills the host tier.
-        q = list(range(5000, 5000 + 6 * BS + 1))
-        e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
-        e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
-
-        r2_blocks = [11, 12, 13, 14, 15]
-        e.fill(r2_blocks, STALE)
-        s.update_state_after_alloc(r2, blocks(r2_blocks), ext)
-        # vLLM: num_computed_tokens = local + external; the rest of the prompt scheduled.
-        errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext),
-                        forward=lambda: e.fill(r2_blocks[4:], STALE))
-        assert set(r2_blocks[:4]) <= errors  # reported: vLLM recomputes them next step
+        r2, r2_blocks = hit_evicted_before_its_load(e, p)
         # vLLM's recompute step (num_computed_tokens truncated to the first failed block)
         e.step(cached_output("r2", 0, len(p)), forward=lambda: e.fill(r2_blocks, 7.0))
         e.finish(r2, r2_blocks)
@@ -265,17 +270,7 @@ def test_blocks_whose_load_failed_are_not_taken_from_vllms_prefix_cache_as_compu
     try:
         p = list(range(100, 100 + 4 * BS + 3))
         first_request_stores(e, p)
-        r2, ext = second_request_matches(e, p)
-        s = e.scheduler
-        q = list(range(5000, 5000 + 6 * BS + 1))  # evicts p's pages from the host tier
-        e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
-        e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
-        r2_blocks = [11, 12, 13, 14, 15]
-        e.fill(r2_blocks, STALE)
-        s.update_state_after_alloc(r2, blocks(r2_blocks), ext)
-        errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext),
-                        forward=lambda: e.fill(r2_blocks[4:], STALE))
-        assert set(r2_blocks[:4]) <= errors
+        r2, r2_blocks = hit_evicted_before_its_load(e, p)
         e.finish(r2, r2_blocks)  # aborted before its recompute step
 
         # vLLM's prefix cache: r3's first four blocks are r2's (cached by their hashes).

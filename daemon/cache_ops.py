@@ -311,7 +311,8 @@ class CacheOps:
         if m.unlocked is not True:
             self.sessions.require_lock(session, node, m.node)
         future = session.manager.load_into(node, session.pool_id, m.pages, m.first,
-                                           expired=self._expiry(m.deadline_ns))
+                                           expired=self._expiry(m.deadline_ns),
+                                           copy_expired=self._expiry(m.copy_deadline_ns))
         out: Future = Future()
 
         def answer(f: Future) -> None:

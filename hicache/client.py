@@ -64,9 +64,12 @@ from hicache.errors import (
     ErrorCode,
     HicacheError,
     InvalidArgument,
+    LoadFailed,
     LockUnderflow,
+    StaleTicket,
     Unavailable,
     UnknownNode,
+    WaitTimeout,
 )
 from hicache.keys import Tokens, key_self_test, pack_tokens
 from hicache.pages import PAGE_ID_DTYPE, PageIds, PageIdsLike, as_page_ids
@@ -142,10 +145,15 @@ class Stored(NamedTuple):
 
 class LoadedInto(NamedTuple):
     """``num_loaded_pages``: the first blocks given that receive KV, layer by layer —
-    wait on ``wait`` before reading a layer; the blocks after them get nothing."""
+    wait on ``wait`` before reading a layer; the blocks after them get nothing.
+    ``copies_end_ns`` (:func:`hicache.protocol.monotonic_ns`; ``None``: a daemon that
+    does not say): no layer starts copying after it. A layer not landed by then may
+    still be copying: the engine that gave up on it may reuse the blocks once the load
+    is over (:meth:`CacheClient.wait_over`), not before."""
 
     num_loaded_pages: int
     wait: tuple[Ticket, ...]
+    copies_end_ns: int | None = None
 
 
 class Inserted(NamedTuple):
@@ -236,6 +244,7 @@ class CacheClient:
         self._store_deadlines = False  # the daemon honours Store.deadline_ns (its hello says so)
         self._load_unlocked = False  # the daemon honours LoadInto.unlocked (likewise)
         self._load_deadlines = False  # the daemon honours LoadInto.deadline_ns (likewise)
+        self._copy_deadlines = False  # the daemon honours LoadInto.copy_deadline_ns (likewise)
         self._session = 0  # the registered session's id; 0 before the first registration
         # The session of the last hello, for the next hello to name (Hello.replaces): a
         # call not answered in time drops the connection, and with it any bye, so the
@@ -468,6 +477,7 @@ class CacheClient:
         self._store_deadlines = hello.store_deadlines
         self._load_unlocked = hello.load_unlocked
         self._load_deadlines = hello.load_deadlines
+        self._copy_deadlines = hello.copy_deadlines
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
@@ -777,7 +787,8 @@ class CacheClient:
         A load_into not answered within ``load_timeout_s`` is given up (degraded mode:
         none loaded), and the engine may reuse the blocks; so it carries that moment as
         its deadline, and the daemon copies nothing into them once it has passed (a
-        daemon that was only slow would otherwise write over another request's KV)."""
+        daemon that was only slow would otherwise write over another request's KV).
+        Its layers get another ``load_timeout_s`` after that: ``copies_end_ns``."""
         if handle is None:
             return LoadedInto(0, ())
         if not locked and not self._load_unlocked:
@@ -793,16 +804,41 @@ class CacheClient:
             return LoadedInto(0, ())
         timeout_ns = max(1, int(self.load_timeout_s * 1000)) * 1_000_000  # (what _call waits: whole ms)
 
+        copies_end: list[int | None] = [None]
+
         def stamp(message: p.LoadInto) -> None:  # (sent at once: the call's wait starts after this)
             if self._load_deadlines:
                 message.deadline_ns = p.monotonic_ns() + timeout_ns
+                if self._copy_deadlines:
+                    message.copy_deadline_ns = copies_end[0] = message.deadline_ns + timeout_ns
 
         reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first,
                                          unlocked=True if not locked else p.UNSET),
                               timeout_s=self.load_timeout_s, epoch=handle.epoch, stamp=stamp)
         if reply is None:
             return LoadedInto(0, ())
-        return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait))
+        return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait), copies_end[0])
+
+    def wait_over(self, wait: Sequence[Ticket], *, timeout_s: float) -> bool:
+        """Wait until every load in ``wait`` is over — every layer landed, or the rest
+        failed, or its counter slot has moved on to a later load — ``timeout_s`` at most
+        for all of them; ``False`` if one may still be copying then. An engine that gave
+        up on a load after its :attr:`LoadedInto.copies_end_ns` may reuse the blocks
+        once this is ``True``: no layer starts copying after that moment, so what was
+        copying then has ended."""
+        waiter = self.waiter
+        if waiter is None:
+            return False
+        last = waiter.handle.num_layers - 1
+        deadline = time.monotonic() + timeout_s
+        for ticket in wait:
+            try:
+                waiter.wait_layer(ticket, last, timeout_s=max(0.0, deadline - time.monotonic()))
+            except (LoadFailed, StaleTicket):
+                pass  # over: what had not landed failed, or the slot went to another load since
+            except WaitTimeout:
+                return False
+        return True
 
     def _forget_taken(self, taken: set[int]) -> None:
         """Pages of locked orphans that an insert gave to the new daemon (adopted by its

@@ -307,21 +307,26 @@ class ForeignMover:
         self._run(self.host_pool.pages, self.pool.buffers[a], self._ids(host_pages), self._ids(blocks), segments,
                   check=check, spread=spread)
 
-    def load(self, host_pages, blocks, *, on_layer: Callable[[int], None] | None = None) -> None:
+    def load(self, host_pages, blocks, *, on_layer: Callable[[int], None] | None = None,
+             proceed: Callable[[], None] | None = None) -> None:
         """Host pages -> engine blocks layer by layer; ``on_layer(i)`` once layer ``i``
-        is complete (every layer of the spec, in order). With CPU workers, each thread
-        takes a share of the pages through every layer (as :class:`PageMover` does)."""
+        is complete (every layer of the spec, in order), ``proceed()`` before each layer
+        (see :mod:`hicache.transfer`). With CPU workers, each thread takes a share of the
+        pages through every layer (as :class:`PageMover` does)."""
         src, dst = self._ids(host_pages), self._ids(blocks)
         for a, segments in enumerate(self._backup):  # every layer's pages checked once, up front
             check_page_ids(src, dst, segments.reversed(), self.host_pool.pages.numel(), self.pool.buffers[a].numel())
         if self.workers is None or self.pool.device.type != "cpu" or len(src) < 2:
-            self._layers(src, dst, on_layer)
+            self._layers(src, dst, on_layer, proceed)
             return
         spread_layers(self.workers, self.num_layers, len(src), self.bytes_per_page, on_layer,
-                      lambda lo, hi, done: self._layers(src[lo:hi], dst[lo:hi], done))
+                      lambda lo, hi, done: self._layers(src[lo:hi], dst[lo:hi], done, proceed))
 
-    def _layers(self, src: torch.Tensor, dst: torch.Tensor, on_layer: Callable[[int], None] | None) -> None:
+    def _layers(self, src: torch.Tensor, dst: torch.Tensor, on_layer: Callable[[int], None] | None,
+                proceed: Callable[[], None] | None) -> None:
         for layer in range(self.num_layers):
+            if proceed is not None:
+                proceed()
             if layer in self._restore_layer:
                 # (already on a worker thread: no nested hand-off to the same threads)
                 self.load_layer(src, dst, layer, check=False, spread=False)

@@ -283,7 +283,11 @@ class LoadInto(_Request, tag="load_into"):
     trip instead of lock, load_into and unlock. ``deadline_ns`` (:func:`monotonic_ns`;
     only to a daemon whose hello says ``load_deadlines``): when the engine stops waiting
     and takes the blocks as loaded with nothing — a load_into the daemon receives after
-    it is refused (``TIMEOUT``), and one whose disk reads end after it copies nothing."""
+    it is refused (``TIMEOUT``), and one whose disk reads end after it copies nothing.
+    ``copy_deadline_ns`` (likewise; only to a daemon whose hello says ``copy_deadlines``):
+    when the engine stops waiting for the layers — one the daemon receives after it is
+    refused, and no layer starts copying after it (those not copied fail on the ticket:
+    an engine that waits until the ticket is over knows that nothing is written later)."""
 
     session: int
     node: int
@@ -291,6 +295,7 @@ class LoadInto(_Request, tag="load_into"):
     first: int = 0
     unlocked: bool | UnsetType = UNSET
     deadline_ns: int | UnsetType = UNSET
+    copy_deadline_ns: int | UnsetType = UNSET
 
 
 class Heartbeat(_Request, tag="heartbeat"):
@@ -362,6 +367,7 @@ class HelloReply(_Reply, tag="hello"):
     load_deadlines: bool = False  # honours LoadInto.deadline_ns (likewise)
     max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
     replace_sessions: bool = False  # honours Hello.replaces (likewise)
+    copy_deadlines: bool = False  # honours LoadInto.copy_deadline_ns (likewise)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -7,7 +7,10 @@ CUDA, the torch path on the CPU, spread over ``workers`` threads when given). Pa
 are checked on the host before they go to the device, so no call synchronises. Calls
 are synchronous on the CPU and enqueue on the current stream on CUDA; a layer-wise load
 calls ``on_layer(i)`` right after layer *i*'s copies are done (CPU) or enqueued (CUDA),
-which is where a caller stamps the layer counter or records the layer's CUDA event.
+which is where a caller stamps the layer counter or records the layer's CUDA event, and
+``proceed()``, if given, before it starts each layer's copies, on every copying thread:
+a load whose ``proceed`` raises (and goes on raising: a deadline) copies no layer after
+that, on any thread.
 """
 
 from __future__ import annotations
@@ -120,23 +123,27 @@ class PageMover:
             self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, segments)
 
     def load(self, host_pages: PageList, device_pages: PageList, *,
-             on_layer: Callable[[int], None] | None = None) -> None:
+             on_layer: Callable[[int], None] | None = None,
+             proceed: Callable[[], None] | None = None) -> None:
         """Host -> device layer by layer; ``on_layer(i)`` once layer ``i`` is complete
-        (every layer of the spec is reported, state layers included, in order).
+        (every layer of the spec is reported, state layers included, in order);
+        ``proceed()`` before each layer (see the module docstring).
 
         With CPU ``workers``, the pages are spread over them (:func:`spread_layers`).
         """
         host_ids, device_ids = self._checked(host_pages, device_pages, self.host_pool.pages,
                                              self.device_pool.buffer, self._restore)
         if self.workers is None or self.device_pool.device.type != "cpu" or len(host_ids) < 2:
-            self._load_layers(host_ids, device_ids, on_layer)
+            self._load_layers(host_ids, device_ids, on_layer, proceed)
             return
         spread_layers(self.workers, self.num_layers, len(host_ids), self.bytes_per_page, on_layer,
-                      lambda lo, hi, done: self._load_layers(host_ids[lo:hi], device_ids[lo:hi], done))
+                      lambda lo, hi, done: self._load_layers(host_ids[lo:hi], device_ids[lo:hi], done, proceed))
 
     def _load_layers(self, host_ids: torch.Tensor, device_ids: torch.Tensor,
-                     on_layer: Callable[[int], None] | None) -> None:
+                     on_layer: Callable[[int], None] | None, proceed: Callable[[], None] | None) -> None:
         for layer in range(self.num_layers):
+            if proceed is not None:
+                proceed()
             segments = self._restore_layer.get(layer)
             if segments is not None:
                 copy_pages(self.host_pool.pages, self.device_pool.buffer, host_ids, device_ids, segments,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.errors import UnknownNode
+from hicache.errors import DeadlinePassed, UnknownNode
 from hicache.pages import PAGE_ID_DTYPE, PageIds
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePoolState, DevicePools
@@ -61,11 +61,15 @@ class _Parked:
 
 
 def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
-                done: Callable[[Transfer, BaseException | None], None]) -> None:
+                done: Callable[[Transfer, BaseException | None], None],
+                expired: Callable[[], bool] | None = None) -> None:
     """Run a load's host -> pool copies layer by layer through the pool's copy engine,
     stamping the transfer's ticket on the layer counters as each layer lands (failed,
     every layer not landed, if a copy raises); ``done(transfer, error)`` on the owner
-    thread at the end. ``transfer.timing`` gets the first and last layers' instants."""
+    thread at the end. ``transfer.timing`` gets the first and last layers' instants.
+    ``expired()``: the engine no longer waits for the layers (and may reuse the blocks
+    once the load is over): no layer starts copying after that — the load ends there
+    with :class:`~hicache.errors.DeadlinePassed`, its other layers failed."""
     src = concat(e.src for e in transfer.entries)
     dst = concat(e.dst for e in transfer.entries)
     counters, movers, engine, ticket = pool.counters, pool.movers, pool.copy, transfer.ticket
@@ -81,12 +85,21 @@ def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
             if layer == last_layer:
                 timing["last"] = time.perf_counter()
 
+    def proceed() -> None:
+        if expired():
+            raise DeadlinePassed(f"load {ticket}: its engine stopped waiting for the layers before they were all "
+                                 "copied; the rest were not")
+
+    gate = proceed if expired is not None else None
+
     def enqueue() -> None:
         try:
             if len(movers) == 1:
-                movers[0].load(src, dst, on_layer=on_layer)
+                movers[0].load(src, dst, on_layer=on_layer, proceed=gate)
             else:
                 for layer in range(num_layers):
+                    if gate is not None:
+                        gate()
                     for mover in movers:
                         if mover.has_layer(layer):
                             mover.load_layer(src, dst, layer)
@@ -109,6 +122,11 @@ def end_load(core: Core, pool: DevicePoolState, transfer: Transfer, error: BaseE
         core.report(transfer)
         ps = core.spec.page_size  # delivered: these hits count now (see hicache.metrics)
         core.metrics.matched(0, (transfer.num_pages - transfer.from_disk) * ps, transfer.from_disk * ps)
+    elif isinstance(error, DeadlinePassed):  # (its engine recomputes the blocks: nothing is wrong here)
+        logger.warning("load into pool %s cut short: %s", transfer.pool, error)
+        core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
+        if on_error is not None:
+            on_error()
     else:
         logger.error("load into pool %s failed: %s", transfer.pool, error)
         core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)

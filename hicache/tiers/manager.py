@@ -251,17 +251,20 @@ class TierManager:
         return ids
 
     def load_into(self, node: Node, pool_id: PoolId, blocks: PageIdsLike, first: int = 0, *,
-                  expired: Callable[[], bool] | None = None) -> Future:
+                  expired: Callable[[], bool] | None = None,
+                  copy_expired: Callable[[], bool] | None = None) -> Future:
         """Copy pages ``first ..`` of ``node``'s path (host / disk) into the engine's
         ``blocks``; a future of :class:`~hicache.tiers.owned.LoadedInto`.
         ``expired()``: the engine no longer waits (it takes the blocks as loaded with
         nothing, and may reuse them): raises :class:`~hicache.errors.DeadlinePassed` if
-        so now, and nothing is copied if so when the disk reads are done."""
+        so now, and nothing is copied if so when the disk reads are done.
+        ``copy_expired()``: the engine no longer waits for the layers: raises likewise
+        if so now, and no layer starts copying once it is."""
         pool = self._owned_pool(pool_id)
         ids = pool.checked_ids(blocks)
         if type(first) is not int or first < 0:
             raise InvalidArgument(f"first must be a non-negative int, got {first!r}")
-        return self._owned.load_into(pool, node, ids, first, expired)
+        return self._owned.load_into(pool, node, ids, first, expired, copy_expired)
 
     def retire_pool(self, pool_id: PoolId) -> None:
         """The engine is gone: refuse new work for its pool, and once no transfer uses

@@ -23,7 +23,10 @@ engine keeps its own device prefix cache, and hicache is the tier below it.
   not be written is reported as loaded. Like a store, a load_into may say when its
   engine stops waiting (``expired``): from then on the engine takes the blocks as loaded
   with nothing and may reuse them, so one expired on arrival is refused, and one whose
-  reads end after that copies nothing (it would write over another request's KV).
+  reads end after that copies nothing (it would write over another request's KV). And it
+  may say until when its engine waits for the layers (``copy_expired``): no layer starts
+  copying after that (the engine reports the blocks as failed, and once the load is over
+  may reuse them), the layers not copied are failed on the ticket.
 """
 
 from __future__ import annotations
@@ -149,10 +152,11 @@ class OwnedTransfers:
     # -- load_into -----------------------------------------------------------------
 
     def load_into(self, pool: DevicePoolState, node: Node, blocks: PageIds, first: int,
-                  expired: Callable[[], bool] | None = None) -> Future:
+                  expired: Callable[[], bool] | None = None,
+                  copy_expired: Callable[[], bool] | None = None) -> Future:
         """A future of :class:`LoadedInto` (see the module docstring): pages ``first
         ..`` of ``node``'s path (locked by the caller) into ``blocks``."""
-        if expired is not None and expired():
+        if (expired is not None and expired()) or (copy_expired is not None and copy_expired()):
             raise DeadlinePassed("load_into: its deadline passed before it arrived; nothing copied")
         tree = self.core.tree
         if not tree.is_live(node):
@@ -180,7 +184,7 @@ class OwnedTransfers:
         from_disk = [n for n in tree.path(hold) if n.host_pages is None]
         reads = self.disk.read(from_disk) if from_disk else []
         if not reads:
-            self._start(pool, hold, first, blocks, future)
+            self._start(pool, hold, first, blocks, future, copy_expired)
             return future
         left = [len(reads)]
 
@@ -192,7 +196,7 @@ class OwnedTransfers:
                 self._short(len(blocks), 0)
                 cancel()
                 return
-            self._start(pool, hold, first, blocks, future)
+            self._start(pool, hold, first, blocks, future, copy_expired)
 
         def cancel() -> None:  # the pool retired first, or the engine stopped waiting: nothing loads
             tree.unlock(hold, pool.pool_id)
@@ -226,7 +230,8 @@ class OwnedTransfers:
         if loaded < wanted:
             self.core.metrics.load_short((wanted - loaded) * self.core.spec.page_size)
 
-    def _start(self, pool: DevicePoolState, hold: Node, first: int, blocks: PageIds, future: Future) -> None:
+    def _start(self, pool: DevicePoolState, hold: Node, first: int, blocks: PageIds, future: Future,
+               copy_expired: Callable[[], bool] | None) -> None:
         """The reads are done: load what is on host from ``first`` on, in order."""
         core = self.core
         tree = core.tree
@@ -257,7 +262,7 @@ class OwnedTransfers:
         transfer = Transfer(Kind.LOAD, pool.pool_id, entries, hold, ticket=ticket,
                             from_disk=core.disk_pages_of([e.node for e in entries]))
         core.inflight.add(transfer)
-        copy_layers(core.spec.num_layers, pool, transfer, self._done)
+        copy_layers(core.spec.num_layers, pool, transfer, self._done, copy_expired)
         self._short(len(blocks), used)
         future.set_result(LoadedInto(used, (ticket,)))
 

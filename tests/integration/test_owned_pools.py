@@ -615,6 +615,46 @@ def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(d
         engine.close()
 
 
+def test_a_load_into_says_when_its_copies_end_and_one_past_that_on_arrival_copies_nothing(daemon):
+    """A load_into carries when its engine stops waiting for the layers
+    (``copy_deadline_ns``): the answer says so (``copies_end_ns``, after the answer's own
+    deadline), no layer starts copying after it, and one the daemon gets after it is
+    refused (``TIMEOUT``) with nothing written and nothing held. ``wait_over`` tells the
+    engine when a load has ended."""
+    from hicache import protocol
+
+    a = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="copies-a")
+    b = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="copies-b", load_timeout_s=2.0)
+    scheduler = CacheClient(daemon.endpoint, load_timeout_s=2.0)
+    try:
+        seq = toks(700, 3)
+        a.compute(seq, [1, 2, 3])
+        a.client.store(seq, [1, 2, 3])
+        scheduler.attach("copies-b")
+        b.wipe([4, 5, 6])
+        m = scheduler.match(seq)
+        scheduler.lock(m.handle)
+        now = protocol.monotonic_ns()
+        with pytest.raises(RemoteError) as refused:
+            scheduler._request(protocol.LoadInto(id=0, session=0, node=m.handle.node, pages=np.asarray(
+                [4, 5, 6], np.int32).tobytes(), deadline_ns=now + 60 * 10**9, copy_deadline_ns=now - 1))
+        assert refused.value.code == ErrorCode.TIMEOUT
+        assert all(not b.block(layer, block).any() for layer in range(OWNED_SPEC.num_layers) for block in (4, 5, 6))
+        stats_and_check(daemon.endpoint)
+        sent = protocol.monotonic_ns()
+        done = scheduler.load_into(m.handle, [4, 5, 6])
+        assert done.num_loaded_pages == 3
+        assert sent + 2 * 2 * 10**9 <= done.copies_end_ns <= protocol.monotonic_ns() + 2 * 2 * 10**9
+        assert b.client.wait_over(done.wait, timeout_s=30)
+        b.check(seq, [4, 5, 6])
+        scheduler.unlock(m.handle)
+        stats_and_check(daemon.endpoint)
+    finally:
+        scheduler.close()
+        b.close()
+        a.close()
+
+
 def test_a_refused_store_leaves_nothing_of_its_namespace_behind(daemon, monkeypatch):
     """A refused request changes nothing: a store refused for its blocks, or for a
     deadline passed before it arrived, or one of no whole page, records no namespace

@@ -148,6 +148,22 @@ def test_a_load_into_deadline_is_optional_both_ways():
     assert p.decode_reply(msgpack.packb(old_hello)).load_deadlines is False
 
 
+def test_a_load_into_copy_deadline_is_optional_both_ways():
+    """``LoadInto.copy_deadline_ns`` likewise, sent only to a daemon whose hello says
+    ``copy_deadlines``."""
+    plain = p.decode_request(p.encode(p.LoadInto(id=1, session=2, node=3, pages=b"", deadline_ns=5)))
+    assert plain.copy_deadline_ns is p.UNSET
+    timed = p.decode_request(p.encode(p.LoadInto(id=1, session=2, node=3, pages=b"", copy_deadline_ns=123)))
+    assert timed.copy_deadline_ns == 123
+    with pytest.raises(p.ProtocolError):
+        p.decode_request(p.encode(p.LoadInto(id=1, session=2, node=3, pages=b"", copy_deadline_ns="soon")))
+    old_hello = {"op": "hello", "id": 1, "session": 2, "version": p.PROTOCOL_VERSION, "daemon": "hicache 0.0",
+                 "lease_s": 5.0, "store_deadlines": True, "load_unlocked": True, "load_deadlines": True}
+    import msgpack
+
+    assert p.decode_reply(msgpack.packb(old_hello)).copy_deadlines is False
+
+
 def test_a_hello_naming_the_session_it_replaces_is_optional_both_ways():
     """``Hello.replaces`` is left out by older clients (nothing ended), and a client
     sends it only to a daemon whose hello says ``replace_sessions``."""

@@ -1386,6 +1386,65 @@ def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
         tm.close()
 
 
+def test_an_owned_load_into_starts_no_layer_after_its_engine_stopped_waiting_for_the_layers():
+    """``copy_expired()`` says the engine no longer waits for the layers (it reports the
+    blocks as failed loads and, once the load is over, may hand them to another
+    request): a copy it began before then ends, no later layer starts — on any copy
+    thread — and the layers not copied fail on the ticket, so that the engine can tell
+    the load is over. Here the deadline passes as layer 0 lands."""
+    from hicache.errors import DeadlinePassed, LoadFailed
+    from owned_util import OWNED_SPEC
+
+    tm, ns = owned_tm(host_pages=8)
+    try:
+        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
+        pool = tm.pools.get(0)
+        blocks = pool.movers[0].pool.buffers[0].view(OWNED_SPEC.num_layers, 8, -1)
+        blocks[:] = 1  # the engine's KV of ``toks`` in blocks 1-3 (and every other block)
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3])).num_cached == 3
+        blocks[:, 4:7] = 2  # blocks 4-6 hold what they held before
+        counters = pool.counters
+        stamp = counters.complete_layer
+        landed = []
+
+        def stamped(ticket, layer):
+            stamp(ticket, layer)
+            landed.append(layer)
+
+        counters.complete_layer = stamped
+        node = tm.match(ns, toks, 0).match.node
+        tm.lock(node, 0)
+        with pytest.raises(DeadlinePassed):  # expired on arrival: refused, nothing held
+            tm.load_into(node, 0, [4, 5, 6], copy_expired=lambda: True)
+        loaded = tm.wait(tm.load_into(node, 0, [4, 5, 6], copy_expired=lambda: 0 in landed))
+        assert loaded.num_loaded == 3
+        tm.flush()  # (the copies ended)
+        (ticket,) = loaded.wait
+        waiter = counters.waiter()
+        try:
+            assert waiter.is_done(ticket, 0)
+            with pytest.raises(LoadFailed):
+                waiter.is_done(ticket, OWNED_SPEC.num_layers - 1)
+        finally:
+            waiter.close()
+        assert landed == [0]
+        assert bool((blocks[0, 4:7] == 1).all())  # the layer copied before the deadline
+        assert bool((blocks[-1, 4:7] == 2).all())  # no layer started after it
+        tm.unlock(node, 0)
+        tm.check_invariants()
+        assert not tm.tree.locked_pools() and tm.tree.sizes(Tier.HOST).protected == 0
+        # the pages are still cached: a load in time gets them all
+        blocks[:, 4:7] = 2
+        tm.lock(node, 0)
+        loaded = tm.wait(tm.load_into(node, 0, [4, 5, 6], copy_expired=lambda: False))
+        tm.flush()
+        assert bool((blocks[:, 4:7] == 1).all())
+        tm.unlock(node, 0)
+        tm.check_invariants()
+    finally:
+        tm.close()
+
+
 @pytest.mark.parametrize("ends", [list(range(1, 65)), [3, 10, 11, 40, 64], [1, 63], [64], list(range(2, 64, 2))])
 def test_an_insert_cuts_its_path_at_its_ends_copying_each_page_a_few_times(ends, monkeypatch):
     # Cutting a node at each end in turn copies what is below the cut again each time

@@ -9,7 +9,7 @@ Use it with::
 or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. Extra
 config keys (all optional): ``hicache.endpoint`` (default: the daemon's default socket),
 ``hicache.timeout_s`` (1.0: how long a call waits for a daemon that may be gone),
-``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk; a layer's wait, one for all of a step's loads), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
+``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, then as long again for its layers), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
 what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
 failed request), ``hicache.server_key`` / ``hicache.key_file`` (CURVE: the daemon's
@@ -29,8 +29,10 @@ How the two sides work (they are separate processes):
   (``wait_for_save``) it stores the blocks of newly completed whole prompt pages (chunked
   prefill included; generated tokens are not stored): the daemon copies those not yet on host and answers when done. It
   waits, per layer, on the tickets of the loads the scheduler started
-  (``wait_for_layer_load``), and reports blocks whose load fell short or failed
-  (``get_block_ids_with_load_errors``) so that vLLM recomputes them; a store stops before
+  (``wait_for_layer_load``) until the daemon starts no more copies of them, and reports
+  blocks whose load fell short or failed (``get_block_ids_with_load_errors``) so that
+  vLLM recomputes them — a late one once it is over (:meth:`HicacheConnector._give_up`),
+  since the request may end or be preempted and its blocks go to another; a store stops before
   the first such block (it holds what it held before, and the blocks after it were
   computed on top of it), and the scheduler stores those pages again once vLLM has
   recomputed them. vLLM keeps those blocks in its own prefix cache meanwhile (under
@@ -74,7 +76,6 @@ import hashlib
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -83,9 +84,10 @@ import torch
 from hicache.client import CacheClient
 from hicache.config import ServerConfig
 from hicache.counters import Ticket
-from hicache.errors import HicacheError, InvalidArgument
+from hicache.errors import HicacheError, InvalidArgument, WaitTimeout
 from hicache.foreign import ForeignLayout, OwnedPoolHandle
 from hicache.integrations.vllm_kv import SharedKV, layout_of, share_kv_caches
+from hicache.protocol import monotonic_ns
 from hicache.spec import KVSpec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -111,12 +113,14 @@ _RETRY_ATTACH_S = 1.0
 @dataclass
 class LoadMeta:
     """One request's load, started by the scheduler: ``blocks`` should receive KV; the
-    first ``num_loaded`` do, layer by layer, under ``tickets``."""
+    first ``num_loaded`` do, layer by layer, under ``tickets``; no layer starts copying
+    after ``copies_end_ns`` (``None``: the daemon does not say)."""
 
     req_id: str
     blocks: list[int]
     num_loaded: int
     tickets: list[tuple[int, int]]
+    copies_end_ns: int | None = None
 
 
 @dataclass
@@ -287,7 +291,7 @@ class HicacheConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
-            self._clock: Callable[[], float] = time.monotonic  # times a step's layer waits (tests inject one)
+            self._clock: Callable[[], int] = monotonic_ns  # times a step's layer waits (tests inject one)
             self._num_layers = 0
 
     @property
@@ -384,6 +388,7 @@ class HicacheConnector(KVConnectorBase_V1):
                 done = client.load_into(handle, target, first, locked=False)
                 load.num_loaded = done.num_loaded_pages
                 load.tickets = [tuple(t) for t in done.wait]
+                load.copies_end_ns = done.copies_end_ns
             except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
                 logger.info("hicache: load for %s failed: %s", req_id, exc)
         req = self._requests.get(req_id)
@@ -579,24 +584,61 @@ class HicacheConnector(KVConnectorBase_V1):
             self._wait_locked(layer)
 
     def _wait_locked(self, layer: int) -> None:
-        """Wait for ``layer`` of every pending load, all of them within one
-        ``load_timeout_s`` from now: a daemon that stops with many loads in flight costs
-        the step one timeout, not one per load (vLLM kills an engine whose step outlasts
-        ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``). Each load is judged on its own: one whose
-        layer has landed passes after the deadline too (a wait of 0 still looks once)."""
-        deadline = self._clock() + self._load_timeout_s
-        kept = []
+        """Wait for ``layer`` of every pending load, each until the daemon starts no more
+        of its copies (``copies_end_ns``; a daemon that does not say: ``load_timeout_s``
+        from now). The scheduler started them together: a daemon that stops with many
+        loads in flight costs the step about one timeout, not one per load (vLLM kills an
+        engine whose step outlasts ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``). Each load is
+        judged on its own: one whose layer has landed passes after its deadline too (a
+        wait of 0 still looks once). One given up on is reported — vLLM recomputes its
+        blocks, or frees them if the request ends — so it must be over first: see
+        :meth:`_give_up`."""
+        fallback = self._clock() + int(self._load_timeout_s * 1e9)
+        kept, late = [], []
         for load in self._pending:
+            until = load.copies_end_ns if load.copies_end_ns is not None else fallback
             try:
                 if self._client is None:
                     raise HicacheError("the connector shut down")
                 self._client.wait_layer([Ticket(*t) for t in load.tickets], layer,
-                                        timeout_s=max(0.0, deadline - self._clock()))
+                                        timeout_s=max(0.0, (until - self._clock()) / 1e9))
                 kept.append(load)
-            except Exception as exc:  # noqa: BLE001 - failed, stale, timed out: vLLM recomputes these blocks
+            except WaitTimeout:
+                late.append(load)
+            except Exception as exc:  # noqa: BLE001 - failed, stale: vLLM recomputes these blocks
                 logger.warning("hicache: load for %s failed at layer %d: %s", load.req_id, layer, exc)
                 self._load_errors.update(load.blocks[: load.num_loaded])
+        if late:
+            kept.extend(self._give_up(late, layer))
         self._pending = kept
+
+    def _give_up(self, late: list[LoadMeta], layer: int) -> list[LoadMeta]:
+        """Loads whose ``layer`` had not landed when the daemon stopped starting copies:
+        a copy it began before then may still be writing their blocks, which vLLM may
+        hand to another request once they are reported. Wait for each to be over —
+        landed (kept: returned), or the rest failed — ``timeout_s`` for all of them
+        between them. One not over by then has a daemon stalled in the middle of a copy
+        (or gone): reported all the same, since vLLM's step cannot wait for good."""
+        end = self._clock() + int(self._timeout_s * 1e9)
+        kept = []
+        for load in late:
+            tickets = [Ticket(*t) for t in load.tickets]
+            client = self._client
+            over = client is not None and client.wait_over(tickets, timeout_s=max(0.0, (end - self._clock()) / 1e9))
+            if over:
+                try:
+                    client.wait_layer(tickets, layer, timeout_s=0.0)
+                    kept.append(load)  # it landed after all
+                    continue
+                except HicacheError:
+                    logger.warning("hicache: load for %s not complete at layer %d in time: given up",
+                                   load.req_id, layer)
+            else:
+                logger.error("hicache: load for %s still copying after its deadline (the daemon is stalled or "
+                             "gone): blocks %s are reported, and may be written late", load.req_id,
+                             load.blocks[: load.num_loaded])
+            self._load_errors.update(load.blocks[: load.num_loaded])
+        return kept
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         pass  # whole pages are stored after the step (wait_for_save)

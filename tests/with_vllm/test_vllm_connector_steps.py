@@ -205,54 +205,128 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
         e.close()
 
 
+def three_loads_in_one_step(e, admin):
+    """Three requests stored (blocks 1-2, 3-4, 5-6: values 7, 8, 9); three more of the
+    same prompts hit them, and the scheduler starts their loads into blocks 10-11,
+    12-13, 14-15, all of which land. Returns the loads and their target blocks."""
+    s = e.scheduler
+    prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
+    for i, p in enumerate(prompts):
+        r = request(f"a{i}", p)
+        e.prefill(r, [1 + 2 * i, 2 + 2 * i, 20], 7.0 + i)
+        e.finish(r, [1 + 2 * i, 2 + 2 * i, 20])
+    targets = [[10, 11], [12, 13], [14, 15]]
+    for i, p in enumerate(prompts):
+        r = request(f"b{i}", p)
+        s.on_new_request(r)
+        ext, _ = s.get_num_new_matched_tokens(r, 0)
+        assert ext == 2 * BS
+        s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
+    loads = list(s._loads)
+    assert all(load.copies_end_ns is not None for load in loads)
+    admin.flush()  # (every copy landed)
+    return loads, targets
+
+
+def fake_layer_waits(w, tickets_of, answer):
+    """The worker's waits on the tickets of ``tickets_of`` loads go to ``answer(load
+    index, layer, timeout_s)``, the others to the real counters; a wait that times out
+    lets the whole time it was given pass on the worker's clock. Returns the clock (ns)
+    and the calls made."""
+    from hicache.errors import WaitTimeout
+
+    now = [w._clock()]
+    w._clock = lambda: now[0]
+    which = {tuple(t): i for i, load in enumerate(tickets_of) for t in load.tickets}
+    calls: list[tuple[int, int, float]] = []
+    waiter = w._client.waiter
+    real_wait = waiter.wait_layer
+
+    def wait_layer(ticket, layer, *, timeout_s=None, stream=None):
+        i = which.get(tuple(ticket))
+        if i is None:
+            return real_wait(ticket, layer, timeout_s=timeout_s, stream=stream)
+        calls.append((i, layer, timeout_s))
+        try:
+            answer(i, layer, timeout_s)
+        except WaitTimeout:
+            now[0] += int(timeout_s * 1e9)
+            raise
+
+    waiter.wait_layer = wait_layer
+    return now, calls
+
+
 def test_loads_stalled_together_cost_the_step_one_load_timeout(daemon):
     """A daemon that stops with several loads in flight: their layer counters never
-    move. The step's wait gives them all one ``hicache.load_timeout_s`` between them
-    (before, each its own one after another: 60 stalled loads outlast vLLM's
-    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` of 300 s, and vLLM kills the engine). Each
-    load is still judged on its own: one whose layers landed loads, after the deadline
-    too. The stall is simulated on the worker's clock: each wait on a stalled load
-    lets the time it was given pass."""
+    move. The step's waits end at the loads' own deadline, which they share (before,
+    each had its own ``hicache.load_timeout_s`` after another: 60 stalled loads outlast
+    vLLM's ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` of 300 s, and vLLM kills the engine),
+    then one ``hicache.timeout_s`` between them for the loads to be over. Each load is
+    still judged on its own: one whose layers landed loads, after the deadline too. The
+    stall is simulated on the worker's clock: each wait on a stalled load lets the time
+    it was given pass."""
     from hicache.errors import WaitTimeout
 
     e = Engine(daemon.endpoint, **{"hicache.load_timeout_s": 2.0})
     admin = CacheClient(daemon.endpoint, heartbeat=False)
     try:
-        s, w = e.scheduler, e.worker
-        prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
-        for i, p in enumerate(prompts):
-            r = request(f"a{i}", p)
-            e.prefill(r, [1 + 2 * i, 2 + 2 * i, 20], 7.0 + i)
-            e.finish(r, [1 + 2 * i, 2 + 2 * i, 20])
-        targets = [[10, 11], [12, 13], [14, 15]]
-        for i, p in enumerate(prompts):
-            r = request(f"b{i}", p)
-            s.on_new_request(r)
-            ext, _ = s.get_num_new_matched_tokens(r, 0)
-            assert ext == 2 * BS
-            s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
-        loads = list(s._loads)
-        admin.flush()  # (every copy landed: the third load's layers are complete)
+        loads, targets = three_loads_in_one_step(e, admin)
 
-        now = [0.0]
-        w._clock = lambda: now[0]
-        stalled = {tuple(t) for load in loads[:2] for t in load.tickets}
-        given: list[float] = []
-        waiter = w._client.waiter
-        real_wait = waiter.wait_layer
+        def stalled(i, layer, timeout_s):
+            raise WaitTimeout(f"layer {layer} not complete after {timeout_s} s")
 
-        def wait_layer(ticket, layer, *, timeout_s=None, stream=None):
-            if tuple(ticket) not in stalled:
-                return real_wait(ticket, layer, timeout_s=timeout_s, stream=stream)
-            given.append(timeout_s)
-            now[0] += timeout_s  # the counter never moves: the whole time given passes
-            raise WaitTimeout(f"layer {layer} of load {ticket} not complete after {timeout_s} s")
-
-        waiter.wait_layer = wait_layer
+        now, calls = fake_layer_waits(e.worker, loads[:2], stalled)
         errors = e.step(empty_output())
-        assert now[0] <= 2.0, f"the step waited {now[0]} s for its stalled loads (given {given})"
+        deadline = max(load.copies_end_ns for load in loads[:2])
+        assert now[0] <= deadline + 1.0 * 1e9, f"the step waited past the loads' deadline (calls {calls})"
         assert errors == {10, 11, 12, 13}  # the stalled loads' blocks: vLLM recomputes them
         assert e.values(targets[2]) == [{9.0}] * 2  # the landed load is kept
+    finally:
+        admin.close()
+        e.close()
+
+
+def test_a_load_not_landed_by_its_deadline_is_reported_once_it_is_over(daemon, caplog):
+    """A load whose layer has not landed when the daemon stops starting its copies
+    (``copies_end_ns``) may still have a copy running: vLLM may give the blocks to
+    another request as soon as they are reported, so the worker first waits — one
+    ``hicache.timeout_s`` for all such loads — for each to be over. One that lands
+    meanwhile is kept; one whose rest failed is reported; one still copying after that
+    (a daemon stalled mid-copy) is reported all the same — the step cannot wait for
+    good — and said in an error. Simulated on the worker's clock and counters."""
+    from hicache.errors import LoadFailed, WaitTimeout
+
+    e = Engine(daemon.endpoint, **{"hicache.load_timeout_s": 2.0})
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        loads, targets = three_loads_in_one_step(e, admin)
+        last = e.worker._num_layers - 1
+        overs: list[int] = []
+        state = ["late"] * 3
+
+        def late(i, layer, timeout_s):
+            if state[i] == "late":  # its layer 0, until its deadline
+                state[i] = "given up"
+                raise WaitTimeout(f"layer {layer} not complete after {timeout_s} s")
+            if state[i] == "given up":  # waited for to be over
+                assert layer == last
+                overs.append(i)
+                state[i] = ("landed", "failed", "stalled")[i]
+            if state[i] == "failed":
+                raise LoadFailed(f"layer {layer} failed")
+            if state[i] == "stalled":
+                raise WaitTimeout(f"layer {layer} not complete after {timeout_s} s")
+
+        now, calls = fake_layer_waits(e.worker, loads, late)
+        with caplog.at_level("ERROR", logger="hicache.integrations.vllm"):
+            errors = e.step(empty_output())
+        assert overs == [0, 1, 2]  # each waited for once its deadline passed
+        assert errors == set(targets[1]) | set(targets[2])
+        assert e.values(targets[0]) == [{7.0}] * 2  # landed during the wait: kept
+        logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(logged) == 1 and "b2" in logged[0] and "written late" in logged[0]
+        assert now[0] <= max(load.copies_end_ns for load in loads) + 1.0 * 1e9
     finally:
         admin.close()
         e.close()

@@ -745,6 +745,92 @@ def test_corrupt_disk_record_shortens_the_hit_and_leaks_nothing(engine, store):
     tm.close()
 
 
+def on_disk_only(tm, engine, toks):
+    """Prefill ``toks`` and evict its device and host copies: its pages are on disk only."""
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.evict(Tier.DEVICE, 16, 0)
+    tm.evict(Tier.HOST, tm.host_alloc.capacity)
+    settle(tm)
+    assert tm.tree.sizes(Tier.HOST).cached == 0
+
+
+def load_all(tm, engine, handle, toks):
+    """Match, lock and load ``toks``; the pages loaded hold its bytes. The load's result."""
+    node = tm.match(NS, toks, 0).match.node
+    tm.lock(node, 0)
+    loaded = tm.wait(tm.load(node, 0))
+    engine.wait(handle, loaded.wait)
+    engine.check(NS, toks, loaded.device_pages)
+    tm.unlock(node, 0)
+    settle(tm)
+    return loaded
+
+
+def test_a_disk_read_that_raises_once_is_a_miss_and_a_later_read_serves_the_records(engine, store):
+    """The read call itself fails (LMDB out of reader slots; an EIO, ENOMEM or a store
+    being reopened alike): the load misses, counted, but nothing is known about the
+    records — they stay on disk and in the tree, and the next read serves their bytes."""
+    import lmdb
+
+    from hicache.metrics import Metrics
+
+    metrics = Metrics()
+    # (no prefetch at a match: the load's own read is the one that fails)
+    tm, handle = make_tm(engine, host_pages=8, storage=store, metrics=metrics, prefetch_min_pages=16)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    original, calls = store.get, []
+
+    def fails_once(ks, buffers, *, fingerprint):
+        calls.append(list(ks))
+        if len(calls) == 1:
+            raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+        return original(ks, buffers, fingerprint=fingerprint)
+
+    store.get = fails_once
+    assert load_all(tm, engine, handle, toks).num_loaded_pages == 0
+    assert calls == [keys]
+    assert disk_pages(tm) == 5, "a read that failed as a whole forgot the pages on disk"
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys), "its records were deleted"
+    assert metrics.missed_tokens["load_failed"] == 5 * PS
+    assert metrics.missed_tokens["corrupt_record"] == 0
+    assert tm.match(NS, toks, 0).match.num_disk_pages == 5
+    loaded = load_all(tm, engine, handle, toks)
+    assert loaded.num_loaded_pages == 5 and len(loaded.device_pages) == 5
+    store.get = original
+    assert_on_disk(store, [toks])
+    tm.close()
+
+
+def test_a_record_of_another_size_than_its_page_is_dropped_not_read_again_and_again(engine, store):
+    """An intact record of this spec whose payload is not a page's size (the store
+    refuses the read with InvalidArgument, the same at every try): the read counts as
+    a bad record — its node leaves the disk tier and the records go — rather than a
+    failed read kept for the next, which would fail the same way for good."""
+    from hicache.storage.base import PageMeta, PageRecord
+
+    tm, handle = make_tm(engine, host_pages=8, storage=store)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    packed = np.asarray(toks, dtype="<i4").tobytes()
+    odd = PageRecord(keys[2], np.zeros(SPEC.host_page_bytes - 8, dtype=np.uint8),
+                     PageMeta(NS, keys[1], packed[2 * PS * 4 : 3 * PS * 4]))
+    store.put([odd], fingerprint=SPEC.fingerprint).result()
+    with pytest.raises(InvalidArgument):
+        store.get([keys[2]], [np.empty(SPEC.host_page_bytes, dtype=np.uint8)], fingerprint=SPEC.fingerprint)
+    assert load_all(tm, engine, handle, toks).num_loaded_pages == 0
+    assert disk_pages(tm) == 0
+    store.flush()
+    assert not list(store.iter_metadata())
+    assert tm.match(NS, toks, 0).match.num_pages == 0
+    settle(tm)
+    tm.close()
+
+
 def _chain_records(namespace, parent, toks):
     """Page records of ``toks`` (whole pages) chained after ``parent``, as a disk write
     stores them."""

@@ -1,6 +1,8 @@
 """Disk -> host: reading nodes' records into host pages on the I/O threads. A record
 that is missing or fails its checksum cuts the node there: the pages before it stay, the
-rest is forgotten on disk (and deleted)."""
+rest is forgotten on disk (and deleted). A read whose call fails as a whole (an I/O
+error, LMDB out of reader slots, the store unavailable, no memory) says nothing about
+the records: the pages are a miss this time and stay on disk for the next read."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.errors import InvalidArgument
 from hicache.storage.base import StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
@@ -92,8 +95,18 @@ class DiskReader:
         if found is not None:
             core.report(transfer, sum(found))
         tree.unpin(transfer.hold)
+        if error is not None and not isinstance(error, InvalidArgument):
+            logger.error("disk read of %d pages failed (their records stay on disk): %s", transfer.num_pages, error)
+            core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
+            for entry in transfer.entries:
+                core.host_alloc.free(entry.dst)
+            transfer.finished()
+            return
         if error is not None:
-            logger.error("disk read failed: %s", error)
+            # The store refused buffers that do not fit its records: an intact record of
+            # another size than its page (the tree and the store disagree). Every read
+            # of it would be refused again: bad records, as if they failed a check.
+            logger.error("disk read refused: %s", error)
         found = found if found is not None else []
         failed = False
         offset = 0

@@ -687,9 +687,12 @@ class RemoteTier:
 
     def close(self) -> None:
         """Stop the lanes, then take this manager's memory back from the store: the
-        store is shared with other specs' managers and outlives this one. (Write-backs
-        still waiting for staging pages — a stop whose drain ran out of time — leave
-        their records on disk, not put.)"""
+        store is shared with other specs' managers and outlives this one. (Only after a
+        drain that finished: nothing waits then. A stop whose drain ran out of time does
+        not close the manager, and its write-backs in flight or waiting for staging
+        pages are not put by this process; their records stay on disk, so the restarted
+        daemon rebuilds them as disk-resident pages and puts them when its disk tier
+        evicts them.)"""
         # (each lane's thread has its own registered scratch area in the store)
         self._reads.close(self.store.release_scratch)
         self._writes.close(self.store.release_scratch)

@@ -446,6 +446,56 @@ def test_a_write_back_while_another_holds_the_staging_rows_waits_for_them(tmp_pa
         b.close()
 
 
+def test_write_backs_a_stop_cut_short_are_put_once_the_restarted_node_evicts_them(tmp_path):
+    """The stop's drain runs out of time with a write-back stuck in the store and another
+    waiting for its staging rows (the daemon gives up on the manager and closes the disk
+    store): neither is put, but their records stay on disk. The restarted node rebuilds
+    them as disk-resident pages, and its disk tier's next eviction of them puts them
+    all — the fleet gets them late, not never."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    capacity = 4 * (STAGING_PAGES + 4) * SPEC.host_page_bytes
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=capacity)
+    a = StandInNode(raw, disk=disk, pages=STAGING_PAGES + 8, policy="write_back")
+    first, second = list(range(100, 100 + STAGING_PAGES * PS)), list(range(50_000, 50_000 + 4 * PS))
+    b = c = None
+    try:
+        _on_disk_only(a, [first, second])
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, STAGING_PAGES) == STAGING_PAGES
+        assert raw.entered.wait(60)
+        assert a.tm.evict(Tier.DISK, 4) == 4  # (waits for the staging rows)
+        assert a.tm.close(0) is False  # the stop gives up on it (left to the process's exit) ...
+        disk.close()  # ... and closes the store
+        # The restart. The old process's put never reached the fleet's store (it died
+        # with the process): the fleet is a store without these pages.
+        fleet = InProcessMooncake()
+        disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=capacity)
+        b = StandInNode(fleet, disk=disk, pages=STAGING_PAGES + 8, policy="write_back")
+        assert b.tm.rebuild_from_storage() == STAGING_PAGES + 4
+        b.tm.check_invariants()
+        assert b.tm.evict(Tier.DISK, STAGING_PAGES + 4) == STAGING_PAGES + 4
+        b.tm.flush()
+        b.tm.check_invariants()
+        assert (b.tm.remote.counts["pages_put"], b.tm.remote.counts["put_skipped"]) == (STAGING_PAGES + 4, 0)
+        disk.flush()
+        assert not list(disk.iter_metadata())
+        c = StandInNode(fleet, pages=STAGING_PAGES + 8)
+        for tokens in (first, second):
+            hit, _ = c.load(tokens)
+            assert hit.remote_pages == len(tokens) // PS
+    finally:
+        raw.release()  # (the old manager's lane thread ends; its callbacks are never run)
+        a.store.close()
+        a.engine.close()
+        for node in (b, c):
+            if node is not None:
+                node.close()
+
+
 def test_a_write_back_over_its_backlog_puts_what_fits_and_deletes_the_rest(tmp_path):
     """An eviction of more pages than ``write_backlog``: the pages that fit are put in
     parts of the staging pages, the rest are skipped (counted) — and no record of either

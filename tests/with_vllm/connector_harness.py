@@ -106,10 +106,9 @@ class Engine:
     def values(self, block_ids) -> list[set[float]]:
         return [{float(v) for layer in range(LAYERS) for v in self.block(layer, b).unique()} for b in block_ids]
 
-    def step(self, output, forward=None) -> set[int]:
-        """The worker's side of one step: metadata, loads, (the forward), stores; the
-        blocks reported as failed loads."""
-        meta = self.scheduler.build_connector_meta(output)
+    def execute(self, meta, forward=None) -> KVConnectorOutput:
+        """The worker's side of one step, as vLLM's model runner drives it: loads, (the
+        forward), stores; the step's connector output."""
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
@@ -118,11 +117,25 @@ class Engine:
         if forward is not None:
             forward()
         w.wait_for_save()
-        errors = w.get_block_ids_with_load_errors()
+        out = KVConnectorOutput(invalid_block_ids=set(w.get_block_ids_with_load_errors()),
+                                kv_connector_worker_meta=w.build_connector_worker_meta())
         w.clear_connector_metadata()
-        # (vLLM's update_from_output: it hands the step's connector output to the scheduler's connector)
-        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=set(errors)))
-        return errors
+        return out
+
+    def deliver(self, out: KVConnectorOutput) -> None:
+        """vLLM's update_from_output: a step's connector output reaches the scheduler's
+        connector, unless it is empty (``ModelRunnerOutput.with_kv_conn_output_only``)."""
+        if not out.is_empty():
+            self.scheduler.update_connector_output(out)
+
+    def step(self, output, forward=None) -> set[int]:
+        """One step of synchronous scheduling: the metadata, the worker's step, its
+        output to the scheduler; the blocks reported as failed loads. (Under
+        asynchronous scheduling vLLM builds the next step's metadata before this
+        step's output reaches the scheduler: ``execute`` and ``deliver``.)"""
+        out = self.execute(self.scheduler.build_connector_meta(output), forward)
+        self.deliver(out)
+        return out.invalid_block_ids
 
     def prefill(self, req, block_ids: list[int], value: float, local_hit: int = 0) -> tuple[int, set[int]]:
         """A request scheduled whole: match beyond vLLM's ``local_hit``, alloc, load,

@@ -85,18 +85,25 @@ def second_request_matches(e, p):
     return r2, ext
 
 
-def hit_evicted_before_its_load(e, p):
-    """Request r2 of ``p`` (stored by r1) matches in hicache, then another prompt fills
-    the host tier before vLLM allocates r2's blocks 11-15 (stale values): its load
-    fails, and the step reports the four blocks it was to fill (vLLM recomputes them
-    next step). Returns r2 and its blocks."""
+def hit_evicted_before_its_alloc(e, p, r2_blocks=(11, 12, 13, 14, 15)):
+    """Request r2 of ``p`` (its first four pages stored by r1) matches in hicache, then
+    another prompt fills the host tier before vLLM allocates r2's blocks (stale values)
+    and the scheduler starts their load, which falls short. Returns r2, its blocks and
+    the tokens matched."""
     r2, ext = second_request_matches(e, p)
     q = list(range(5000, 5000 + 6 * BS + 1))
     e.prefill(request("q", q), [20, 21, 22, 23, 24, 25, 26], 5.0)
     e.finish(request("q", q), [20, 21, 22, 23, 24, 25, 26])
-    r2_blocks = [11, 12, 13, 14, 15]
+    r2_blocks = list(r2_blocks)
     e.fill(r2_blocks, STALE)
     e.scheduler.update_state_after_alloc(r2, blocks(r2_blocks), ext)
+    return r2, r2_blocks, ext
+
+
+def hit_evicted_before_its_load(e, p):
+    """``hit_evicted_before_its_alloc``, then r2's step: it reports the four blocks
+    the load was to fill (vLLM recomputes them next step). Returns r2 and its blocks."""
+    r2, r2_blocks, ext = hit_evicted_before_its_alloc(e, p)
     # vLLM: num_computed_tokens = local + external; the rest of the prompt scheduled.
     errors = e.step(new_req_output("r2", r2_blocks, ext, len(p) - ext), forward=lambda: e.fill(r2_blocks[4:], STALE))
     assert set(r2_blocks[:4]) <= errors
@@ -363,6 +370,84 @@ def test_blocks_whose_load_failed_are_not_taken_from_vllms_prefix_cache_as_compu
         loaded = e.values(r4_blocks[: ext // BS])
         assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
         assert ext == 4 * BS and loaded == [{9.0}] * 4  # the recomputed blocks were stored
+    finally:
+        e.close()
+
+
+def test_under_async_scheduling_blocks_whose_load_fails_are_not_taken_as_computed_the_next_step(small_daemon):
+    """vLLM's asynchronous scheduling (``async_scheduling``, its default on GPUs) builds
+    step N+1 before step N's output reaches the scheduler. vLLM put r2's blocks in its
+    prefix cache when it allocated them (``allocate_slots`` caches a sync load's blocks
+    at once), so r3 of the same prompt, scheduled in step N+1, counts them as
+    computed while their load is failing in step N. Step N+1 must report them (vLLM
+    recomputes r3 rather than read stale KV) and store none of them in hicache under
+    the prompt's tokens, for every later hit to load."""
+    e = Engine(small_daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        r2, r2_blocks, ext = hit_evicted_before_its_alloc(e, p)
+        s = e.scheduler
+        step_n = s.build_connector_meta(new_req_output("r2", r2_blocks, ext, len(p) - ext))
+
+        r3 = request("r3", p)
+        s.on_new_request(r3)
+        assert s.get_num_new_matched_tokens(r3, 4 * BS) == (0, False)  # vLLM's own hit: r2's four blocks
+        r3_blocks = r2_blocks[:4] + [28]
+        s.update_state_after_alloc(r3, blocks(r3_blocks), 0)
+        step_n1 = s.build_connector_meta(new_req_output("r3", r3_blocks, 4 * BS, len(p) - 4 * BS))
+
+        out_n = e.execute(step_n, forward=lambda: e.fill(r2_blocks[4:], STALE))
+        assert set(r2_blocks[:4]) <= out_n.invalid_block_ids
+        out_n1 = e.execute(step_n1, forward=lambda: e.fill(r3_blocks[4:], 9.0))
+        e.deliver(out_n)
+        e.deliver(out_n1)
+        assert set(r2_blocks[:4]) <= out_n1.invalid_block_ids, \
+            "step N+1 took blocks whose load failed in step N as r3's KV"
+        e.finish(r2, r2_blocks)
+        e.step(cached_output("r3", 0, len(p)), forward=lambda: e.fill(r3_blocks, 9.0))  # vLLM's recompute
+        e.finish(r3, r3_blocks)
+
+        r4 = request("r4", p)
+        r4_blocks = [16, 17, 18, 19, 27]
+        e.fill(r4_blocks, 0.0)
+        ext, _ = e.prefill(r4, r4_blocks, 1.0)
+        loaded = e.values(r4_blocks[: ext // BS])
+        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+        assert ext == 4 * BS and loaded == [{9.0}] * 4  # the recomputed blocks were stored
+    finally:
+        e.close()
+
+
+def test_under_async_scheduling_a_chunked_prefill_stores_no_block_whose_load_failed_the_step_before(small_daemon):
+    """r2's prompt goes beyond its hicache hit; vLLM schedules it in two chunks, and
+    under asynchronous scheduling builds the second one's step before the first one's
+    output (with the failed load) reaches the scheduler. The second step's store of
+    r2's whole pages must stop before the blocks whose load failed, and report them:
+    nothing r2 computed on top of their stale KV is cached."""
+    e = Engine(small_daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        p2 = p[: 4 * BS] + list(range(8000, 8000 + 3 * BS + 1))
+        r2, r2_blocks, ext = hit_evicted_before_its_alloc(e, p2, [11, 12, 13, 14, 15, 16, 17, 18])
+        s = e.scheduler
+        step_n = s.build_connector_meta(new_req_output("r2", r2_blocks, ext, BS))  # page 4
+        step_n1 = s.build_connector_meta(cached_output("r2", ext + BS, 2 * BS + 1))  # pages 5-6 and the last token
+
+        out_n = e.execute(step_n, forward=lambda: e.fill(r2_blocks[4:5], STALE))
+        out_n1 = e.execute(step_n1, forward=lambda: e.fill(r2_blocks[5:], STALE))
+        e.deliver(out_n)
+        e.deliver(out_n1)
+        e.finish(r2, r2_blocks)
+
+        r4 = request("r4", p2)
+        r4_blocks = [1, 2, 3, 4, 5, 6, 7, 8]
+        e.fill(r4_blocks, 0.0)
+        ext, _ = e.prefill(r4, r4_blocks, 1.0)
+        loaded = e.values(r4_blocks[: ext // BS])
+        assert STALE not in set().union(*loaded), f"hicache cached KV computed on stale blocks: r4 loaded {loaded}"
+        assert set(r2_blocks[:4]) <= out_n1.invalid_block_ids
     finally:
         e.close()
 

@@ -39,7 +39,12 @@ How the two sides work (they are separate processes):
   ``recompute`` it evicts nothing), so the scheduler remembers them
   (``update_connector_output``) until a request computes them again, and has a request
   that takes one from vLLM's prefix cache as computed report it too, so that vLLM
-  recomputes it rather than read (and hicache store) stale KV. The store is synchronous
+  recomputes it rather than read (and hicache store) stale KV. Under vLLM's asynchronous
+  scheduling a step is built before the previous step's output comes back, so the
+  scheduler also lists the blocks a request counts as computed whose load it has no
+  outcome of yet (``check``), and the worker, which ran that load's step already,
+  reports those whose load failed (it remembers them until the scheduler has that
+  step's output). The store is synchronous
   on purpose: vLLM frees a preempted request's blocks inside ``schedule()`` and may hand
   them at once to a request whose ``update_state_after_alloc`` starts a ``load_into``
   them, before any worker hook runs (``handle_preemptions`` comes later), so a store
@@ -94,6 +99,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -135,6 +141,23 @@ class HicacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadMeta] = field(default_factory=list)
     stores: list[StoreMeta] = field(default_factory=list)
     invalid: set[int] = field(default_factory=set)  # stale blocks a request counts as computed: reported
+    step: int = 0  # this metadata's number, from 0 (the scheduler's)
+    # Blocks a request counts as computed whose latest load (in a step after
+    # ``confirmed``, the last one whose output the scheduler has seen) may have failed:
+    # the worker reports those whose load did.
+    check: set[int] = field(default_factory=set)
+    confirmed: int = -1
+
+
+@dataclass
+class HicacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Back to the scheduler from a step that had loads: that step's outcome is in."""
+
+    step: int
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        # (a step is in once every worker has run it)
+        return self if not isinstance(other, HicacheWorkerMetadata) or self.step <= other.step else other
 
 
 @dataclass
@@ -281,6 +304,11 @@ class HicacheConnector(KVConnectorBase_V1):
             self._matches: dict[str, tuple[Any, int]] = {}  # req id -> (node handle, num_computed_tokens)
             self._loads: list[LoadMeta] = []
             self._stale: set[int] = set()  # blocks whose load failed, not computed again since
+            self._step = 0  # the number of the next metadata
+            self._confirmed = -1  # the last step with loads whose output came back
+            # block -> the step that last loaded into it, while that step's output is not
+            # back (asynchronous scheduling) and no request has computed the block since
+            self._unconfirmed: dict[int, int] = {}
             if self._enabled:  # (vLLM makes the scheduler after the workers registered their pools)
                 client = self._new_client("vllm-scheduler")
                 self._start_connecting(client, lambda: client.attach(self._pool_name),
@@ -291,6 +319,9 @@ class HicacheConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
+            # block -> the step whose load into it (its latest) failed, until the scheduler
+            # has that step's output (``confirmed``): what ``meta.check`` is answered from
+            self._failed: dict[int, int] = {}
             self._clock: Callable[[], int] = monotonic_ns  # times a step's layer waits (tests inject one)
             self._num_layers = 0
 
@@ -381,6 +412,8 @@ class HicacheConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         target = block_ids[first : first + num_external_tokens // bs]
         self._stale.difference_update(target)  # (new blocks: a failed load reports them again)
+        for block in target:  # (this step's load: its own failure is reported, no check needed)
+            self._unconfirmed.pop(block, None)
         load = LoadMeta(req_id, target, 0, [])
         client = self._client
         if client is not None:
@@ -401,10 +434,13 @@ class HicacheConnector(KVConnectorBase_V1):
         self._loads.append(load)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = HicacheConnectorMetadata(loads=self._loads)
+        meta = HicacheConnectorMetadata(loads=self._loads, step=self._step, confirmed=self._confirmed)
         self._loads = []
+        self._step += 1
         if self._enabled:
             self._collect_stores(scheduler_output, meta)
+        for load in meta.loads:
+            self._unconfirmed.update(dict.fromkeys(load.blocks, meta.step))
         return meta
 
     def _collect_stores(self, out: "SchedulerOutput", meta: HicacheConnectorMetadata) -> None:
@@ -434,6 +470,8 @@ class HicacheConnector(KVConnectorBase_V1):
             steps.append((req, cached.num_computed_tokens[i], scheduled[req_id]))
         if self._stale:
             self._report_stale(steps, meta)
+        if self._unconfirmed:
+            self._check_unconfirmed(steps, meta)
         for req, num_computed, num_scheduled in steps:
             self._store_if_due(req, num_computed, num_scheduled, meta)
 
@@ -450,6 +488,22 @@ class HicacheConnector(KVConnectorBase_V1):
             self._stale.difference_update(req.blocks[num_computed // bs :])
         for req, num_computed, _ in steps:
             meta.invalid.update(b for b in req.blocks[: num_computed // bs] if b in self._stale)
+
+    def _check_unconfirmed(self, steps: list[tuple["_Request", int, int]], meta: HicacheConnectorMetadata) -> None:
+        """Under asynchronous scheduling (vLLM's default on GPUs) vLLM builds a step
+        before the previous one's output comes back, and it put a load's blocks in its
+        prefix cache when it allocated them (``KVCacheManager.allocate_slots``): a
+        request of this step may count as computed a block whose load is failing in a
+        step this side has no output of yet, which :meth:`_report_stale` cannot know.
+        The worker runs the steps in order and knows by then: ``meta.check`` asks it
+        about those blocks, and it reports the ones whose load failed. A block a request
+        computes from this step on no longer depends on its load."""
+        bs = self._block_size
+        for req, num_computed, _ in steps:
+            for block in req.blocks[num_computed // bs :]:
+                self._unconfirmed.pop(block, None)
+        for req, num_computed, _ in steps:
+            meta.check.update(b for b in req.blocks[: num_computed // bs] if b in self._unconfirmed)
 
     def _store_if_due(self, req: _Request, num_computed: int, num_scheduled: int,
                       meta: HicacheConnectorMetadata) -> None:
@@ -468,9 +522,17 @@ class HicacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """The blocks the workers reported as failed loads (``invalid_block_ids``) are
-        stale until computed again (see :meth:`_report_stale`)."""
-        if self._enabled:
-            self._stale.update(connector_output.invalid_block_ids or ())
+        stale until computed again (see :meth:`_report_stale`); the loads of the step
+        the output is of, and of the steps before it, need no check any more (see
+        :meth:`_check_unconfirmed`). vLLM hands over only outputs that are not empty:
+        a step with loads sends its number (:class:`HicacheWorkerMetadata`)."""
+        if not self._enabled:
+            return
+        self._stale.update(connector_output.invalid_block_ids or ())
+        done = connector_output.kv_connector_worker_meta
+        if isinstance(done, HicacheWorkerMetadata) and done.step > self._confirmed:
+            self._confirmed = done.step
+            self._unconfirmed = {b: step for b, step in self._unconfirmed.items() if step > done.step}
 
     def on_new_request(self, request: "Request") -> None:
         if self._enabled:
@@ -566,6 +628,9 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         self._load_errors.update(meta.invalid)
+        if self._failed:
+            self._failed = {b: step for b, step in self._failed.items() if step > meta.confirmed}
+            self._load_errors.update(b for b in meta.check if b in self._failed)
         for load in meta.loads:
             if self._client is None or not load.tickets:
                 self._load_errors.update(load.blocks)
@@ -667,17 +732,38 @@ class HicacheConnector(KVConnectorBase_V1):
                     logger.warning("hicache: store failed: %s", exc)
 
     def _valid_pages(self, store: StoreMeta) -> int:
-        """The pages of ``store`` before its first block whose load failed this step:
-        that block holds what it held before, and every later one of the request was
-        computed on top of it (vLLM recomputes them, and the scheduler stores them then)."""
+        """The pages of ``store`` before its first block reported this step (its load
+        failed, or it is stale: ``meta.invalid``, ``meta.check``): that block holds what
+        it held before, and every later one of the request was computed on top of it
+        (vLLM recomputes them, and the scheduler stores them then)."""
         for i, block in enumerate(store.blocks):
             if block in self._load_errors:
                 return i
         return len(store.blocks)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The step's reported blocks; the blocks this step loaded into are remembered
+        as failed or forgotten (a load into a block is all its hicache KV), for the
+        checks of the steps vLLM built before this output reaches the scheduler."""
         errors, self._load_errors = self._load_errors, set()
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            for load in meta.loads:
+                for block in load.blocks:
+                    if block in errors:
+                        self._failed[block] = meta.step
+                    else:
+                        self._failed.pop(block, None)
         return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """A step with loads tells the scheduler that its outcome is in, so that it stops
+        asking about them; a step without has nothing to confirm (and its output may stay
+        empty)."""
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return HicacheWorkerMetadata(meta.step) if meta.loads else None
 
     def shutdown(self) -> None:
         """Stop the connecting thread, then close the client. A thread still inside an

@@ -452,6 +452,46 @@ def test_under_async_scheduling_a_chunked_prefill_stores_no_block_whose_load_fai
         e.close()
 
 
+def test_under_async_scheduling_blocks_whose_load_lands_are_computed_for_the_next_step(daemon):
+    """The same order with a load that lands: r3 of step N+1 counts r2's blocks as
+    computed, the worker (which ran step N first) reports none of them, so vLLM
+    recomputes nothing. Once step N's output is in, a request that takes them from
+    vLLM's prefix cache has nothing to check: a step built after its previous step's
+    output (synchronous scheduling) asks the worker about no block."""
+    e = Engine(daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        r2, ext = second_request_matches(e, p)
+        r2_blocks = [11, 12, 13, 14, 15]
+        s = e.scheduler
+        s.update_state_after_alloc(r2, blocks(r2_blocks), ext)
+        step_n = s.build_connector_meta(new_req_output("r2", r2_blocks, ext, len(p) - ext))
+        r3 = request("r3", p)
+        s.on_new_request(r3)
+        r3_blocks = r2_blocks[:4] + [28]
+        s.update_state_after_alloc(r3, blocks(r3_blocks), 0)
+        step_n1 = s.build_connector_meta(new_req_output("r3", r3_blocks, 4 * BS, len(p) - 4 * BS))
+        assert step_n1.check == set(r2_blocks[:4])  # (step N's output is not back)
+
+        out_n = e.execute(step_n, forward=lambda: e.fill(r2_blocks[4:], 9.0))
+        out_n1 = e.execute(step_n1, forward=lambda: e.fill(r3_blocks[4:], 9.0))
+        assert not out_n.invalid_block_ids and not out_n1.invalid_block_ids
+        assert e.values(r2_blocks[:4]) == [{7.0}] * 4
+        e.deliver(out_n)
+        e.deliver(out_n1)
+
+        r5 = request("r5", p)
+        s.on_new_request(r5)
+        r5_blocks = r2_blocks[:4] + [29]
+        s.update_state_after_alloc(r5, blocks(r5_blocks), 0)
+        meta = s.build_connector_meta(new_req_output("r5", r5_blocks, 4 * BS, len(p) - 4 * BS))
+        assert meta.check == set()
+        assert not e.execute(meta, forward=lambda: e.fill(r5_blocks[4:], 9.0)).invalid_block_ids
+    finally:
+        e.close()
+
+
 def mm_feature(identifier: str, offset: int, length: int) -> SimpleNamespace:
     """vLLM 0.32's MultiModalFeatureSpec: the fields its prefix cache hashes."""
     return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))

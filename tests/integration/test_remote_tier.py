@@ -520,3 +520,108 @@ def test_a_write_back_over_its_backlog_puts_what_fits_and_deletes_the_rest(tmp_p
         assert not list(disk.iter_metadata())
     finally:
         a.close()
+
+
+def _until(node: StandInNode, done) -> None:
+    """Run ``node``'s completions until ``done()`` holds (its flush would wait for a
+    put the test holds in the store)."""
+    for _ in range(6000):
+        if done():
+            return
+        node.tm.poll(0.01)
+    assert done(), "the tier manager never got there"
+
+
+def test_records_waiting_for_their_write_back_are_not_evicted_by_new_disk_writes(tmp_path):
+    """The disk tier evicts more pages than one put takes while the store is slow to
+    take them: their records stay on disk until they are put (some wait for staging
+    rows). New pages that would overflow the disk meanwhile wait for those puts, rather
+    than have the LMDB store evict its oldest records on its own — the waiting ones,
+    which would then reach neither tier. Once the store answers, every evicted page is
+    put, none skipped, the store evicted nothing and the new pages are on disk."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    num_old = STAGING_PAGES + 4
+    capacity = 2 * num_old + 8
+    num_new = capacity - num_old + 4  # (the old records and the new pages overflow the store by 4)
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=capacity * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=num_new + 8, policy="write_back")
+    b = StandInNode(raw, pages=num_old + 8)
+    try:
+        first, second = list(range(100, 100 + STAGING_PAGES * PS)), list(range(50_000, 50_000 + 4 * PS))
+        _on_disk_only(a, [first, second])
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, STAGING_PAGES) == STAGING_PAGES
+        assert raw.entered.wait(60)
+        assert a.tm.evict(Tier.DISK, 4) == 4  # (waits for the staging rows)
+        new = list(range(90_000, 90_000 + num_new * PS))
+        a.prefill(new)
+        _until(a, lambda: a.tm.tree.sizes(Tier.HOST).cached == num_new and not a.tm.disk.pending)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (num_old, 0)
+        assert disk.stats().evicted_records == 0
+        assert a.tm.tree.sizes(Tier.DISK).cached == num_new
+        disk.flush()
+        assert len(list(disk.iter_metadata())) == num_new
+        for tokens in (first, second):
+            hit, _ = b.load(tokens)
+            assert hit.remote_pages == len(tokens) // PS
+    finally:
+        raw.release()
+        a.close()
+        b.close()
+
+
+def test_write_backs_hold_at_most_half_the_disk_and_a_store_gone_down_lets_go_of_theirs(tmp_path):
+    """The records write-backs hold count as used disk space, but never stop disk writes
+    for good. A store that hangs: write-backs take at most half the disk tier (the rest
+    is skipped, its records deleted), so new pages still fit beside them and are written
+    while the put hangs; a write that does not fit waits. Once the store fails the put
+    (the tier is down), the write-backs waiting for staging rows are skipped too, and
+    the write that waited for their room goes on. The LMDB store never evicts on its
+    own."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    half = STAGING_PAGES + 8
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=2 * half * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=2 * half + 8, policy="write_back")
+    try:
+        _on_disk_only(a, [list(range(100, 100 + (half + 8) * PS))])
+
+        def put_fails(names, all_ptrs, all_sizes):  # (once the test lets it go)
+            raw._wait("batch_put_from_multi_buffers")
+            return [-900] * len(names)  # (Mooncake's "the RPC failed")
+
+        raw.batch_put_from_multi_buffers = put_fails
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, half + 8) == half + 8  # (STAGING_PAGES put, 8 wait for rows)
+        assert raw.entered.wait(60)
+        counts = a.tm.remote.counts
+        assert counts["put_skipped"] == 8  # (over half the disk: deleted now)
+        beside = list(range(20_000, 20_000 + half * PS))
+        a.prefill(beside)
+        _until(a, lambda: a.tm.tree.sizes(Tier.DISK).cached == half)
+        after = list(range(40_000, 40_000 + 8 * PS))
+        a.prefill(after)  # (the disk is full: waits for the write-backs' room)
+        _until(a, lambda: a.tm.disk.deferred_writes() == 8)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert not a.tm.remote.up
+        assert (counts["pages_put"], counts["put_skipped"]) == (0, half + 8)
+        assert a.tm.tree.sizes(Tier.DISK).cached == half + 8
+        assert disk.stats().evicted_records == 0
+        disk.flush()
+        assert len(list(disk.iter_metadata())) == half + 8
+    finally:
+        raw.release()
+        a.close()

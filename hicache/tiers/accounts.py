@@ -27,7 +27,7 @@ def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, Ti
     out[Place(Tier.HOST)] = TierAccount(core.host_alloc.num_free, 0, sizes.evictable, sizes.protected,
                                         core.host_staging)
     sizes = tree.sizes(Tier.DISK)
-    pending = disk.pending
+    pending = disk.pending + core.remote.held_pages  # (records on their way to the remote tier's store)
     free = max(0, disk.capacity_pages - sizes.cached - pending)
     out[Place(Tier.DISK)] = TierAccount(free, 0, sizes.evictable, sizes.protected, pending)
     return out

@@ -27,6 +27,10 @@ from hicache.tree import Node, Tier
 
 logger = logging.getLogger(__name__)
 
+# The remote tier's write-backs hold the records of at most 1/this of the disk tier's
+# capacity: a store that is slow or hangs never takes the disk from new writes.
+WRITE_BACK_SHARE = 2
+
 
 class DiskTier(Protocol):
     enabled: bool
@@ -202,14 +206,28 @@ class LocalDisk:
             self._reader.read(wanted)
 
     def room(self, num_pages: int) -> bool:
-        """Keep the tree's disk tier within capacity: evict its LRU to make room."""
+        """Keep the tree's disk tier within capacity: evict its LRU to make room. The
+        records the remote tier's write-backs hold (pages evicted on their way to its
+        store) count as used until they are put — else the store, full, would evict
+        them on its own and they would reach neither tier; they leave as their puts end,
+        so only the tree's own pages are evicted to make room beside them (those may go
+        to a write-back in turn): a write that fits once they are put waits for that
+        (:meth:`room_coming`)."""
         if num_pages > self.capacity_pages:
             return False
-        used = self.core.tree.sizes(Tier.DISK).cached + self.pending
-        excess = used + num_pages - self.capacity_pages
+        excess = self._used() + num_pages - self.capacity_pages
         if excess > 0:
-            used -= self.evict(excess)
-        return used + num_pages <= self.capacity_pages
+            self.evict(excess)
+        return self._used() + self.core.remote.held_pages + num_pages <= self.capacity_pages
+
+    def room_coming(self, num_pages: int) -> bool:
+        """After :meth:`room` found none: will ``num_pages`` fit once the write-backs
+        holding disk records end (each end retries the writes that wait)?"""
+        return self.core.remote.held_pages > 0 and self._used() + num_pages <= self.capacity_pages
+
+    def _used(self) -> int:
+        """Pages of the tree's records and of those being written."""
+        return self.core.tree.sizes(Tier.DISK).cached + self.pending
 
     def evict(self, num_pages: int, namespaces: set | None = None) -> int:
         """Evict the tree's disk LRU (of ``namespaces`` only, when given) and delete
@@ -228,7 +246,8 @@ class LocalDisk:
                 self._drop(node, doomed)
             if len(doomed) >= num_pages:
                 break
-        if doomed and not self.core.remote.write_back(leaving, self.storage):
+        if doomed and not self.core.remote.write_back(leaving, self.storage,
+                                                      self.capacity_pages // WRITE_BACK_SHARE):
             self.storage.delete(doomed)
         return len(doomed)
 

@@ -6,6 +6,9 @@ The writer's queue is bounded: at most ``limit`` pages written and not yet commi
 when the disk is slower than the traffic). A write beyond the bound is *deferred*, not
 dropped: counted (``hicache_disk_writes_deferred_total``), kept in order and started as
 earlier writes commit; host eviction writes such a page before it lets its host copy go.
+A write whose room the remote tier's write-backs hold (records on their way to its
+store: :meth:`hicache.tiers.disk.LocalDisk.room`) is deferred the same way, and started
+as those end.
 """
 
 from __future__ import annotations
@@ -58,22 +61,23 @@ class DiskWriter:
             self.too_large = True
             return False
         if self.pending and self.pending + total > self.limit:  # (a path over the bound goes alone)
-            if node.node_id not in self.deferred:
-                self.deferred[node.node_id] = then_drop_host
-                core.metrics.disk_write_deferred()
-            elif then_drop_host:
-                self.deferred[node.node_id] = True
+            self._defer(node, then_drop_host)
             return False
-        self.deferred.pop(node.node_id, None)
         hold = path[-1]
         tree.pin(hold)  # before room() evicts: the path's ancestors on disk must stay
         if not core.room_for(node.namespace, Tier.DISK, total):
             tree.unpin(hold)
+            self.deferred.pop(node.node_id, None)
             self.over_quota = True
             return False
         if not self.disk.room(total):
             tree.unpin(hold)
+            if self.disk.room_coming(total):  # (the remote tier's write-backs hold it)
+                self._defer(node, then_drop_host)
+            else:
+                self.deferred.pop(node.node_id, None)
             return False
+        self.deferred.pop(node.node_id, None)
         # Only O(nodes) here; the records (O(pages)) are built on the write-preparation
         # thread from what the path holds now — its host pages stay pinned until done.
         entries = []
@@ -107,6 +111,14 @@ class DiskWriter:
         core.remote.keep_on_disk(path)
         core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
         return True
+
+    def _defer(self, node: Node, then_drop_host: bool) -> None:
+        """Keep the write of ``node`` for when the disk has room for it (counted once)."""
+        if node.node_id not in self.deferred:
+            self.deferred[node.node_id] = then_drop_host
+            self.core.metrics.disk_write_deferred()
+        elif then_drop_host:
+            self.deferred[node.node_id] = True
 
     def _done(self, transfer: Transfer, result, error: BaseException | None) -> None:
         core = self.core

@@ -127,6 +127,8 @@ class TierManager:
             remote = None
         self.remote = RemoteTier(self._core, remote, remote_settings) if remote is not None else NoRemote()
         self._core.remote = self.remote
+        if remote is not None:  # (disk writes that waited for the room write-backs held)
+            self.remote.on_disk_freed = self.disk.retry_writes
         # Recurrent-state checkpoints, for a spec with state layers (None otherwise).
         self.checkpoints: Checkpoints | None = None
         if checkpoint_slots:

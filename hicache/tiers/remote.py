@@ -14,8 +14,12 @@ and evicts on its own, so what this node could record would go stale. Instead:
   them instead — their records read back into staging pages, put, then deleted from the
   disk (:meth:`RemoteTier.write_back`). An eviction of more pages than the staging pages
   free goes in parts: the rest wait for rows (their records stay on disk meanwhile) up
-  to ``write_backlog`` pages in all; beyond that, or while the tier is down, skipped and
-  counted the same way.
+  to ``write_backlog`` pages in all, and to the share of the disk tier it leaves them
+  (half); beyond that, or while the tier is down, skipped and counted the same way. The
+  records write-backs hold count as used disk space until they are put (a write-back
+  cache's dirty data: left uncounted, a disk write would overflow the store, which
+  evicts its oldest records on its own — these — and they would reach neither tier): a
+  disk write they are in the way of waits for their puts to end.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
   every machine for the same namespace and tokens) — unless a lookup found nothing at
@@ -196,11 +200,12 @@ class _Lane:
 class NoRemote:
     enabled = False
     pending = 0
+    held_pages = 0
 
     def write(self, nodes: list[Node]) -> None:
         pass
 
-    def write_back(self, leaving, storage) -> bool:
+    def write_back(self, leaving, storage, max_held: int) -> bool:
         return False
 
     def keep_on_disk(self, nodes: list[Node]) -> None:
@@ -243,6 +248,9 @@ class RemoteTier:
         self._writing: list[_WriteBack] = []  # write-backs in flight
         self._waiting: deque[_WriteBack] = deque()  # write-backs waiting for staging pages, oldest first
         self._waiting_pages = 0
+        # Told when write-backs let go of disk records (put, or skipped): the disk tier's
+        # writes that waited for their room (the owner sets it).
+        self.on_disk_freed: Callable[[], object] = lambda: None
         self.counts = dict.fromkeys(("lookup_hit", "lookup_miss", "lookup_recent_miss", "lookup_unavailable",
                                      "lookup_busy",
                                      "pages_got", "pages_missing", "pages_corrupt", "pages_put", "put_deferred",
@@ -271,6 +279,12 @@ class RemoteTier:
             self.core.metrics.remote_up(True)
 
     # -- writes --------------------------------------------------------------------------
+
+    @property
+    def held_pages(self) -> int:
+        """Pages whose disk records the write-backs still hold (being put, or waiting
+        for staging pages): used disk space until they are deleted."""
+        return self.pending + self._waiting_pages if self.settings.policy == "write_back" else 0
 
     def write(self, nodes: list[Node]) -> None:
         """Put the pages of ``nodes`` (one path's, top-down, just on host) to the store."""
@@ -309,14 +323,15 @@ class RemoteTier:
             return
         self.pending += total
 
-    def write_back(self, leaving: list[tuple[bytes, bytes, bytes]], storage) -> bool:
+    def write_back(self, leaving: list[tuple[bytes, bytes, bytes]], storage, max_held: int) -> bool:
         """``policy = "write_back"``: the disk tier evicts these nodes' pages —
         ``(namespace, parent key, page keys)`` each, already out of the tree. Read their
         records from ``storage`` into staging pages and put them to the store, then delete
         the records (but those written again meanwhile: :meth:`keep_on_disk`). The pages
         the free staging pages cannot take now wait for them (as puts finish); what is
-        over ``write_backlog`` (being put and waiting), or evicted while the tier is down,
-        is skipped and its records deleted now. True if it took charge of the records
+        over ``write_backlog`` or ``max_held`` (the records the disk tier lets
+        write-backs hold: being put and waiting), or evicted while the tier is down, is
+        skipped and its records deleted now. True if it took charge of the records
         (else the caller deletes them now). O(pages)."""
         if self.settings.policy != "write_back":
             return False
@@ -324,7 +339,7 @@ class RemoteTier:
         namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k in leaving)
         parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k in leaving)
         part = _WriteBack(storage, keys, namespaces, parents, set(keys))
-        room = self.settings.write_backlog - self.pending - self._waiting_pages if self._usable() else 0
+        room = min(self.settings.write_backlog, max_held) - self.held_pages if self._usable() else 0
         taken = max(0, min(room, len(keys)))
         if taken < len(keys):  # (the pages over the bound: the last ones)
             over = part
@@ -406,6 +421,7 @@ class RemoteTier:
                 if written < total:
                     self._skip_write(total - written)
             self._start_write_backs()
+            self.on_disk_freed()
 
         if not self._writes.submit(core, work, done):
             core.inflight.remove_detached(transfer)

@@ -625,3 +625,47 @@ def test_write_backs_hold_at_most_half_the_disk_and_a_store_gone_down_lets_go_of
     finally:
         raw.release()
         a.close()
+
+
+def test_a_write_back_whose_disk_read_fails_leaves_the_remote_tier_up(tmp_path):
+    """The write-back's read of its records from the local LMDB store raises (out of
+    reader slots): that write-back fails — its pages skipped, counted — but the store
+    did nothing wrong: the remote tier stays up, and the next eviction's pages are put
+    (not skipped for ``retry_s`` as if the fleet's store were down)."""
+    import lmdb
+
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, policy="write_back", retry_s=3600.0)
+    b = StandInNode(raw)
+    try:
+        first, second = list(range(100, 100 + 6 * PS)), list(range(50_000, 50_000 + 4 * PS))
+        _on_disk_only(a, [first, second])
+        original, calls = disk.get, []
+
+        def fails_once(keys, buffers, *, fingerprint):
+            calls.append(len(keys))
+            if len(calls) == 1:
+                raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+            return original(keys, buffers, fingerprint=fingerprint)
+
+        disk.get = fails_once
+        assert a.tm.evict(Tier.DISK, 6) == 6  # (the least recent: the first)
+        a.tm.flush()
+        assert calls == [6]
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (0, 6)
+        assert a.tm.remote.up
+        assert a.metrics.registry.get_sample_value("hicache_remote_up") == 1
+        assert a.tm.evict(Tier.DISK, 4) == 4
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert (counts["pages_put"], counts["put_skipped"]) == (4, 6)
+        hit, _ = b.load(second)
+        assert hit.remote_pages == 4
+    finally:
+        a.close()
+        b.close()

@@ -19,7 +19,9 @@ and evicts on its own, so what this node could record would go stale. Instead:
   records write-backs hold count as used disk space until they are put (a write-back
   cache's dirty data: left uncounted, a disk write would overflow the store, which
   evicts its oldest records on its own — these — and they would reach neither tier): a
-  disk write they are in the way of waits for their puts to end.
+  disk write they are in the way of waits for their puts to end. A write-back whose
+  read of its records from the local disk fails is skipped and counted alike; it says
+  nothing of the remote tier, which stays up.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
   every machine for the same namespace and tokens) — unless a lookup found nothing at
@@ -163,6 +165,11 @@ class _WriteBack:
     def delete_records(self) -> None:
         """Delete its records from the disk (but those written again meanwhile)."""
         self.storage.delete([k for k in self.keys if k in self.doomed])
+
+
+class _DiskReadFailed(Exception):
+    """A write-back's read of its records from the local disk failed (``__cause__``):
+    the local store's fault, not the remote tier's."""
 
 
 class _Lane:
@@ -392,8 +399,11 @@ class RemoteTier:
         core.inflight.add_detached(transfer)
 
         def work():
-            tokens = storage.read_tokens(keys)
-            found = storage.get(keys, [staging[r] for r in rows], fingerprint=fingerprint)
+            try:
+                tokens = storage.read_tokens(keys)
+                found = storage.get(keys, [staging[r] for r in rows], fingerprint=fingerprint)
+            except Exception as exc:  # (whatever the local store raises: told apart from the store's)
+                raise _DiskReadFailed(str(exc)) from exc
             keep = [i for i in range(total) if found[i] and tokens[i] is not None]
             if not keep:
                 return 0
@@ -410,7 +420,11 @@ class RemoteTier:
             self.pending -= total
             self._writing.remove(part)
             part.delete_records()
-            if error is not None:
+            if isinstance(error, _DiskReadFailed):  # (the store was not asked: it is not down)
+                logger.error("write-back of %d pages skipped: reading their records from disk failed: %s", total,
+                             error.__cause__)
+                self._skip_write(total)
+            elif error is not None:
                 self._failed("put", error)
                 self._skip_write(total)
             else:

@@ -250,6 +250,42 @@ def test_a_lost_checkpoint_record_makes_the_hit_shorter_not_wrong(engine, store)
     tm.close()
 
 
+def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engine, store):
+    """The read of a checkpoint's disk record fails as a whole (LMDB out of reader
+    slots; an EIO alike): that restore misses, but nothing is known about the record —
+    the checkpoint stays on disk and its node a hit end, and the next restore brings
+    its state."""
+    import lmdb
+
+    tm = make_tm(engine, storage=store, host_checkpoints=1)
+    a, b = tokens(100, 2), tokens(500, 2)
+    prefill(tm, engine, a, [(2, 61)])
+    tm.flush()
+    prefill(tm, engine, b, [(2, 62)])  # one host slot: a's checkpoint is on disk only
+    tm.flush()
+    assert tm.checkpoints.count() == (1, 2, 0)
+    key = checkpoint_key(tm.match(NS, a, 0).match.node.last_page_key)
+    original, calls = store.get, []
+
+    def fails_once(keys, buffers, *, fingerprint):
+        if list(keys) == [key]:
+            calls.append(key)
+            if len(calls) == 1:
+                raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+        return original(keys, buffers, fingerprint=fingerprint)
+
+    store.get = fails_once
+    pages, state, _ = load_state(tm, engine, a)
+    assert (pages, state) == (2, False) and len(calls) == 1
+    assert tm.checkpoints.count()[1] == 2, "a read that failed as a whole lost the checkpoint's disk copy"
+    assert tm.match(NS, a, 0).match.num_pages == 2
+    pages, state, _ = load_state(tm, engine, a)
+    assert (pages, state) == (2, True) and engine.state_label(1, [61, 62]) == 61
+    store.get = original
+    tm.check_invariants()
+    tm.close()
+
+
 def test_a_pool_that_lends_state_slots_keeps_device_copies_and_restores_from_them(tmp_path):
     engine = StateEngine(checkpoint_slots=2)
     store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)

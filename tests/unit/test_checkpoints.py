@@ -286,6 +286,30 @@ def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engin
     tm.close()
 
 
+def test_a_checkpoint_record_of_another_size_is_dropped_not_read_again_and_again(engine, store):
+    """An intact record under a checkpoint's key whose payload is not a state slot's
+    size (the store refuses the read with InvalidArgument, the same at every try): the
+    checkpoint's disk copy goes, and its node is no hit end."""
+    from hicache.storage.base import PageMeta, PageRecord
+
+    tm = make_tm(engine, storage=store, host_checkpoints=1)
+    a, b = tokens(100, 2), tokens(500, 2)
+    prefill(tm, engine, a, [(2, 61)])
+    tm.flush()
+    prefill(tm, engine, b, [(2, 62)])  # one host slot: a's checkpoint is on disk only
+    tm.flush()
+    node = tm.match(NS, a, 0).match.node
+    odd = PageRecord(checkpoint_key(node.last_page_key), np.zeros(tm.host_pool.state_slot_bytes - 8, np.uint8),
+                     PageMeta(NS, node.last_page_key, b""))
+    store.put([odd], fingerprint=SPEC.fingerprint).result()
+    pages, state, _ = load_state(tm, engine, a)
+    assert (pages, state) == (2, False)
+    assert tm.checkpoints.count()[1] == 1
+    assert tm.match(NS, a, 0).match.node.parent is None
+    tm.check_invariants()
+    tm.close()
+
+
 def test_a_pool_that_lends_state_slots_keeps_device_copies_and_restores_from_them(tmp_path):
     engine = StateEngine(checkpoint_slots=2)
     store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)

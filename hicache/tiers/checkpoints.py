@@ -11,7 +11,9 @@ tree node that ends at that boundary (the tree is split there). Then:
   (:meth:`Checkpoints.usable`; the tier manager cuts matches with it): a node without one
   is never a hit end;
 * a load with a state slot copies the checkpoint there before any layer's pages
-  (:meth:`Checkpoints.restore`), reading it from disk first if it has no host copy;
+  (:meth:`Checkpoints.restore`), reading it from disk first if it has no host copy (a
+  read whose call fails as a whole is a miss that keeps the disk copy; a record found
+  missing or bad is dropped);
 * with a disk tier, every checkpoint is written through to disk (one record, keyed by
   :func:`checkpoint_key` of its boundary's page key, its metadata's parent that page key
   and its tokens empty), so a restarted daemon gets it back
@@ -226,7 +228,13 @@ class Checkpoints:
                 self._to_device(cp, pool, slot, future)
                 return
             self.alloc.free(np.array([host], dtype=np.int32))
-            if error is not None or not found:
+            if error is not None and not isinstance(error, InvalidArgument):
+                # The call failed as a whole (an I/O error, LMDB out of reader slots, the
+                # store unavailable): nothing is known of the record, which stays.
+                logger.error("checkpoint record %s not read (kept on disk): %s", key.hex(), error)
+            elif error is not None or not found:
+                # Missing, corrupt (the store deletes it), or an intact record of
+                # another size, refused at every try.
                 logger.warning("checkpoint record %s unreadable: dropped", key.hex())
                 self._lose_disk(cp)
             if cp.host >= 0 and not cp.dead:  # (another read brought it meanwhile)

@@ -805,6 +805,84 @@ def test_a_disk_read_that_raises_once_is_a_miss_and_a_later_read_serves_the_reco
     tm.close()
 
 
+def test_a_disk_read_that_meets_an_eio_keeps_its_records_and_a_later_read_serves_them(engine, store, monkeypatch):
+    """Every ``preadv`` of one read fails with EIO (a disk that hiccuped): the records'
+    bytes were never seen, so nothing says they are bad — the load misses, counted as
+    load_failed, the records stay on disk and in the tree, and the next read serves
+    their bytes."""
+    import errno
+    import os
+
+    from hicache.metrics import Metrics
+    from hicache.storage import lmdb_backend
+
+    metrics = Metrics()
+    # (no prefetch at a match: the load's own read is the one that fails)
+    tm, handle = make_tm(engine, host_pages=8, storage=store, metrics=metrics, prefetch_min_pages=16)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    real_preadv, original_get, failing, calls = os.preadv, store.get, threading.Event(), []
+
+    def preadv(fd, buffers, offset):
+        if failing.is_set():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    def first_get_meets_eio(ks, buffers, *, fingerprint):
+        calls.append(list(ks))
+        if len(calls) == 1:
+            failing.set()
+        try:
+            return original_get(ks, buffers, fingerprint=fingerprint)
+        finally:
+            failing.clear()
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+    store.get = first_get_meets_eio
+    assert load_all(tm, engine, handle, toks).num_loaded_pages == 0
+    assert calls == [keys]
+    assert disk_pages(tm) == 5, "a read that met an EIO forgot the pages on disk"
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys), "its records were deleted"
+    assert metrics.missed_tokens["load_failed"] == 5 * PS
+    assert metrics.missed_tokens["corrupt_record"] == 0
+    loaded = load_all(tm, engine, handle, toks)
+    assert loaded.num_loaded_pages == 5 and len(loaded.device_pages) == 5
+    store.get = original_get
+    assert_on_disk(store, [toks])
+    store.check_invariants()
+    tm.close()
+
+
+def test_a_record_flipped_on_disk_is_dropped_and_the_pages_before_it_load(engine, store):
+    """A payload byte of the third page's record flipped in the slab file itself: the
+    load brings the two pages before it, and the node is forgotten on disk from it on,
+    its records deleted."""
+    from pathlib import Path
+
+    tm, handle = make_tm(engine, host_pages=8, storage=store, prefetch_min_pages=16)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    store.flush()
+    pattern = expected_page(keys[2])[:64]
+    (slab,) = [p for p in Path(store.path).glob("slab-*.bin") if pattern in p.read_bytes()]
+    data = slab.read_bytes()
+    where = data.index(pattern) + 10
+    with open(slab, "r+b") as f:
+        f.seek(where)
+        f.write(bytes([data[where] ^ 0x10]))
+    loaded = load_all(tm, engine, handle, toks)
+    assert loaded.num_loaded_pages == 2 and len(loaded.device_pages) == 2
+    assert tm.match(NS, toks, 0).match.num_pages == 2
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys[:2])
+    assert store.stats().corrupt_records == 1
+    store.check_invariants()
+    tm.close()
+
+
 def test_a_record_of_another_size_than_its_page_is_dropped_not_read_again_and_again(engine, store):
     """An intact record of this spec whose payload is not a page's size (the store
     refuses the read with InvalidArgument, the same at every try): the read counts as

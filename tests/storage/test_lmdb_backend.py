@@ -243,6 +243,62 @@ def test_damaged_record_reads_as_missing_and_is_purged(open_store, tmp_path, dam
     store.check_invariants()
 
 
+def test_a_read_that_fails_with_an_io_error_raises_and_judges_no_record(open_store, tmp_path, monkeypatch):
+    """``preadv`` fails with EIO: the bytes were never seen, so the get raises
+    StorageUnavailable (the caller's read fails as a whole) and every record stays,
+    none counted corrupt. A record that is corrupt (a payload byte flipped) reads as
+    missing, but the writer, which cannot read it again now, keeps it — its batch goes
+    on — until a later check can tell, and deletes it then."""
+    import errno
+
+    from hicache.errors import StorageUnavailable
+
+    size = 20_000
+    keys = [key_of(("eio", i)) for i in range(3)]
+    store = open_store()
+    payloads = {}
+    for key in keys:
+        payloads[key] = _payload_with_marker(key, size)
+        store.put([record(key, size, payload=payloads[key][0])], fingerprint=FP).result()
+    real_preadv = os.preadv
+    everywhere, in_writer = threading.Event(), threading.Event()
+
+    def preadv(fd, buffers, offset):
+        writer = threading.current_thread().name.startswith("hicache-lmdb-writer")
+        if everywhere.is_set() or (in_writer.is_set() and writer):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+    everywhere.set()
+    with pytest.raises(StorageUnavailable):
+        store.get(keys, [np.empty(size, dtype=np.uint8) for _ in keys], fingerprint=FP)
+    everywhere.clear()
+    store.flush()
+    assert store.stats().corrupt_records == 0
+    assert all(np.array_equal(read(store, key, size), payloads[key][0]) for key in keys)
+
+    victim = keys[1]
+    slab = str(tmp_path / "store" / f"slab-{lmdb_backend.slot_bytes_for(size)}.bin")
+    where = _find_unique(slab, payloads[victim][1]) + 1000
+    with open(slab, "rb") as f:
+        f.seek(where)
+        old = f.read(1)
+    _patch_file(slab, where, bytes([old[0] ^ 0x10]))
+    in_writer.set()
+    assert read(store, victim, size) is None
+    store.put([record(key_of("beside"), size)], fingerprint=FP).result()
+    store.flush()
+    assert victim in dict(store.iter_metadata()), "a record the writer could not check again was deleted"
+    in_writer.clear()
+    assert read(store, victim, size) is None
+    store.flush()
+    assert victim not in dict(store.iter_metadata())
+    assert store.stats().corrupt_records == 2
+    assert all(np.array_equal(read(store, key, size), payloads[key][0]) for key in keys if key != victim)
+    store.check_invariants()
+
+
 def test_a_slab_file_cut_short_drops_the_records_past_its_end_on_open(open_store, tmp_path):
     size = 10_000
     keys = [key_of(("trunc", i)) for i in range(4)]

@@ -80,7 +80,10 @@ checks its checksum before reporting it found. A record that fails is reported m
 counted in ``corrupt_records`` and queued for deletion: the writer checks it again in
 its own transaction (the key may have been rewritten since) and deletes it, so it stops
 taking capacity. An intact record of another spec fingerprint is reported missing and
-counted as well, but kept: deleting it would punish a caller bug.
+counted as well, but kept: deleting it would punish a caller bug. A read that fails
+(EIO, ENOMEM) says nothing about the record: the get raises
+:class:`~hicache.errors.StorageUnavailable` (the caller's read fails as a whole, and the
+records stay), and the writer's second check keeps a record it cannot read.
 
 Writes: :meth:`LmdbBackend.put` and :meth:`LmdbBackend.delete` validate on the caller's
 thread and queue an operation; the writer thread (which also opens the environment, so
@@ -556,13 +559,16 @@ class _Slab:
 
 def _preadv(slab: _Slab, buffers: list, slot: int, skip: int = 0) -> int:
     """``preadv`` of ``buffers`` from ``skip`` bytes into ``slot`` on: the bytes read, -1
-    if the read failed (an offset past what a file can hold, from a damaged slot number,
-    included)."""
+    for an offset past what a file can hold (a damaged slot number: a bad record).
+    Raises :class:`StorageUnavailable` if the read itself failed (EIO, ENOMEM, ...): the
+    bytes were never seen, so nothing says the record is bad."""
     try:
         return os.preadv(slab.fd, buffers, slot * slab.slot_bytes + skip)
     except (OSError, OverflowError) as exc:
-        logger.error("reading %s failed: %r", slab.path, exc)
-        return -1
+        if isinstance(exc, OverflowError) or exc.errno == errno.EINVAL:
+            logger.error("reading %s at slot %d: no such offset (%r)", slab.path, slot, exc)
+            return -1
+        raise StorageUnavailable(f"reading {slab.path} failed: {exc}") from exc
 
 
 def _streamed_checksum(slab: _Slab, slot: int, size: int, seed: int,
@@ -932,7 +938,8 @@ class LmdbBackend:
         the payload size; :class:`InvalidArgument` otherwise). ``False`` where a record
         is missing or fails a check (its buffer may then hold anything); a failed check
         is counted, and a corrupt record is deleted by the writer. A hit counts as an
-        access for LRU. Adjacent slots are read with one ``preadv``."""
+        access for LRU. Adjacent slots are read with one ``preadv``. Raises
+        :class:`StorageUnavailable` if a read fails (an I/O error: no record is judged)."""
         self._check_usable()
         fingerprint = _require_fingerprint(fingerprint)
         if len(keys) != len(buffers):
@@ -1044,7 +1051,7 @@ class LmdbBackend:
                 out.extend(checked)
             elif slab is None:
                 out.extend((i, False) for i, _ in run)
-            else:  # the file ends inside the run, or a read failed: one at a time
+            else:  # the file ends inside the run (or an offset no file holds): one at a time
                 out.extend((i, _read_run(slab, first + j, [(i, checksum)], targets, seed_of) == [(i, True)])
                            for j, (i, checksum) in enumerate(run))
         return out
@@ -1891,9 +1898,18 @@ class LmdbBackend:
         for write in state.writes:
             write.result()
         doomed = [key for key in op.keys if (value := txn.get(key, db=self._meta_db)) is not None
-                  and not self._intact(txn, key, bytes(value))]
+                  and self._still_bad(txn, key, bytes(value))]
         if doomed:
             self._write_delete(txn, doomed, state)
+
+    def _still_bad(self, txn, key: bytes, meta: bytes) -> bool:
+        """Does the record a reader saw corrupt fail its checks again? One that cannot be
+        read now (an I/O error) is kept: nothing says it is bad."""
+        try:
+            return not self._intact(txn, key, meta)
+        except StorageUnavailable as exc:
+            logger.warning("record %s not checked again (kept): %s", key.hex(), exc)
+            return False
 
     def _intact(self, txn, key: bytes, meta: bytes) -> bool:
         """Whether the record of ``key`` (metadata ``meta``) passes every check."""

@@ -285,7 +285,9 @@ class LocalDisk:
                 self.storage.delete([k for k in below if k not in wanted])
 
     def drop_bad_records(self, node: Node) -> None:
-        """A missing or corrupt record: forget ``node`` (and below) on disk, delete."""
+        """A missing or corrupt record: forget ``node`` (and below) on disk, delete. (A
+        read that failed as a whole, an I/O error among the causes, judges no record:
+        :mod:`hicache.tiers.disk_reads` keeps them.)"""
         keys = self._subtree_keys(node)
         self.core.tree.discard(node, Tier.DISK)
         self.core.metrics.missed("corrupt_record", len(keys) * self.core.spec.page_size)

@@ -825,7 +825,8 @@ class CacheClient:
         for all of them; ``False`` if one may still be copying then. An engine that gave
         up on a load after its :attr:`LoadedInto.copies_end_ns` may reuse the blocks
         once this is ``True``: no layer starts copying after that moment, so what was
-        copying then has ended."""
+        copying then has ended. (GPU mode: the current stream waits for the last layer's
+        event instead, so what the engine runs on it later comes after the copies.)"""
         waiter = self.waiter
         if waiter is None:
             return False

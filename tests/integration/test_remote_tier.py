@@ -669,3 +669,50 @@ def test_a_write_back_whose_disk_read_fails_leaves_the_remote_tier_up(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_store_that_hangs_with_write_backs_holding_half_the_disk_stops_no_disk_write(tmp_path):
+    """The store hangs in a put (no answer, no error) while write-backs hold their half
+    of the disk tier, and the tree's own pages fill the other half. A new page is still
+    written to disk: the disk tier evicts its own LRU for it — the write-backs cannot
+    take more, so those pages are skipped (counted, their records deleted) and make room
+    at once — rather than wait for puts that may never end (meanwhile every disk write
+    would wait, and the host pages that wait for their disk write before they may go
+    would fill the host tier). The LMDB store never evicts on its own, and once the
+    store answers, the write-backs' pages are put."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    half = STAGING_PAGES + 8
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=2 * half * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=2 * half + 8, policy="write_back")
+    try:
+        _on_disk_only(a, [list(range(100, 100 + (half + 8) * PS))])
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, half + 8) == half + 8  # (STAGING_PAGES put, 8 wait for rows, 8 skipped)
+        assert raw.entered.wait(60)
+        assert a.tm.remote.held_pages == half
+        beside = list(range(20_000, 20_000 + half * PS))
+        a.prefill(beside)
+        _until(a, lambda: a.tm.tree.sizes(Tier.DISK).cached == half)
+        after = list(range(40_000, 40_000 + 8 * PS))
+        a.prefill(after)  # (the disk is full: the tree's LRU, beside, makes room)
+        _until(a, lambda: not a.tm.disk.pending and (a.tm.disk.deferred_writes()
+                                                     or a.tm.tree.sizes(Tier.DISK).cached != half))
+        assert a.tm.disk.deferred_writes() == 0
+        assert a.tm.tree.sizes(Tier.DISK).cached == 8
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (0, 8 + half)
+        a.tm.check_invariants()
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert (counts["pages_put"], counts["put_skipped"]) == (half, 8 + half)
+        assert disk.stats().evicted_records == 0
+        disk.flush()
+        assert len(list(disk.iter_metadata())) == 8
+    finally:
+        raw.release()
+        a.close()

@@ -209,13 +209,15 @@ class LocalDisk:
         """Keep the tree's disk tier within capacity: evict its LRU to make room. The
         records the remote tier's write-backs hold (pages evicted on their way to its
         store) count as used until they are put — else the store, full, would evict
-        them on its own and they would reach neither tier; they leave as their puts end,
-        so only the tree's own pages are evicted to make room beside them (those may go
-        to a write-back in turn): a write that fits once they are put waits for that
-        (:meth:`room_coming`)."""
+        them on its own and they would reach neither tier. The tree's LRU is evicted for
+        the room they take too: the pages a write-back takes in turn free nothing until
+        put, and a write that fits once they are is deferred (:meth:`room_coming`), but
+        those the write-backs cannot take (they hold their share of the disk) are
+        skipped and make room now — a store that hangs in a put never ends the puts, and
+        would otherwise hold every disk write up for good."""
         if num_pages > self.capacity_pages:
             return False
-        excess = self._used() + num_pages - self.capacity_pages
+        excess = self._used() + self.core.remote.held_pages + num_pages - self.capacity_pages
         if excess > 0:
             self.evict(excess)
         return self._used() + self.core.remote.held_pages + num_pages <= self.capacity_pages

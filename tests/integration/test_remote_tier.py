@@ -582,10 +582,10 @@ def test_write_backs_hold_at_most_half_the_disk_and_a_store_gone_down_lets_go_of
     """The records write-backs hold count as used disk space, but never stop disk writes
     for good. A store that hangs: write-backs take at most half the disk tier (the rest
     is skipped, its records deleted), so new pages still fit beside them and are written
-    while the put hangs; a write that does not fit waits. Once the store fails the put
-    (the tier is down), the write-backs waiting for staging rows are skipped too, and
-    the write that waited for their room goes on. The LMDB store never evicts on its
-    own."""
+    while the put hangs; a write that does not fit evicts the tree's LRU, which the
+    write-backs cannot take (skipped). Once the store fails the put (the tier is down),
+    the write-backs waiting for staging rows are skipped too. The LMDB store never
+    evicts on its own."""
     from hicache.storage.lmdb_backend import LmdbBackend
     from hicache.tiers.remote import STAGING_PAGES
     from storage_util import InProcessMooncake
@@ -611,17 +611,19 @@ def test_write_backs_hold_at_most_half_the_disk_and_a_store_gone_down_lets_go_of
         a.prefill(beside)
         _until(a, lambda: a.tm.tree.sizes(Tier.DISK).cached == half)
         after = list(range(40_000, 40_000 + 8 * PS))
-        a.prefill(after)  # (the disk is full: waits for the write-backs' room)
-        _until(a, lambda: a.tm.disk.deferred_writes() == 8)
+        a.prefill(after)  # (the disk is full: beside, the LRU, makes room, skipped)
+        _until(a, lambda: a.tm.tree.sizes(Tier.DISK).cached == 8 and not a.tm.disk.pending)
+        assert a.tm.disk.deferred_writes() == 0
+        assert counts["put_skipped"] == 8 + half
         raw.release()
         a.tm.flush()
         a.tm.check_invariants()
         assert not a.tm.remote.up
-        assert (counts["pages_put"], counts["put_skipped"]) == (0, half + 8)
-        assert a.tm.tree.sizes(Tier.DISK).cached == half + 8
+        assert (counts["pages_put"], counts["put_skipped"]) == (0, 2 * half + 8)
+        assert a.tm.tree.sizes(Tier.DISK).cached == 8
         assert disk.stats().evicted_records == 0
         disk.flush()
-        assert len(list(disk.iter_metadata())) == half + 8
+        assert len(list(disk.iter_metadata())) == 8
     finally:
         raw.release()
         a.close()

@@ -206,6 +206,44 @@ def test_cpu_copy_threads_split_a_copy_only_where_each_gets_enough_bytes():
         CpuCopyWorkers(2, min_bytes_per_thread=0)
 
 
+def test_a_spread_copy_one_thread_of_which_fails_ends_only_once_every_thread_has():
+    """Three copy threads; the second stops (a load whose copy deadline passed: its
+    ``proceed`` raises) while the third is still in the middle of its share. The copy
+    raises only once the third has ended: its caller then fails the load's ticket,
+    and an engine that waits for the load to be over reuses the blocks — a thread
+    still copying would write into another request's KV."""
+    import threading
+
+    workers = CpuCopyWorkers(3, min_bytes_per_thread=1)
+    third_started, run_over = threading.Event(), threading.Event()
+    events = []
+
+    def copy(part: int) -> None:
+        if part == 1:
+            assert third_started.wait(30)
+            raise RuntimeError("the copy deadline passed")
+        if part == 2:
+            third_started.set()
+            run_over.wait(1)  # (ends on its own when the copy waits for it, as it should)
+            events.append("third thread ended")
+
+    def run() -> None:
+        with pytest.raises(RuntimeError):
+            workers.run(copy, [0, 1, 2])
+        events.append("copy over")
+        run_over.set()
+
+    try:
+        caller = threading.Thread(target=run)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive()
+        assert events[0] == "third thread ended"
+    finally:
+        run_over.set()
+        workers.close()
+
+
 @pytest.mark.parametrize("min_bytes", [1, 1 << 30])
 def test_the_reference_spread_over_threads_writes_what_the_oracle_says(min_bytes, monkeypatch):
     """Irregular page runs split over three threads (every pair a thread's when each may

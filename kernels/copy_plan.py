@@ -9,7 +9,7 @@ kernels that run a plan (Triton, and the torch reference) are
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -188,7 +188,9 @@ class CpuCopyWorkers:
 
     def run(self, fn, batches) -> None:
         """``fn(batch)`` for every batch; the first on the calling thread (one hand-off
-        fewer), the others on the pool's threads."""
+        fewer), the others on the pool's threads. Returns, or raises the first error,
+        only once every batch has ended: a caller told of a failure takes the copy as
+        over (a load's ticket failed, its blocks reused), so no thread may still write."""
         batches = list(batches)
         if not batches:
             return
@@ -196,8 +198,9 @@ class CpuCopyWorkers:
         try:
             fn(batches[0])
         finally:
-            for future in futures:
-                future.result()
+            wait(futures)
+        for future in futures:
+            future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

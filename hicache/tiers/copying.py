@@ -35,6 +35,11 @@ class CopyEngine(Protocol):
     def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
         """Every copy of the load landed."""
 
+    def load_failed(self, counters: LayerCounters, ticket: Ticket) -> None:
+        """``enqueue`` raised: fail the load's layers not landed if none of its copies
+        can still run (an engine takes a failed ticket for a load that is over);
+        otherwise the owner does once ``done`` says so."""
+
 
 class CpuCopy:
     timed = True
@@ -51,6 +56,9 @@ class CpuCopy:
     def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
         pass
 
+    def load_failed(self, counters: LayerCounters, ticket: Ticket) -> None:
+        counters.fail(ticket)  # (the copies are synchronous, every copy thread's: none runs now)
+
 
 class CudaCopy:
     timed = False
@@ -61,16 +69,23 @@ class CudaCopy:
         self._stream = torch.cuda.Stream(device)
 
     def run(self, enqueue: Callable[[], None], done: Done) -> None:
+        """Enqueue the copies; ``done(error)`` once the stream has run them — a failure
+        to enqueue too, after what was enqueued before it (a load past its copy deadline:
+        its engine takes a failed ticket for a load that is over, and reuses the blocks)."""
+        failure: BaseException | None = None
         try:
             with torch.cuda.stream(self._stream):
-                enqueue()
+                try:
+                    enqueue()
+                except BaseException as exc:  # noqa: BLE001 - reported through done(), after the stream
+                    failure = exc
                 finished = torch.cuda.Event()
                 finished.record(self._stream)
-        except BaseException as exc:  # noqa: BLE001 - reported through done()
-            failure = exc
-            self._completions.post(lambda: done(failure))
+        except BaseException as exc:  # noqa: BLE001 - the stream itself failed: nothing to wait for
+            error = failure or exc
+            self._completions.post(lambda: done(error))
             return
-        self._workers.copy(finished.synchronize, lambda _, error: done(error))
+        self._workers.copy(finished.synchronize, lambda _, error: done(failure or error))
 
     def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
         counters.events.record(ticket, layer, torch.cuda.current_stream())
@@ -78,6 +93,9 @@ class CudaCopy:
     def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
         for layer in range(num_layers):
             counters.complete_layer(ticket, layer)
+
+    def load_failed(self, counters: LayerCounters, ticket: Ticket) -> None:
+        pass  # (layers enqueued before still run on the stream: the owner fails it after them)
 
 
 class CopyEngines:

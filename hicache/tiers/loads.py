@@ -64,9 +64,10 @@ def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
                 done: Callable[[Transfer, BaseException | None], None],
                 expired: Callable[[], bool] | None = None) -> None:
     """Run a load's host -> pool copies layer by layer through the pool's copy engine,
-    stamping the transfer's ticket on the layer counters as each layer lands (failed,
-    every layer not landed, if a copy raises); ``done(transfer, error)`` on the owner
-    thread at the end. ``transfer.timing`` gets the first and last layers' instants.
+    stamping the transfer's ticket on the layer counters as each layer lands, and the
+    rest failed if a copy raises — as soon as no copy of it runs any more (the copy
+    engine's ``load_failed``; else :func:`end_load`); ``done(transfer, error)`` on the
+    owner thread at the end. ``transfer.timing`` gets the first and last layers' instants.
     ``expired()``: the engine no longer waits for the layers (and may reuse the blocks
     once the load is over): no layer starts copying after that — the load ends there
     with :class:`~hicache.errors.DeadlinePassed`, its other layers failed."""
@@ -105,7 +106,7 @@ def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
                             mover.load_layer(src, dst, layer)
                     on_layer(layer)
         except BaseException:
-            counters.fail(ticket)
+            engine.load_failed(counters, ticket)
             raise
 
     engine.run(enqueue, lambda error: done(transfer, error))
@@ -113,22 +114,23 @@ def copy_layers(num_layers: int, pool: DevicePoolState, transfer: Transfer,
 
 def end_load(core: Core, pool: DevicePoolState, transfer: Transfer, error: BaseException | None,
              on_error: Callable[[], None] | None = None) -> None:
-    """A load's copies are over (owner thread): its layers stamped complete (or failed,
-    by :func:`copy_layers`), its hold released, its ticket's slot given back;
-    ``on_error()`` undoes what the failed load had claimed, before the hold goes."""
+    """A load's copies are over (owner thread): its layers stamped complete, or, failed,
+    every layer not landed stamped failed — only now, when no copy of it runs any more:
+    an engine takes a failed ticket for a load that is over (it may reuse the blocks);
+    its hold released, its ticket's slot given back; ``on_error()`` undoes what the
+    failed load had claimed, before the hold goes."""
     core.inflight.remove(transfer)
     if error is None:
         pool.copy.load_done(pool.counters, transfer.ticket, core.spec.num_layers)
         core.report(transfer)
         ps = core.spec.page_size  # delivered: these hits count now (see hicache.metrics)
         core.metrics.matched(0, (transfer.num_pages - transfer.from_disk) * ps, transfer.from_disk * ps)
-    elif isinstance(error, DeadlinePassed):  # (its engine recomputes the blocks: nothing is wrong here)
-        logger.warning("load into pool %s cut short: %s", transfer.pool, error)
-        core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
-        if on_error is not None:
-            on_error()
     else:
-        logger.error("load into pool %s failed: %s", transfer.pool, error)
+        if isinstance(error, DeadlinePassed):  # (its engine recomputes the blocks: nothing is wrong here)
+            logger.warning("load into pool %s cut short: %s", transfer.pool, error)
+        else:
+            logger.error("load into pool %s failed: %s", transfer.pool, error)
+        pool.counters.fail(transfer.ticket)
         core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
         if on_error is not None:
             on_error()

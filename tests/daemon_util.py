@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +32,7 @@ from kv_event_shapes import BlockStored, decode
 from tiers_util import SPEC, Engine
 
 HICACHE = str(Path(sys.executable).parent / "hicache")
+ZYGOTE = str(Path(__file__).with_name("daemon_zygote.py"))
 
 
 @contextmanager
@@ -125,12 +130,18 @@ class DaemonProcess:
 
     def launch(self) -> "DaemonProcess":
         """Start the process, not waiting for it to serve (:meth:`wait_ready`): daemons
-        of separate directories then start side by side, each import taking a core."""
+        of separate directories then start side by side. Forked from the zygote (see
+        :mod:`daemon_zygote`) when its environment allows, else the console script."""
         env = {**os.environ, "HICACHE_HOME": str(self.directory)}
         env.pop("NOTIFY_SOCKET", None)
         env.update(self.env)
-        self.proc = subprocess.Popen([HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)],
-                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)
+        argv = [HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)]
+        zygote = _Zygote.get()
+        if zygote.can_fork(env):
+            self.proc = zygote.fork(argv, env, self.log)
+        else:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> "DaemonProcess":
@@ -165,6 +176,99 @@ class DaemonProcess:
     def rewrite(self, **sections: dict) -> None:
         """A new config file in place (for a reload)."""
         write_config(self.directory, **sections)
+
+
+class _Zygote:
+    """The test run's :mod:`daemon_zygote`, started at its first daemon and ended with
+    the run."""
+
+    _instance: "_Zygote | None" = None
+    # What hicache reads from the environment at run time (hicache.config, hicache.auth,
+    # the sd_notify socket), and the test pytest names in it: a daemon's may differ
+    # from the zygote's there, nowhere else.
+    _RUNTIME_PREFIXES = ("HICACHE_", "NOTIFY_SOCKET", "PYTEST_CURRENT_TEST")
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, ZYGOTE, HICACHE, str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdout=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._lock = threading.Lock()
+        self._exited: dict[int, int] = {}
+
+    @classmethod
+    def get(cls) -> "_Zygote":
+        if cls._instance is None:
+            cls._instance = cls()
+            atexit.register(cls._instance.close)
+        return cls._instance
+
+    def can_fork(self, env: dict[str, str]) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return all(k.startswith(self._RUNTIME_PREFIXES) for k in differ)
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> "_Forked":
+        with self._lock:
+            self._conn.send({"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)})
+            while True:
+                kind, pid, code = self._conn.recv()
+                if kind == "started":
+                    # (an exit recorded under this pid was an earlier child's: the
+                    # zygote reports in order, and had reaped it to fork this one)
+                    self._exited.pop(pid, None)
+                    return _Forked(self, pid)
+                self._exited[pid] = code
+
+    def exit_code(self, pid: int, timeout_s: float | None) -> int | None:
+        """``pid``'s exit code, waiting up to ``timeout_s`` (None: for good) for it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while pid not in self._exited:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._conn.poll(left):
+                    return None
+                _, exited, code = self._conn.recv()
+                self._exited[exited] = code
+            return self._exited[pid]
+
+    def close(self) -> None:
+        self._conn.close()
+        self.proc.wait(30)
+
+
+class _Forked:
+    """A daemon forked by the zygote: what the tests use of :class:`subprocess.Popen`."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self._zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(HICACHE, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # (as Popen: never a process that took its pid since)
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class ClientEngine:

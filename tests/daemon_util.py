@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -138,7 +139,7 @@ class DaemonProcess:
         argv = [HICACHE, "--log-level", "INFO", "serve", "--config", str(self.config)]
         zygote = _Zygote.get()
         if zygote.can_fork(env):
-            self.proc = zygote.fork(argv, env, self.log)
+            self.proc = zygote.fork(argv, env, self.log, self.log)
         else:
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -211,9 +212,11 @@ class _Zygote:
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return all(k.startswith(self._RUNTIME_PREFIXES) for k in differ)
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> "_Forked":
+    def fork(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> "_Forked":
+        """``argv`` (a ``hicache`` command) in a child, its output appended to the files."""
         with self._lock:
-            self._conn.send({"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)})
+            self._conn.send({"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout),
+                             "stderr": str(stderr)})
             while True:
                 kind, pid, code = self._conn.recv()
                 if kind == "started":
@@ -269,6 +272,35 @@ class _Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def run_hicache(*commands: list[str], timeout_s: float = 60.0) -> list[subprocess.CompletedProcess]:
+    """``hicache`` commands (``[HICACHE, ...]``) run side by side, each to its end, their
+    output read as text: forked from the zygote like the daemons, so that each costs no
+    import of torch. Raises :class:`subprocess.TimeoutExpired` (a hang guard) when one
+    has not ended within ``timeout_s``, the others killed too."""
+    env = dict(os.environ)
+    zygote = _Zygote.get()
+    with tempfile.TemporaryDirectory(prefix="hicache-run-") as tmp:
+        outputs = [(Path(tmp) / f"{i}.out", Path(tmp) / f"{i}.err") for i in range(len(commands))]
+        if zygote.can_fork(env):
+            procs = [zygote.fork(command, env, out, err) for command, (out, err) in zip(commands, outputs)]
+        else:
+            procs = []
+            for command, (out, err) in zip(commands, outputs):
+                with open(out, "wb") as stdout, open(err, "wb") as stderr:
+                    procs.append(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env))
+        deadline = time.monotonic() + timeout_s
+        try:
+            codes = [proc.wait(max(0.0, deadline - time.monotonic())) for proc in procs]
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            raise
+        return [subprocess.CompletedProcess(command, code, out.read_text() if out.exists() else "",
+                                            err.read_text() if err.exists() else "")
+                for command, code, (out, err) in zip(commands, codes, outputs)]
 
 
 class ClientEngine:

@@ -1,13 +1,14 @@
-"""Forks test daemons from one interpreter that has imported ``hicache serve``'s modules.
+"""Forks test daemons (and other ``hicache`` commands) from one interpreter that has
+imported ``hicache serve``'s modules.
 
     python daemon_zygote.py HICACHE FD
 
 A test run starts ~100 daemons; each ``hicache serve`` spent ~2.5 s of a core importing
 torch before it did anything, and the machines CI runs on have two cores. This process
 does those imports once, then serves requests on the socket ``FD`` (from
-:mod:`daemon_util`): each request forks a child that becomes ``hicache serve`` as the
-console script ``HICACHE`` would have run it — its arguments, environment, working
-directory and log on stdout and stderr, descriptors 0-2 and no others, default signal
+:mod:`daemon_util`): each request forks a child that becomes the command as the console
+script ``HICACHE`` would have run it — its arguments, environment, working directory,
+stdout and stderr to the files named, descriptors 0-2 and no others, default signal
 handlers — and exits the way that script does (``sys.exit(main())``, so atexit handlers
 and finalizers run). Children are reaped here and their exit codes sent back (negative:
 the signal that ended one, as :class:`subprocess.Popen` says it).
@@ -32,18 +33,26 @@ import hicache.daemon.server  # noqa: E402,F401
 import hicache.storage.lmdb_backend  # noqa: E402,F401
 
 
-def _become_daemon(conn: Connection, wakeup: tuple[int, int], argv: list[str], env: dict[str, str],
-                   cwd: str, log: str) -> int:
+def _open_onto(path: str, *fds: int) -> None:
+    opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    for fd in fds:
+        os.dup2(opened, fd)
+    os.close(opened)
+
+
+def _become_hicache(conn: Connection, wakeup: tuple[int, int], argv: list[str], env: dict[str, str],
+                    cwd: str, stdout: str, stderr: str) -> int:
     """In the forked child: what the console script's process would be, then its main."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     conn.close()
     for fd in wakeup:
         os.close(fd)
-    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    if stderr == stdout:  # (one open file, as Popen's stderr=STDOUT)
+        _open_onto(stdout, 1, 2)
+    else:
+        _open_onto(stdout, 1)
+        _open_onto(stderr, 2)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -83,7 +92,7 @@ def main() -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            return _become_daemon(conn, wakeup, **request)
+            return _become_hicache(conn, wakeup, **request)
         conn.send(("started", pid, None))
 
 

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess
+from daemon_util import HICACHE, ClientEngine, DaemonProcess, run_hicache
 from hicache import __version__
 from hicache.daemon.cli import main
 
 
 def run_side_by_side(*commands: list[str]) -> list[subprocess.CompletedProcess]:
     """Run independent commands at once, each to its end: every one is an interpreter
-    importing torch and the client, ~2 s of a core, and there are two cores."""
+    importing torch and the client, ~2 s of a core, and there are two cores. (For the
+    console script as installed, imports and all; the other tests here fork theirs from
+    the daemons' zygote: :func:`daemon_util.run_hicache`.)"""
     procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for command in commands]
     done = []
@@ -77,12 +79,12 @@ def test_serve_refuses_a_tcp_endpoint_without_curve_and_a_secret_readable_by_oth
     from hicache.auth import write_keypair
 
     config = write_config(tmp_path, server={"tcp": "tcp://127.0.0.1:0"})
-    done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    (done,) = run_hicache([HICACHE, "serve", "--config", str(config)])
     assert done.returncode == 2 and "needs CURVE" in done.stderr, done.stderr
     _, secret = write_keypair(tmp_path / "server")
     secret.chmod(0o644)
     config = write_config(tmp_path, server={"tcp": "tcp://127.0.0.1:0"}, auth={"secret_key_file": str(secret)})
-    done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    (done,) = run_hicache([HICACHE, "serve", "--config", str(config)])
     assert done.returncode == 2 and "readable by others" in done.stderr, done.stderr
     assert not (tmp_path / "hicache.sock").exists()  # nothing was opened
 
@@ -118,8 +120,7 @@ def test_serve_on_a_port_in_use_exits_with_a_clear_error(tmp_path, taken_by):
         sections = ({"metrics": {"enabled": True, "address": "127.0.0.1", "port": port}} if taken_by == "metrics"
                     else {"server": {"tcp": f"tcp://127.0.0.1:{port}"}, "auth": {"insecure_tcp": True}})
         config = write_config(tmp_path, **sections)
-        done = subprocess.run([HICACHE, "serve", "--config", str(config)], capture_output=True, text=True,
-                              timeout=60)
+        (done,) = run_hicache([HICACHE, "serve", "--config", str(config)])
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert f"127.0.0.1:{port}" in done.stderr and "not starting" in done.stderr, done.stderr
@@ -141,11 +142,11 @@ def test_reload_refuses_what_only_a_restart_applies(tmp_path):
         for changed, auth in (("curve_ipc", {"secret_key_file": str(secret), "curve_ipc": True}),
                               ("secret_key_file", {"secret_key_file": str(other)})):
             daemon.rewrite(auth=auth)
-            done = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+            (done,) = run_hicache(reload, timeout_s=30)
             assert done.returncode == 1, (changed, done.stdout)
             assert changed in done.stderr and "restart" in done.stderr, done.stderr
         daemon.rewrite(auth={"secret_key_file": str(secret)})  # as started: reloads
-        done = subprocess.run(reload, capture_output=True, text=True, timeout=30)
+        (done,) = run_hicache(reload, timeout_s=30)
         assert done.returncode == 0, done.stderr
     finally:
         assert daemon.stop() == 0
@@ -159,8 +160,8 @@ def test_status_refused_to_a_non_administrator_is_one_line(tmp_path):
     daemon = DaemonProcess(tmp_path, auth={"identities": [{"name": "me", "uids": [os.getuid()]}]}).start()
     try:
         commands = ("status", "check", "reload")
-        runs = run_side_by_side(*([HICACHE, "--log-level", "WARNING", command, "--endpoint", daemon.endpoint]
-                                  for command in commands))
+        runs = run_hicache(*([HICACHE, "--log-level", "WARNING", command, "--endpoint", daemon.endpoint]
+                             for command in commands))
         for command, done in zip(commands, runs):
             assert done.returncode == 1, (command, done.stdout)
             assert "Traceback" not in done.stderr and "administrators" in done.stderr, (command, done.stderr)
@@ -206,7 +207,8 @@ def test_a_bad_option_value_is_a_usage_error(argv, named, tmp_path, capsys):
 
 def _run_one_line(argv: list[str]) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([HICACHE, "--log-level", "WARNING", *argv], capture_output=True, text=True, timeout=60)
+        (done,) = run_hicache([HICACHE, "--log-level", "WARNING", *argv])
+        return done
     except subprocess.TimeoutExpired:  # (a hang guard, not a timing assertion)
         pytest.fail(f"hicache {' '.join(argv)} never ended")
 

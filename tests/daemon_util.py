@@ -274,12 +274,14 @@ class _Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def run_hicache(*commands: list[str], timeout_s: float = 60.0) -> list[subprocess.CompletedProcess]:
+def run_hicache(*commands: list[str], timeout_s: float = 60.0,
+                env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """``hicache`` commands (``[HICACHE, ...]``) run side by side, each to its end, their
     output read as text: forked from the zygote like the daemons, so that each costs no
-    import of torch. Raises :class:`subprocess.TimeoutExpired` (a hang guard) when one
-    has not ended within ``timeout_s``, the others killed too."""
-    env = dict(os.environ)
+    import of torch. ``env``: variables added to their environment. Raises
+    :class:`subprocess.TimeoutExpired` (a hang guard) when one has not ended within
+    ``timeout_s``, the others killed too."""
+    env = {**os.environ, **(env or {})}
     zygote = _Zygote.get()
     with tempfile.TemporaryDirectory(prefix="hicache-run-") as tmp:
         outputs = [(Path(tmp) / f"{i}.out", Path(tmp) / f"{i}.err") for i in range(len(commands))]

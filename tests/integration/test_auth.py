@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess, events_socket, handshake, replayed, token_ids
+from daemon_util import (HICACHE, ClientEngine, DaemonProcess, events_socket, handshake, replayed, run_hicache,
+                         token_ids)
 from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
@@ -272,9 +273,8 @@ def test_reload_rotates_keys(daemon, keys):
             admin.reload()
         assert _code(excinfo) == ErrorCode.INVALID_ARGUMENT
         assert admin.health().state == "serving"
-        out = subprocess.run([HICACHE, "reload", "--endpoint", daemon.tcp, "--server-key",
-                              str(keys["server"]["public"]), "--key-file", str(keys["y"]["secret"])],
-                             capture_output=True, text=True, timeout=60)
+        (out,) = run_hicache([HICACHE, "reload", "--endpoint", daemon.tcp, "--server-key",
+                              str(keys["server"]["public"]), "--key-file", str(keys["y"]["secret"])])
         assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr
     finally:
         old.close()

@@ -10,14 +10,13 @@ import mmap
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer, clean_daemon, engine_processes
+from daemon_util import HICACHE, ClientEngine, DaemonProcess, RawPeer, clean_daemon, engine_processes, run_hicache
 from hicache import fdpass
 from hicache.client import CacheClient
 from hicache import protocol as p
@@ -345,8 +344,7 @@ def test_nothing_outlives_its_owner(tmp_path):
 
 
 def test_one_daemon_per_state_directory(daemon, victim, tmp_path):
-    second = subprocess.run([HICACHE, "serve", "--config", str(daemon.config)], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "HICACHE_HOME": str(tmp_path)})
+    (second,) = run_hicache([HICACHE, "serve", "--config", str(daemon.config)], env={"HICACHE_HOME": str(tmp_path)})
     assert second.returncode == 1
     assert re.search(r"another hicache daemon \(pid %d\) is serving" % daemon.proc.pid, second.stderr), second.stderr
     assert "serving on" not in second.stdout

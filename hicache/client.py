@@ -50,7 +50,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -164,6 +164,10 @@ class Inserted(NamedTuple):
     num_checkpoints: int = 0  # checkpoints taken (their state slots are the engine's again)
 
 
+# Rings of earlier registrations kept mapped (CacheClient._waiter_of): a registration
+# comes after a daemon restart or a lapsed lease, each with at most a load timeout of
+# copies in flight; four cover re-registrations far closer together than that.
+_RETIRED_RINGS = 4
 _RCVTIMEO = int(zmq.RCVTIMEO)  # a plain int: pyzmq converts enum members on every call
 
 
@@ -259,6 +263,10 @@ class CacheClient:
         self._registration: tuple[KVSpec, list[PoolHandle]] | tuple[KVSpec, OwnedPoolHandle] | str | None = None
         self._answering = threading.Event()  # set by a probe that reached the daemon while degraded
         self.waiter: LayerWaiter | None = None
+        # The rings of the registrations before this one: a load the daemon answered
+        # before the pool was registered again may still be copying into the engine's
+        # blocks, and stamps its layers on the ring it was given (see _waiter_of).
+        self._retired: deque[LayerWaiter] = deque()
         self.page_size = 0
         self.num_pages = 0
         self.lease_s = 0.0
@@ -481,7 +489,9 @@ class CacheClient:
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
-            self.waiter.close()
+            self._retired.append(self.waiter)
+            while len(self._retired) > _RETIRED_RINGS:
+                self._retired.popleft().close()
         self.waiter = waiter
         self.epoch += 1
         self._down_since = None
@@ -701,7 +711,26 @@ class CacheClient:
         """Block (CPU mode) or make ``stream`` wait (GPU mode) until ``layer`` of every
         load in ``wait`` (a :attr:`Loaded.wait`) has landed."""
         for ticket in wait:
-            self.waiter.wait_layer(ticket, layer, timeout_s=timeout_s, stream=stream)
+            self._waiter_of(ticket).wait_layer(ticket, layer, timeout_s=timeout_s, stream=stream)
+
+    def _waiter_of(self, ticket: Ticket) -> LayerWaiter:
+        """The ring ``ticket`` is on: the pool's now, or — a load answered before the
+        pool was registered again — the ring before that still gives the ticket's load
+        its slot: the daemon may still be copying that load into the engine's blocks
+        (its old pool retires once its transfers end), and says on that ring when it
+        has landed or failed. Rings count from random starts, so a ticket is held by
+        its own ring only. One no ring holds: the current ring's (which says stale).
+        A ring of a daemon that died never moves again: its loads read as not landed
+        until their waits time out, never as done."""
+        waiter = self.waiter
+        if waiter is None:
+            raise StaleTicket(f"ticket {ticket}: no pool is registered")
+        if waiter.holds(ticket):
+            return waiter
+        for old in reversed(self._retired):
+            if old.holds(ticket):
+                return old
+        return waiter
 
     def alloc(self, num_pages: int) -> PageIds | None:
         """``num_pages`` private pages; ``None`` when the pool has not that many free
@@ -821,20 +850,21 @@ class CacheClient:
 
     def wait_over(self, wait: Sequence[Ticket], *, timeout_s: float) -> bool:
         """Wait until every load in ``wait`` is over — every layer landed, or the rest
-        failed, or its counter slot has moved on to a later load — ``timeout_s`` at most
-        for all of them; ``False`` if one may still be copying then. An engine that gave
+        failed, or its counter slot has moved on to a later load (on the ring it was
+        answered on: one from before the pool was registered again included, see
+        :meth:`_waiter_of`) — ``timeout_s`` at most for all of them; ``False`` if one may still be copying then. An engine that gave
         up on a load after its :attr:`LoadedInto.copies_end_ns` may reuse the blocks
         once this is ``True``: no layer starts copying after that moment, so what was
         copying then has ended. (GPU mode: the current stream waits for the last layer's
         event instead, so what the engine runs on it later comes after the copies.)"""
-        waiter = self.waiter
-        if waiter is None:
+        if self.waiter is None:
             return False
-        last = waiter.handle.num_layers - 1
         deadline = time.monotonic() + timeout_s
         for ticket in wait:
             try:
-                waiter.wait_layer(ticket, last, timeout_s=max(0.0, deadline - time.monotonic()))
+                waiter = self._waiter_of(ticket)
+                waiter.wait_layer(ticket, waiter.handle.num_layers - 1,
+                                  timeout_s=max(0.0, deadline - time.monotonic()))
             except (LoadFailed, StaleTicket):
                 pass  # over: what had not landed failed, or the slot went to another load since
             except WaitTimeout:
@@ -972,6 +1002,8 @@ class CacheClient:
         if self.waiter is not None:
             self.waiter.close()
             self.waiter = None
+        while self._retired:
+            self._retired.popleft().close()
         self._reset_socket()
         with self._admin_lock:
             if self._admin_socket is not None:

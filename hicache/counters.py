@@ -180,6 +180,11 @@ class LayerWaiter:
         self._words = _ring(self._shared.array, handle.num_slots, handle.num_layers)
         self.events = CudaLayerEvents.open(handle) if handle.event_handles else None
 
+    def holds(self, ticket: Ticket) -> bool:
+        """Is ``ticket`` the load that has its slot of this ring now (a ticket of another
+        ring, or of a load whose slot has moved on since, is not)?"""
+        return 0 <= ticket.slot < self.handle.num_slots and int(self._words[ticket.slot, 0]) == ticket.generation
+
     def is_done(self, ticket: Ticket, layer: int) -> bool:
         """Non-blocking: has ``layer`` of the ticket's load completed?"""
         if not 0 <= ticket.slot < self.handle.num_slots or not 0 <= layer < self.handle.num_layers:

@@ -3,6 +3,7 @@ in the engines' own layouts, through host and disk — and every bad input refus
 its code, nothing changed."""
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ from daemon_util import DaemonProcess, RawPeer
 from hicache import protocol as p
 from hicache.client import CacheClient, RemoteError
 from hicache.engine.kv_pool import export_owned_pool
-from hicache.errors import ErrorCode, LockUnderflow, StaleTicket
+from hicache.errors import ErrorCode, LockUnderflow
 from hicache.foreign import Allocation, ForeignLayout
 from hicache.keys import key_self_test
 from hicache.spec import KVSpec
@@ -542,12 +543,14 @@ def test_an_idle_worker_registers_again_after_a_daemon_restart_and_its_scheduler
             assert daemon.stop() == 0
 
 
-def test_a_load_ticket_from_before_a_daemon_restart_never_reads_as_done_after_it(tmp_path):
+def test_a_load_ticket_from_before_a_daemon_restart_reads_only_what_its_own_daemon_did(tmp_path):
     """The scheduler hands the worker the tickets of its ``load_into``; the worker waits
     on them on its pool's ring — the new daemon's ring once it has registered again.
-    A ticket of the daemon that died (whose load may never have landed) must not read
-    as done there: were it the ticket of a load the new daemon made, the worker would
-    read blocks nothing loaded into."""
+    A ticket of the daemon that stopped must not read as the new daemon's load that
+    has its slot now: were it done there, the worker would read blocks nothing loaded
+    into. It reads what its own daemon did, on the ring it was answered on (which the
+    worker keeps mapped): that load landed before the daemon stopped (its stop drains
+    the copies), so its blocks hold the KV."""
     daemon = DaemonProcess(tmp_path, **sections(tmp_path)).start()
     worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="t", timeout_s=0.5,
                          reconnect_interval_s=0.1)
@@ -580,13 +583,66 @@ def test_a_load_ticket_from_before_a_daemon_restart_never_reads_as_done_after_it
         for layer in range(OWNED_SPEC.num_layers):
             worker.client.wait_layer(after.wait, layer, timeout_s=30)
         worker.check(seq, [7, 8])
-        with pytest.raises(StaleTicket):
-            worker.client.wait_layer(before.wait, 0, timeout_s=5)
+        assert not any(worker.client.waiter.holds(t) for t in before.wait)
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(before.wait, layer, timeout_s=30)
+        worker.check(seq, [5, 6])
     finally:
         scheduler.close()
         worker.close()
         if daemon.proc is not None:
             assert daemon.stop() == 0
+
+
+def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_own_ring(tmp_path):
+    """The daemon stalls (stopped here) past the worker's timeout, so the worker
+    registers its pool again once it answers — a new pool with a new counter ring —
+    while a load the scheduler started into its blocks before may still be copying:
+    the old pool retires only once its transfers end. Its tickets are waited on the
+    ring they were answered on, which the daemon stamps as the copy goes on. Before,
+    that ring was unmapped at the new registration and the tickets read as stale — a
+    load the daemon may still be writing read as over (``wait_over``), and vLLM's
+    connector reported its blocks at once, free for another request to take."""
+    daemon = DaemonProcess(tmp_path, server={"lease_s": 60.0}, **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="w", heartbeat=False)
+    scheduler = CacheClient(daemon.endpoint, heartbeat=False)
+    seq = toks(640, 2)
+    try:
+        scheduler.attach("w")
+        worker.compute(seq, [1, 2])
+        assert worker.client.store(seq, [1, 2]).num_cached == 2
+        worker.wipe([5, 6])
+        before = scheduler.load_into(scheduler.match(seq).handle, [5, 6], locked=False)
+        assert before.num_loaded_pages == 2
+        old_session, old_ring = worker.client.session_id, worker.client.waiter
+        worker.client.timeout_s = 0.3  # (this call's only)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            assert worker.client.match(seq).handle is None and worker.client.degraded
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        worker.client.timeout_s = 5.0
+        assert worker.client.revive()
+        assert worker.client.session_id != old_session and worker.client.waiter is not old_ring
+        assert not any(worker.client.waiter.holds(t) for t in before.wait)
+        assert worker.client.wait_over(before.wait, timeout_s=30)
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(before.wait, layer, timeout_s=30)
+        worker.check(seq, [5, 6])
+        # The scheduler's session was attached to the retired pool: its next call
+        # attaches to the new one, whose loads are waited on the new ring.
+        hit = scheduler.match(seq)
+        assert scheduler.epoch == 2 and hit.num_host_pages == 2
+        worker.wipe([7, 8])
+        after = scheduler.load_into(hit.handle, [7, 8], locked=False)
+        assert after.num_loaded_pages == 2 and all(worker.client.waiter.holds(t) for t in after.wait)
+        assert worker.client.wait_over(after.wait, timeout_s=30)
+        worker.check(seq, [7, 8])
+        stats_and_check(daemon.endpoint)
+    finally:
+        scheduler.close()
+        worker.close()
+        assert daemon.stop() == 0
 
 
 def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(daemon, monkeypatch):

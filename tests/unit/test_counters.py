@@ -49,6 +49,33 @@ def test_a_reused_slot_never_reports_an_older_load_as_done(ring):
         waiter.is_done(first, 0)
 
 
+def test_a_ticket_is_held_by_its_own_ring_only_and_only_while_its_load_has_the_slot(ring):
+    """What the client finds a ticket's ring by (a pool registered again has a new
+    ring; loads of the old one may still be copying)."""
+    counters, waiter = ring
+    other = LayerCounters(num_slots=2, num_layers=3)
+    other_waiter = LayerWaiter(CountersHandle.from_dict(other.handle(b"u").to_dict()), other.reader_fd())
+    try:
+        ours, theirs = counters.begin(), other.begin()
+        assert ours.slot == theirs.slot  # (the same slot, each ring's own generations)
+        assert waiter.holds(ours) and not waiter.holds(theirs)
+        assert other_waiter.holds(theirs) and not other_waiter.holds(ours)
+        assert not waiter.holds(Ticket(2, ours.generation)) and not waiter.holds(Ticket(-1, ours.generation))
+        for layer in range(3):
+            counters.complete_layer(ours, layer)
+        assert waiter.holds(ours)  # landed: the slot is still its own
+        counters.finish(ours)
+        between = counters.begin()  # (the other slot)
+        for layer in range(3):
+            counters.complete_layer(between, layer)
+        counters.finish(between)
+        assert counters.begin().slot == ours.slot  # the slot moves on
+        assert not waiter.holds(ours)
+    finally:
+        other_waiter.close()
+        other.close()
+
+
 def test_a_stale_stamp_from_the_previous_load_is_not_done(ring):
     counters, waiter = ring
     first = counters.begin()

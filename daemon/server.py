@@ -174,6 +174,10 @@ class Server:
         self._dropped_since_log = 0  # messages dropped (see _drop) since the last log line
         self._next_drop_log = 0.0
         self._stop = False
+        # The pipe stop() and request_reload() nudge the loop through (see _nudge): a
+        # nudge before the loop serves waits there. Each end -1 once closed.
+        self._nudges, self._nudge_fd = os.pipe()
+        os.set_blocking(self._nudge_fd, False)
         # Set by the stop when something did not finish by its deadline (a transfer stuck
         # in a storage that hangs): its threads are left running, for the process's exit.
         self.unfinished = False
@@ -285,18 +289,58 @@ class Server:
     def stop(self) -> None:
         """Ask the loop to drain and return (safe from a signal handler)."""
         self._stop = True
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Make the loop's blocking recv return, from a signal handler too. The handler
+        runs on the loop's own thread between two bytecodes — maybe in the middle of a
+        send on that thread's wake-up socket — so it only writes a byte to a pipe; a
+        thread of ours reads it and wakes the loop (:meth:`_relay_nudges`). Before, a
+        SIGTERM was seen once the recv timed out (pyzmq retries a recv a signal
+        interrupted): up to ``_MAX_WAIT_S`` later."""
+        fd = self._nudge_fd
+        if fd >= 0:
+            try:
+                os.write(fd, b"\0")
+            except OSError:  # full: a nudge is pending already
+                pass
+
+    def _relay_nudges(self, fd: int) -> None:
+        try:
+            while os.read(fd, 64):
+                self._wake()
+        finally:
+            os.close(fd)
 
     def serve_forever(self) -> None:
         if self._router is None:
             self.bind()
         router = self._router
-        timeout_ms = -2
-        behind = False  # replies sent since the last catch-up: bookkeeping owed
-        catch_up_at = 0.0
         self.collector.install()  # start-up's objects out of every later full collection
         self.daemon.specs.on_settled = gc.freeze  # (and each tier manager's, once it serves)
         self.notifier.ready(status=f"serving on {', '.join(self.endpoints)}")
         logger.info("serving on %s", ", ".join(self.endpoints))
+        nudges, self._nudges = self._nudges, -1  # (the relay's to close)
+        relay = threading.Thread(target=self._relay_nudges, args=(nudges,), name="hicache-nudges", daemon=True)
+        relay.start()
+        try:
+            self._loop(router)
+        finally:
+            self._close_nudges()  # the relay reads the end, and returns
+            relay.join()
+        self._shutdown()
+
+    def _close_nudges(self) -> None:
+        for name in ("_nudge_fd", "_nudges"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)  # (first: a signal after this writes nothing)
+                os.close(fd)
+
+    def _loop(self, router: zmq.Socket) -> None:
+        timeout_ms = -2
+        behind = False  # replies sent since the last catch-up: bookkeeping owed
+        catch_up_at = 0.0
         while not self._stop:
             if not behind:
                 wanted = self._timeout_ms()
@@ -330,7 +374,6 @@ class Server:
             # Idle, a wake-up, an answer still to come, or requests back to back for _CATCH_UP_S.
             self._fenced(self._catch_up, router)
             behind = False
-        self._shutdown()
 
     def _fenced(self, step, router: zmq.Socket, *args) -> bool:
         """Run one step of the loop; whatever it raises is logged and counted, and the
@@ -499,6 +542,7 @@ class Server:
     def request_reload(self) -> None:
         """SIGHUP: re-read ``[auth]`` at the loop's next turn (safe from a signal handler)."""
         self._reload_requested = True
+        self._nudge()
 
     def _reload(self, router: zmq.Socket) -> bool:
         if self.daemon.reload_source is None:
@@ -597,6 +641,7 @@ class Server:
         (the end of :meth:`serve_forever`; for a server that never served, after its
         daemon was closed)."""
         self.collector.uninstall()
+        self._close_nudges()
         if self._zap is not None:
             self._zap.close()
             self._zap = None

@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import pytest
 import zmq
@@ -66,6 +67,34 @@ def test_the_loop_survives_a_failure_outside_the_daemons_fence(served, monkeypat
     assert isinstance(reply, p.HealthReply) and reply.id == 3
     stats = ask(sock, p.Stats(id=4)).stats
     assert stats.requests["loop/DROPPED"] == 2 and failures == {"answer": 0, "poll": 0}
+
+
+@pytest.mark.parametrize("ask_for", ["stop", "reload"])
+def test_a_stop_or_a_reload_wakes_a_loop_that_waits_for_no_deadline(tmp_path, monkeypatch, ask_for):
+    """``stop`` and ``request_reload`` (what SIGTERM and SIGHUP call, on the loop's own
+    thread) make the loop's blocking receive return: here it has no deadline to wake
+    for (before, it noticed them at its next receive timeout only — here, never)."""
+    config = DaemonConfig.load(overrides={"server.socket": str(tmp_path / "hicache.sock"), "disk.enabled": False,
+                                          "metrics.enabled": False})
+    server = Server(config)
+    server.bind()
+    monkeypatch.setattr(server, "_timeout_ms", lambda: -1)
+    reloads = []
+    server.daemon.reload_source = lambda: reloads.append(1) or server.config.auth
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        if ask_for == "reload":
+            server.request_reload()
+            ask_for_stop_at = time.monotonic() + 30
+            while not reloads:  # (served by the loop: nothing else asks it to reload)
+                assert time.monotonic() < ask_for_stop_at, "the loop never reloaded"
+                time.sleep(0.01)
+    finally:
+        server.stop()
+        thread.join(30)
+        gc.unfreeze()
+    assert not thread.is_alive(), "the loop never saw the stop"
 
 
 def test_a_second_server_on_the_same_socket_is_refused(served, tmp_path):

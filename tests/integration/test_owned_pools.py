@@ -168,6 +168,9 @@ def test_a_load_into_past_the_engines_own_prefix_reads_the_pages_before_it_from_
         other = toks(5000, 24)  # the host tier's 24 pages: the prompt's copies there go
         worker.compute(other, list(range(10, 34)))
         assert worker.client.store(other, list(range(10, 34))).num_cached == 24
+        flusher = admin(daemon.endpoint)
+        flusher.flush()  # (their write-backs done: pages being written are not evictable)
+        flusher.close()
         assert host_account(stats_and_check(daemon.endpoint))["cached_evictable"] == 24
         worker.wipe([35, 36])
         done = scheduler.load_into(m.handle, [35, 36], 2, locked=False)

@@ -19,6 +19,15 @@ load had the ticket of the old one's first load, and waiting on the old ticket r
 when the new load landed). The daemon writes the KV bytes before the stamp (x86 keeps
 stores in order; the stamp is one aligned 8-byte store).
 
+The daemon holds a shared ``flock`` on its descriptor of the ring for as long as it may
+stamp it: until it lets the pool go — which it does only once no copy for the pool is
+left — or until it exits, however it exits (the kernel drops the lock with the last
+reference: the descriptor and the mapping). An engine's waiter, on a descriptor of its
+own, tries for an exclusive lock now and then while it waits: when it gets one, nothing
+can write the load's blocks any more, and a layer not stamped by then has failed — a
+daemon killed mid-load costs its engine no wait for a timeout, and a load given up on is
+known to be over (:attr:`CountersHandle.writer_lock`: daemons that say so).
+
 GPU mode adds :class:`CudaLayerEvents`: an interprocess CUDA event per slot and layer,
 recorded on the daemon's copy stream after each layer and waited on by the engine's
 stream, with no CPU block. The shared ring still carries generations and failures.
@@ -26,6 +35,7 @@ stream, with no CPU block. The shared ring still carries generations and failure
 
 from __future__ import annotations
 
+import fcntl
 import secrets
 import time
 from collections import deque
@@ -40,6 +50,7 @@ from hicache.shm import SharedBuffer
 
 
 _GENERATION_BITS = 52
+_PROBE_WRITER_S = 0.01  # how often a waiter looks whether the ring's daemon is gone
 
 
 class Ticket(NamedTuple):
@@ -58,6 +69,7 @@ class CountersHandle:
     num_layers: int
     event_handles: tuple[bytes, ...] = ()  # slot-major, num_slots * num_layers (GPU mode)
     device: int = -1
+    writer_lock: bool = False  # the daemon holds the ring's flock while it may stamp it
 
     @property
     def nbytes(self) -> int:
@@ -65,13 +77,14 @@ class CountersHandle:
 
     def to_dict(self) -> dict[str, Any]:
         return {"token": self.token, "num_slots": self.num_slots, "num_layers": self.num_layers,
-                "event_handles": list(self.event_handles), "device": self.device}
+                "event_handles": list(self.event_handles), "device": self.device, "writer_lock": self.writer_lock}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CountersHandle":
         try:
             return cls(bytes(data["token"]), int(data["num_slots"]), int(data["num_layers"]),
-                       tuple(data.get("event_handles", ())), int(data.get("device", -1)))
+                       tuple(data.get("event_handles", ())), int(data.get("device", -1)),
+                       data.get("writer_lock") is True)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad counters handle: {exc}") from None
 
@@ -100,6 +113,9 @@ class LayerCounters:
         self.num_layers = num_layers
         self.shared = SharedBuffer.create(ring_bytes(num_slots, num_layers), name="hicache-layers",
                                           others_read_only=True)
+        # Held until the ring is closed or the process ends (see the module doc); the
+        # descriptors handed to engines are their own (reader_fd), never this one.
+        fcntl.flock(self.shared.fd, fcntl.LOCK_SH)
         self._ring = _ring(self.shared.array, num_slots, num_layers)
         self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)
         self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
@@ -111,8 +127,9 @@ class LayerCounters:
     def handle(self, token: bytes = b"") -> CountersHandle:
         """The engine's handle, with the token its reader descriptor was published under."""
         if self.events is None:
-            return CountersHandle(token, self.num_slots, self.num_layers)
-        return CountersHandle(token, self.num_slots, self.num_layers, self.events.ipc_handles(), self.events.device)
+            return CountersHandle(token, self.num_slots, self.num_layers, writer_lock=True)
+        return CountersHandle(token, self.num_slots, self.num_layers, self.events.ipc_handles(), self.events.device,
+                              writer_lock=True)
 
     def reader_fd(self) -> int:
         """A read-only descriptor of the ring, for the engine (the caller hands it on)."""
@@ -176,7 +193,7 @@ class LayerWaiter:
 
     def __init__(self, handle: CountersHandle, fd: int) -> None:
         self.handle = handle
-        self._shared = SharedBuffer.attach(fd, handle.nbytes, writable=False)
+        self._shared = SharedBuffer.attach(fd, handle.nbytes, writable=False, keep_fd=handle.writer_lock)
         self._words = _ring(self._shared.array, handle.num_slots, handle.num_layers)
         self.events = CudaLayerEvents.open(handle) if handle.event_handles else None
 
@@ -209,14 +226,36 @@ class LayerWaiter:
             self._check_not_failed(ticket, layer)
             self.events.wait(ticket, layer, stream)
             return
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline = None if timeout_s is None else now + timeout_s
+        probe_at = now + _PROBE_WRITER_S
         pause = 0.0
         while not self.is_done(ticket, layer):
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= probe_at:
+                probe_at = now + _PROBE_WRITER_S
+                if self.writer_gone() and not self.is_done(ticket, layer):
+                    raise LoadFailed(f"layer {layer} of load {ticket} never landed: the daemon let go of its "
+                                     "ring (it exited), so nothing writes it any more")
+            if deadline is not None and now >= deadline:
                 raise WaitTimeout(f"layer {layer} of load {ticket} not complete after {timeout_s} s")
             # Spin briefly, then back off up to 50 us: layers land every few hundred us.
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 5e-5)
+
+    def writer_gone(self) -> bool:
+        """Has the daemon let go of this ring — closed it, or exited — so that no load
+        of it can land, or write its blocks, any more? Never, for a daemon that holds
+        no lock on it (:attr:`CountersHandle.writer_lock`)."""
+        fd = self._shared.fd
+        if fd < 0:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # (EWOULDBLOCK: held — or another engine's waiter probing now)
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
 
     def _check_not_failed(self, ticket: Ticket, layer: int) -> None:
         stamp = int(self._words[ticket.slot, 1 + layer])

@@ -379,6 +379,7 @@ class CountersMsg(msgspec.Struct, kw_only=True, gc=False):
     num_layers: int
     event_handles: list[bytes] | UnsetType = UNSET
     device: int | UnsetType = UNSET
+    writer_lock: bool | UnsetType = UNSET  # holds the ring's flock while it may stamp it (older: absent)
 
 
 class RegisterReply(_Reply, tag="register"):

@@ -143,12 +143,13 @@ class SharedBuffer:
             raise
 
     @classmethod
-    def attach(cls, fd: int, nbytes: int, *, uid: int | None = None, writable: bool = True) -> "SharedBuffer":
-        """Map a segment another process handed over (taking ``fd``, which is closed
-        here either way), after :func:`check_segment`."""
+    def attach(cls, fd: int, nbytes: int, *, uid: int | None = None, writable: bool = True,
+               keep_fd: bool = False) -> "SharedBuffer":
+        """Map a segment another process handed over (taking ``fd``: closed here, or at
+        :meth:`close` with ``keep_fd``), after :func:`check_segment`."""
         try:
             check_segment(fd, nbytes, uid=uid, writable=writable)
-            return cls(fd, nbytes, writable=writable, keep_fd=False)
+            return cls(fd, nbytes, writable=writable, keep_fd=keep_fd)
         except BaseException:
             close_all((fd,))
             raise

@@ -682,8 +682,10 @@ class HicacheConnector(KVConnectorBase_V1):
         a copy it began before then may still be writing their blocks, which vLLM may
         hand to another request once they are reported. Wait for each to be over —
         landed (kept: returned), or the rest failed — ``timeout_s`` for all of them
-        between them. One not over by then has a daemon stalled in the middle of a copy
-        (or gone): reported all the same, since vLLM's step cannot wait for good."""
+        between them. One not over by then has a daemon stalled in the middle of a copy:
+        reported all the same, since vLLM's step cannot wait for good. (A daemon that
+        exited is seen at once — nothing holds its ring any more: its loads fail,
+        and are over.)"""
         end = self._clock() + int(self._timeout_s * 1e9)
         kept = []
         for load in late:
@@ -699,8 +701,8 @@ class HicacheConnector(KVConnectorBase_V1):
                     logger.warning("hicache: load for %s not complete at layer %d in time: given up",
                                    load.req_id, layer)
             else:
-                logger.error("hicache: load for %s still copying after its deadline (the daemon is stalled or "
-                             "gone): blocks %s are reported, and may be written late", load.req_id,
+                logger.error("hicache: load for %s still copying after its deadline (the daemon is stalled): "
+                             "blocks %s are reported, and may be written late", load.req_id,
                              load.blocks[: load.num_loaded])
             self._load_errors.update(load.blocks[: load.num_loaded])
         return kept

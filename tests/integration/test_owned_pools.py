@@ -569,7 +569,9 @@ def test_a_load_ticket_from_before_a_daemon_restart_reads_only_what_its_own_daem
         m = scheduler.match(seq)
         before = scheduler.load_into(m.handle, [5, 6], locked=False)  # the worker has not waited yet
         assert before.num_loaded_pages == 2
+        assert not worker.client.waiter.writer_gone()
         assert daemon.stop() == 0
+        assert worker.client.waiter.writer_gone()  # (nothing can stamp the ring any more)
         assert worker.client.store(seq, [1, 2]).num_cached == 0 and worker.client.degraded
         assert scheduler.match(seq).handle is None and scheduler.degraded
         daemon.start()
@@ -632,6 +634,15 @@ def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_o
         for layer in range(OWNED_SPEC.num_layers):
             worker.client.wait_layer(before.wait, layer, timeout_s=30)
         worker.check(seq, [5, 6])
+        # The retired pool goes once no copy for it is left, and its ring with it: the
+        # daemon's lock on the old ring is let go, not the one on the new.
+        deadline = time.monotonic() + 30
+        while not old_ring.writer_gone():
+            assert time.monotonic() < deadline, "the daemon never let go of the retired pool's ring"
+            check_admin = admin(daemon.endpoint)  # (a request: the loop's catch-up reaps)
+            check_admin.check()
+            check_admin.close()
+        assert not worker.client.waiter.writer_gone()
         # The scheduler's session was attached to the retired pool: its next call
         # attaches to the new one, whose loads are waited on the new ring.
         hit = scheduler.match(seq)

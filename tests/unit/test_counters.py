@@ -1,3 +1,8 @@
+import os
+import pickle
+import signal
+import socket
+
 import numpy as np
 import pytest
 
@@ -138,3 +143,73 @@ def test_the_daemon_never_reads_the_shared_ring_back(ring):
     assert waiter.is_done(third, 0)
     with pytest.raises(InvalidArgument):
         counters.complete_layer(ticket, 0)  # the old ticket is not live, whatever the ring says
+
+
+def _ring_in_a_child() -> tuple[int, socket.socket, LayerWaiter, Ticket]:
+    """A daemon's ring in a process of its own (forked), with one load begun and its
+    layer 0 stamped; the child waits to be killed (or for the socket returned to
+    close). Returns its pid, that socket, a waiter on its ring (the descriptor handed
+    over as a daemon hands it), and the load's ticket."""
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        try:
+            ours.close()
+            counters = LayerCounters(num_slots=2, num_layers=3)
+            ticket = counters.begin()
+            counters.complete_layer(ticket, 0)
+            handle = counters.handle(b"t").to_dict()
+            socket.send_fds(theirs, [pickle.dumps((handle, tuple(ticket)))], [counters.reader_fd()])
+            theirs.recv(1)  # (never answered: killed while it waits)
+        finally:
+            os._exit(0)
+    theirs.close()
+    data, fds, _, _ = socket.recv_fds(ours, 4096, 1)
+    handle, ticket = pickle.loads(data)
+    return pid, ours, LayerWaiter(CountersHandle.from_dict(handle), fds[0]), Ticket(*ticket)
+
+
+def test_a_load_whose_daemon_was_killed_mid_copy_fails_at_once_and_what_landed_stays_landed():
+    """The daemon holds a lock on its ring while it may stamp it: a waiter whose daemon
+    is gone learns that its layers can never land (``LoadFailed``) instead of waiting
+    out its timeout — and an engine that gave up on the load knows nothing writes its
+    blocks any more. While the daemon lives, a wait times out as before."""
+    pid, line, waiter, ticket = _ring_in_a_child()
+    try:
+        assert waiter.handle.writer_lock
+        waiter.wait_layer(ticket, 0, timeout_s=30)
+        with pytest.raises(WaitTimeout):
+            waiter.wait_layer(ticket, 1, timeout_s=0.05)  # (the daemon lives: its lock is probed meanwhile)
+        assert not waiter.writer_gone()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        line.close()
+    try:
+        assert waiter.writer_gone()
+        waiter.wait_layer(ticket, 0, timeout_s=30)  # landed before: still landed
+        with pytest.raises(LoadFailed):
+            waiter.wait_layer(ticket, 1, timeout_s=30)
+    finally:
+        waiter.close()
+
+
+def test_a_ring_let_go_of_by_its_daemon_fails_the_layers_not_landed_and_no_lock_says_nothing(ring):
+    """The daemon closes a pool's ring once no copy for the pool is left: its loads'
+    missing layers can never land. A handle without ``writer_lock`` (a daemon that
+    holds no lock) never reads as gone: its waits time out."""
+    counters, waiter = ring
+    ticket = counters.begin()
+    counters.complete_layer(ticket, 2)
+    blind = LayerWaiter(CountersHandle.from_dict({**counters.handle(b"t").to_dict(), "writer_lock": False}),
+                        counters.reader_fd())
+    try:
+        counters.close()
+        waiter.wait_layer(ticket, 2, timeout_s=30)
+        with pytest.raises(LoadFailed):
+            waiter.wait_layer(ticket, 0, timeout_s=30)
+        assert not blind.writer_gone()
+        with pytest.raises(WaitTimeout):
+            blind.wait_layer(ticket, 0, timeout_s=0.05)
+    finally:
+        blind.close()

@@ -106,9 +106,12 @@ class Engine:
     def values(self, block_ids) -> list[set[float]]:
         return [{float(v) for layer in range(LAYERS) for v in self.block(layer, b).unique()} for b in block_ids]
 
-    def execute(self, meta, forward=None) -> KVConnectorOutput:
+    def execute(self, meta, forward=None, *, speculative: bool = False) -> KVConnectorOutput:
         """The worker's side of one step, as vLLM's model runner drives it: loads, (the
-        forward), stores; the step's connector output."""
+        forward), stores; the step's connector output. ``speculative``: in the order of
+        an engine with a draft model (``GPUModelRunner`` with a ``speculative_config``:
+        ``_get_kv_connector_output(defer_finalize=True)``), which collects the step's
+        output before the stores (``finalize_kv_connector`` after the drafter ran)."""
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
@@ -116,9 +119,12 @@ class Engine:
             w.wait_for_layer_load(name)
         if forward is not None:
             forward()
-        w.wait_for_save()
+        if not speculative:
+            w.wait_for_save()
         out = KVConnectorOutput(invalid_block_ids=set(w.get_block_ids_with_load_errors()),
                                 kv_connector_worker_meta=w.build_connector_worker_meta())
+        if speculative:
+            w.wait_for_save()
         w.clear_connector_metadata()
         return out
 

@@ -212,6 +212,33 @@ def test_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
         e.close()
 
 
+def test_with_a_draft_model_a_failed_load_is_not_stored_as_the_prompts_kv(small_daemon):
+    """An engine with speculative decoding collects a step's connector output (the
+    failed loads) before its stores run (vLLM finalizes the connector after the draft
+    model). The store of r2's pages must still stop before the blocks whose load
+    failed, which hold what they held before: none of it is cached under the prompt's
+    tokens for a later hit to load."""
+    e = Engine(small_daemon.endpoint)
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(e, p)
+        r2, r2_blocks, ext = hit_evicted_before_its_alloc(e, p)
+        meta = e.scheduler.build_connector_meta(new_req_output("r2", r2_blocks, ext, len(p) - ext))
+        out = e.execute(meta, forward=lambda: e.fill(r2_blocks[4:], STALE), speculative=True)
+        e.deliver(out)
+        assert set(r2_blocks[:4]) <= out.invalid_block_ids
+        e.finish(r2, r2_blocks)  # aborted before its recompute step
+
+        r4 = request("r4", p)
+        r4_blocks = [16, 17, 18, 19, 27]
+        e.fill(r4_blocks, 0.0)
+        ext, _ = e.prefill(r4, r4_blocks, 1.0)
+        loaded = e.values(r4_blocks[: ext // BS])
+        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+    finally:
+        e.close()
+
+
 def three_loads_in_one_step(e, admin):
     """Three requests stored (blocks 1-2, 3-4, 5-6: values 7, 8, 9); three more of the
     same prompts hit them, and the scheduler starts their loads into blocks 10-11,

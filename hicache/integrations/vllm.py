@@ -319,6 +319,9 @@ class HicacheConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
             self._load_errors: set[int] = set()
+            # The blocks this step reported already, until it ends: an engine with a draft
+            # model collects the step's output before its stores run (``_valid_pages``).
+            self._reported: set[int] = set()
             # block -> the step whose load into it (its latest) failed, until the scheduler
             # has that step's output (``confirmed``): what ``meta.check`` is answered from
             self._failed: dict[int, int] = {}
@@ -739,15 +742,19 @@ class HicacheConnector(KVConnectorBase_V1):
         it held before, and every later one of the request was computed on top of it
         (vLLM recomputes them, and the scheduler stores them then)."""
         for i, block in enumerate(store.blocks):
-            if block in self._load_errors:
+            if block in self._load_errors or block in self._reported:
                 return i
         return len(store.blocks)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The step's reported blocks; the blocks this step loaded into are remembered
         as failed or forgotten (a load into a block is all its hicache KV), for the
-        checks of the steps vLLM built before this output reaches the scheduler."""
+        checks of the steps vLLM built before this output reaches the scheduler. They
+        stay the step's until it ends: vLLM asks before ``wait_for_save`` in an engine
+        with a draft model (it finalizes the connector after the drafter ran), and the
+        step's stores must stop before them all the same."""
         errors, self._load_errors = self._load_errors, set()
+        self._reported = errors
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             for load in meta.loads:
@@ -757,6 +764,10 @@ class HicacheConnector(KVConnectorBase_V1):
                     else:
                         self._failed.pop(block, None)
         return errors
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._reported = set()  # (the step ends: see get_block_ids_with_load_errors)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """A step with loads tells the scheduler that its outcome is in, so that it stops

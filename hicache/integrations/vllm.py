@@ -754,7 +754,7 @@ class HicacheConnector(KVConnectorBase_V1):
         with a draft model (it finalizes the connector after the drafter ran), and the
         step's stores must stop before them all the same."""
         errors, self._load_errors = self._load_errors, set()
-        self._reported = errors
+        self._reported.update(errors)  # (a copy: the set returned is vLLM's to change)
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             for load in meta.loads:

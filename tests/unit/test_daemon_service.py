@@ -552,6 +552,45 @@ def test_drain_persists_pages_whose_backup_was_still_in_flight(tmp_path, engines
         store.close()
 
 
+def test_drain_persists_host_pages_while_the_remote_store_hangs_in_a_put(tmp_path, engines):
+    """SIGTERM while the remote store hangs in a put of the pages just inserted (its
+    master gone mid-RPC), the disk policy write-back: the put is no reason to hold the
+    host pages back from the disk. The drain writes them all, so a restart hits all of
+    it — though the put never ends within the stop's deadline."""
+    import time
+
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    remote = MooncakeBackend(MooncakeConfig(master="127.0.0.1:1"), store=raw)
+    config = DaemonConfig.load(overrides={"server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0,
+                                          "disk.path": str(tmp_path / "store"), "tiers.disk_policy": "write_back"})
+    daemon = Daemon(config, clock=time.monotonic, remote=remote, fds=FdExchange(tmp_path / "fds"))
+    try:
+        engine = engines()
+        sid = session(daemon, engine)
+        tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+        pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages
+        raw.hold("batch_put_from_multi_buffers")
+        ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages)))
+        (manager,) = daemon.managers.values()
+        while not raw.entered.is_set():  # (the backup lands on host, and its put starts)
+            manager.poll(0.01)
+        daemon.drain(time.monotonic() + 2.0)
+        assert manager.durability()["not_on_disk_pages"] == 0
+        assert not raw.objects  # (the put still hangs)
+    finally:
+        raw.release()
+        daemon.close()
+    store = LmdbBackend(tmp_path / "store", capacity_bytes=1 << 30)
+    try:
+        assert store.stats().records == 3
+    finally:
+        store.close()
+
+
 def test_the_oldest_lock_age_is_exported(tmp_path, engines):
     """hicache_oldest_lock_age_seconds: how long the oldest lock still held has been
     held, over every session; back to 0 once it is released (or its session ends)."""

@@ -554,11 +554,13 @@ class Daemon:
         disk per policy, and wait for those writes, until ``deadline`` (on
         :attr:`clock`; default: ``[server].drain_timeout_s`` from now). Finishing first
         matters: a backup still in flight becomes host pages only when it completes,
-        and would otherwise miss the disk."""
+        and would otherwise miss the disk. The remote tier's calls are waited for only
+        after the host pages are written: a store that hangs in a put would take the
+        whole drain from the disk."""
         self.draining = True
         if deadline is None:
             deadline = self.clock() + self.config.server.drain_timeout_s
-        self._flush_all(deadline)
+        self._flush_all(deadline, local=True)
         for manager in self.managers.values():
             manager.persist()
         self._flush_all(deadline)
@@ -568,7 +570,7 @@ class Daemon:
                         "(lost at exit), %d backups deferred", fingerprint.hex()[:12], figures["on_disk_pages"],
                         figures["written_pages"], figures["not_on_disk_pages"], figures["deferred_backups"])
 
-    def _flush_all(self, deadline: float) -> None:
+    def _flush_all(self, deadline: float, *, local: bool = False) -> None:
         def progress(writing: int, deferred: int) -> None:
             logger.info("draining: %d pages being written, %d more waiting", writing, deferred)
             self.keepalive(0)
@@ -576,7 +578,7 @@ class Daemon:
         for manager in self.managers.values():
             remaining = max(0.0, deadline - self.clock())
             try:
-                manager.flush(timeout_s=remaining, progress=progress)
+                manager.flush(timeout_s=remaining, progress=progress, local=local)
             except TimeoutError:
                 logger.warning("drain timed out with transfers in flight")
 

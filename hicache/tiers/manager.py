@@ -806,8 +806,11 @@ class TierManager:
             self.poll(0.01)
         return future.result()
 
-    def idle(self) -> bool:
-        return (not self._inflight and not self.disk.pending and not self._loads.parked
+    def idle(self, *, local: bool = False) -> bool:
+        """Is nothing in flight? ``local``: nothing between this node's own tiers — the
+        remote tier's calls aside (a store that hangs in one holds up no disk write)."""
+        busy = self._inflight.local() if local else bool(self._inflight)
+        return (not busy and not self.disk.pending and not self._loads.parked
                 and not (self.checkpoints is not None and self.checkpoints.busy)
                 and not (self.windows is not None and (self.windows.busy or self.windows.split)))
 
@@ -848,15 +851,16 @@ class TierManager:
         return self.disk.persist()
 
     def flush(self, timeout_s: float = 60.0, progress: Callable[[int, int], None] | None = None,
-              every_s: float = 2.0) -> None:
+              every_s: float = 2.0, *, local: bool = False) -> None:
         """Wait until no transfer is in flight and storage has committed everything.
         ``progress(pages being written, pages of writes deferred)`` is called every
-        ``every_s`` while it waits (a draining daemon logs it). ``TimeoutError`` past
+        ``every_s`` while it waits (a draining daemon logs it). ``local``: the remote
+        tier's calls are not waited for (see :meth:`idle`). ``TimeoutError`` past
         ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         report_at = time.monotonic() + every_s
         while True:
-            while not self.idle():
+            while not self.idle(local=local):
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError("transfers still in flight")

@@ -34,6 +34,9 @@ class Kind(Enum):
     REMOTE_WRITE = "host_to_remote"
 
 
+_REMOTE = (Kind.REMOTE_READ, Kind.REMOTE_WRITE)
+
+
 @dataclass(eq=False)
 class Entry:
     node: Node
@@ -111,6 +114,11 @@ class InFlight:
 
     def __bool__(self) -> bool:
         return bool(self._by_node) or bool(self._detached)
+
+    def local(self) -> bool:
+        """Is a transfer between this node's own tiers in flight (the remote tier's
+        calls aside)? O(transfers)."""
+        return any(t.kind not in _REMOTE for t in (*self._distinct(), *self._detached))
 
     def add_detached(self, transfer: Transfer) -> None:
         """A transfer whose pages belong to no node while it runs (they join the tree

@@ -718,3 +718,40 @@ def test_a_store_that_hangs_with_write_backs_holding_half_the_disk_stops_no_disk
     finally:
         raw.release()
         a.close()
+
+
+@pytest.mark.parametrize("retry_s", [0.0, 3600.0])
+def test_a_write_through_deferred_behind_a_put_that_fails_is_put_or_skipped(retry_s):
+    """A write waits for room in the queue behind a put, which fails (the store answers
+    with an error: the tier is marked down for ``retry_s``). The write does not wait for
+    another put's end — maybe never, with no more traffic: flush returns without it —
+    but goes as the probe once the tier may be asked again (retry_s 0: its pages reach
+    the store), or is skipped and counted like any write while the tier is down."""
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    answer = raw.batch_put_from_multi_buffers
+    calls = []
+
+    def fails_once(names, all_ptrs, all_sizes):
+        raw._wait("batch_put_from_multi_buffers")
+        calls.append(len(names))
+        return [-900] * len(names) if len(calls) == 1 else answer(names, all_ptrs, all_sizes)
+
+    raw.batch_put_from_multi_buffers = fails_once
+    a = StandInNode(raw, write_backlog=2, retry_s=retry_s)
+    try:
+        raw.hold("batch_put_from_multi_buffers")
+        a.prefill(list(range(100, 100 + 2 * PS)))
+        _until(a, raw.entered.is_set)
+        a.prefill(list(range(5000, 5000 + 2 * PS)))  # (over the backlog: deferred)
+        counts = a.tm.remote.counts
+        _until(a, lambda: counts["put_deferred"] == 2)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert (counts["pages_put"], counts["put_skipped"]) == ((2, 2) if retry_s == 0 else (0, 4))
+        assert len(raw.objects) == counts["pages_put"]
+    finally:
+        raw.release()
+        a.close()

@@ -9,7 +9,8 @@ and evicts on its own, so what this node could record would go stale. Instead:
   from the host pages themselves, pinned until the put is done. At most ``write_backlog``
   pages are in flight; a write beyond that waits (deferred, counted, started as puts
   finish — up to :data:`MAX_DEFERRED` writes); one while the tier is down is skipped and
-  counted — the page stays cached locally, only the fleet does not get it.
+  counted (so are those waiting once a put fails and marks it down) — the page stays
+  cached locally, only the fleet does not get it.
   ``policy = "write_back"``: pages go to the remote tier as the local disk tier evicts
   them instead — their records read back into staging pages, put, then deleted from the
   disk (:meth:`RemoteTier.write_back`). An eviction of more pages than the staging pages
@@ -476,9 +477,15 @@ class RemoteTier:
         self.core.metrics.remote_pages("put", "deferred", pages)
 
     def _retry_deferred(self) -> None:
-        """Start the deferred writes the queue has room for (after a put finished)."""
+        """Start the deferred writes the queue has room for (after a put finished); while
+        the tier is down, skip them all (counted), as any write then — no put may end to
+        retry them."""
         tree = self.core.tree
-        while self._deferred and self._usable():
+        while self._deferred:
+            if not self._usable():
+                self._skip_write(sum(pages for _, pages in self._deferred))
+                self._deferred.clear()
+                return
             node_id, pages = self._deferred[0]
             node = tree.find(node_id)
             nodes: list[Node] = []
@@ -507,13 +514,13 @@ class RemoteTier:
         if error is not None:
             self._failed("put", error)
             self._skip_write(transfer.num_pages)
-            return
-        self._answered()
-        core.report(transfer, result.written)
-        self.counts["pages_put"] += result.written
-        core.metrics.remote_pages("put", "ok", result.written)
-        if result.written < transfer.num_pages:  # (no segment with room: the master's call)
-            self._skip_write(transfer.num_pages - result.written)
+        else:
+            self._answered()
+            core.report(transfer, result.written)
+            self.counts["pages_put"] += result.written
+            core.metrics.remote_pages("put", "ok", result.written)
+            if result.written < transfer.num_pages:  # (no segment with room: the master's call)
+                self._skip_write(transfer.num_pages - result.written)
         if self._deferred:
             self._retry_deferred()
 

@@ -30,7 +30,9 @@ known to be over (:attr:`CountersHandle.writer_lock`: daemons that say so).
 
 GPU mode adds :class:`CudaLayerEvents`: an interprocess CUDA event per slot and layer,
 recorded on the daemon's copy stream after each layer and waited on by the engine's
-stream, with no CPU block. The shared ring still carries generations and failures.
+stream, with no CPU block. The shared ring still carries generations and failures, and
+a layer's stamp there says that its event was recorded for this load (its copy is on
+the stream): the engine waits for that before its stream waits on the event.
 """
 
 from __future__ import annotations
@@ -220,12 +222,12 @@ class LayerWaiter:
 
     def wait_layer(self, ticket: Ticket, layer: int, *, timeout_s: float | None = None,
                    stream: Any = None) -> None:
-        """Return once ``layer`` of the load is complete (CPU mode: poll; GPU mode: make
-        ``stream`` wait on the layer's event, without blocking the CPU)."""
-        if self.events is not None:
-            self._check_not_failed(ticket, layer)
-            self.events.wait(ticket, layer, stream)
-            return
+        """Return once ``layer`` of the load is complete (CPU mode: poll). GPU mode: poll
+        until the layer's event is recorded for this load — its copy enqueued on the
+        daemon's stream, which the daemon does before it answers, so this finds it at
+        once — then make ``stream`` wait on the event, without blocking the CPU. An
+        event waited on before it was recorded for this load would hold its previous
+        record (or none): the stream would not wait for this load's copy at all."""
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         probe_at = now + _PROBE_WRITER_S
@@ -242,6 +244,8 @@ class LayerWaiter:
             # Spin briefly, then back off up to 50 us: layers land every few hundred us.
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 5e-5)
+        if self.events is not None:
+            self.events.wait(ticket, layer, stream)
 
     def writer_gone(self) -> bool:
         """Has the daemon let go of this ring — closed it, or exited — so that no load
@@ -256,13 +260,6 @@ class LayerWaiter:
             return False
         fcntl.flock(fd, fcntl.LOCK_UN)
         return True
-
-    def _check_not_failed(self, ticket: Ticket, layer: int) -> None:
-        stamp = int(self._words[ticket.slot, 1 + layer])
-        if stamp == -ticket.generation:
-            raise LoadFailed(f"layer {layer} of load {ticket} failed")
-        if int(self._words[ticket.slot, 0]) != ticket.generation:
-            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
 
     def close(self) -> None:
         self._words = None  # type: ignore[assignment]

@@ -89,10 +89,14 @@ class CudaCopy:
 
     def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
         counters.events.record(ticket, layer, torch.cuda.current_stream())
+        # Recorded for this load: the engine's stream may wait on the event now (before,
+        # the stamps came once the stream had run the load, and an engine that waited
+        # on a layer whose copy was never enqueued — a load cut short — waited on the
+        # event's previous record, or on none).
+        counters.complete_layer(ticket, layer)
 
     def load_done(self, counters: LayerCounters, ticket: Ticket, num_layers: int) -> None:
-        for layer in range(num_layers):
-            counters.complete_layer(ticket, layer)
+        pass  # (each layer was stamped as its event was recorded)
 
     def load_failed(self, counters: LayerCounters, ticket: Ticket) -> None:
         pass  # (layers enqueued before still run on the stream: the owner fails it after them)

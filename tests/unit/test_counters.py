@@ -213,3 +213,36 @@ def test_a_ring_let_go_of_by_its_daemon_fails_the_layers_not_landed_and_no_lock_
             blind.wait_layer(ticket, 0, timeout_s=0.05)
     finally:
         blind.close()
+
+
+class _Events:
+    """A waiter's CUDA events, as seen from the CPU: which (ticket, layer) the engine's
+    stream was made to wait on, in order."""
+
+    def __init__(self) -> None:
+        self.waited: list[tuple[Ticket, int]] = []
+
+    def wait(self, ticket: Ticket, layer: int, stream=None) -> None:
+        self.waited.append((ticket, layer))
+
+
+def test_gpu_mode_waits_on_a_layers_event_only_once_the_ring_says_it_was_recorded_for_the_load(ring):
+    """GPU mode: the daemon stamps a layer as it records the layer's event (the copy is
+    on its stream); the engine's stream waits on the event only after that stamp. An
+    event not yet recorded for this load holds its previous load's record, or none: a
+    stream made to wait on it would not wait for this load's copy (before, the engine
+    waited on the event at once, whatever the ring said)."""
+    counters, waiter = ring
+    waiter.events = events = _Events()
+    ticket = counters.begin()
+    with pytest.raises(WaitTimeout):
+        waiter.wait_layer(ticket, 0, timeout_s=0.05)
+    assert events.waited == []
+    counters.complete_layer(ticket, 0)  # (CudaCopy.layer_done: recorded, then stamped)
+    waiter.wait_layer(ticket, 0, timeout_s=30)
+    assert events.waited == [(ticket, 0)]
+    counters.fail(ticket)  # a load cut short: layers 1 and 2 never enqueued
+    for layer in (1, 2):
+        with pytest.raises(LoadFailed):
+            waiter.wait_layer(ticket, layer, timeout_s=30)
+    assert events.waited == [(ticket, 0)]

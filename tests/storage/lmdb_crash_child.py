@@ -61,3 +61,47 @@ def write_until_killed(
         done_id, future = pending.popleft()
         future.result()
         conn.send(done_id)
+
+
+# The churn writer: each step puts one batch and deletes the batch CHURN_LAG steps
+# older, so the store keeps turning its space over; the payload sizes change every
+# CHURN_PHASE batches (small, then large pages), so slots of the size in decline are
+# freed and their space given back while the writer may be killed.
+CHURN_LAG = 12
+CHURN_PHASE = 24
+
+
+def churn_size(batch_id: int, index: int) -> int:
+    small = batch_id // CHURN_PHASE % 2 == 0
+    return (600 if small else 9000) + 97 * index
+
+
+def churn_records(batch_id: int) -> list[PageRecord]:
+    records = []
+    parent = bytes(16)
+    for index in range(RECORDS_PER_BATCH):
+        key = record_key(batch_id, index)
+        meta = PageMeta(namespace=NAMESPACE, parent=parent, tokens=np.array([batch_id, index], dtype="<i4").tobytes())
+        records.append(PageRecord(key, record_content(key, churn_size(batch_id, index)), meta))
+        parent = key
+    return records
+
+
+def churn_until_killed(path: str, first_batch_id: int, conn, capacity_bytes: int, in_flight: int = 4) -> None:
+    """Open the store (in this process), then step forever from ``first_batch_id``:
+    put batch ``i`` and delete batch ``i - CHURN_LAG``, keeping ``in_flight`` steps
+    queued; send ``i`` once both have committed. The store never has to evict."""
+    store = LmdbBackend(path, capacity_bytes=capacity_bytes, max_batch_records=8)
+    conn.send(READY)
+    pending: deque = deque()
+    batch_id = first_batch_id
+    while True:
+        while len(pending) < in_flight:
+            put = store.put(churn_records(batch_id), fingerprint=FINGERPRINT)
+            gone = store.delete([record_key(batch_id - CHURN_LAG, i) for i in range(RECORDS_PER_BATCH)])
+            pending.append((batch_id, put, gone))
+            batch_id += 1
+        done_id, put, gone = pending.popleft()
+        assert not put.result().evicted, "the churn store evicted: its capacity is too small"
+        gone.result()
+        conn.send(done_id)

@@ -11,6 +11,7 @@ kill; no assertion depends on timing.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import signal
 import time
@@ -19,11 +20,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hicache.storage.lmdb_backend import LmdbBackend
+from hicache.storage.lmdb_backend import LmdbBackend, slot_bytes_for
 from lmdb_crash_child import (
+    CHURN_LAG,
+    CHURN_PHASE,
     FINGERPRINT,
     READY,
     RECORDS_PER_BATCH,
+    churn_size,
+    churn_until_killed,
     record_content,
     record_key,
     record_size,
@@ -34,15 +39,13 @@ NUM_KILLS = 12
 BATCH_IDS_PER_RUN = 1_000_000
 
 
-def _run_and_kill(ctx, path: str, run: int, rng: random.Random, writemap: bool) -> list[int]:
-    """Start a writer, let it run for a random while, SIGKILL it; the batch ids it
-    reported committed. Most kills come after the store is open; some may land while
-    it opens (and runs its start-up maintenance transaction)."""
+def _run_and_kill(ctx, rng: random.Random, target, args: tuple) -> list[int]:
+    """Start a writer, ``target(*args[:2], sender, *args[2:])``, let it run for a random
+    while, SIGKILL it; the batch ids it reported committed. Most kills come after the
+    store is open; some may land while it opens (and runs its start-up maintenance
+    transaction)."""
     receiver, sender = ctx.Pipe(duplex=False)
-    # A small map makes the writer grow it now and then, so kills land around remaps too.
-    process = ctx.Process(
-        target=write_until_killed, args=(path, run * BATCH_IDS_PER_RUN, sender, 1 << 20, writemap), daemon=True
-    )
+    process = ctx.Process(target=target, args=(*args[:2], sender, *args[2:]), daemon=True)
     process.start()
     sender.close()
     if rng.random() < 0.8:
@@ -90,21 +93,86 @@ def _check_store(path: str, committed: list[int], writemap: bool) -> int:
         return len(keys)
 
 
-@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="needs forkserver")
-@pytest.mark.parametrize("writemap", [False, True], ids=["malloc-pages", "writemap"])
-def test_sigkill_never_loses_a_committed_batch_nor_shows_a_torn_record(tmp_path, writemap):
+def _forkserver():
     ctx = multiprocessing.get_context("forkserver")
     # Preload the heavy imports once. Python 3.11's forkserver ignores sys.path while
     # preloading, so the child module itself is imported by each child (cheap).
     ctx.set_forkserver_preload(["hicache.storage.lmdb_backend"])
+    return ctx
+
+
+needs_forkserver = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
+                                      reason="needs forkserver")
+
+
+@needs_forkserver
+@pytest.mark.parametrize("writemap", [False, True], ids=["malloc-pages", "writemap"])
+def test_sigkill_never_loses_a_committed_batch_nor_shows_a_torn_record(tmp_path, writemap):
+    ctx = _forkserver()
     rng = random.Random(20240611)
     path = str(tmp_path / "store")
     committed: list[int] = []
     num_records = 0
     for run in range(NUM_KILLS):
-        reported = _run_and_kill(ctx, path, run, rng, writemap)
+        # A small map makes the writer grow it now and then, so kills land around remaps too.
+        reported = _run_and_kill(ctx, rng, write_until_killed, (path, run * BATCH_IDS_PER_RUN, 1 << 20, writemap))
         assert reported == sorted(reported)
         committed += reported
         num_records = _check_store(path, committed, writemap)
         assert num_records >= len(committed) * RECORDS_PER_BATCH
     assert committed, "no batch committed before any kill: the test did not test anything"
+
+
+CHURN_KILLS = 10
+CHURN_CAPACITY_BYTES = 4 << 20  # the churn's records take at most ~0.8 MiB: it never evicts
+CHURN_IN_FLIGHT = 4  # churn_until_killed's default
+
+
+def _check_churned_store(path: str, last: int) -> int:
+    """Reopen the store after a kill (steps up to ``last`` reported committed) and check
+    it; the slab files' disk bytes."""
+    # Steps after ``last`` may have committed too, each in part (its put, not its delete).
+    unsure = range(last + 1, last + CHURN_IN_FLIGHT + 2)
+    with LmdbBackend(path, capacity_bytes=CHURN_CAPACITY_BYTES) as store:
+        store.check_invariants()  # every slot used once, free or waiting; counts equal the store's
+        listed = dict(store.iter_metadata())
+        keys = list(listed)
+        buffers = [np.empty(listed[k].payload_size, dtype=np.uint8) for k in keys]
+        assert store.get(keys, buffers, fingerprint=FINGERPRINT) == [True] * len(keys)
+        assert store.stats().corrupt_records == 0
+        batches = Counter()
+        for key, buffer in zip(keys, buffers, strict=True):
+            batch_id, index = np.frombuffer(listed[key].tokens, dtype="<i4").tolist()
+            assert key == record_key(batch_id, index)
+            assert np.array_equal(buffer, record_content(key, churn_size(batch_id, index)))
+            batches[batch_id] += 1
+        assert set(batches.values()) <= {RECORDS_PER_BATCH}, "a put or a delete was partly committed"
+        for batch_id in range(last + CHURN_IN_FLIGHT + 2):
+            if batch_id <= last and batch_id + CHURN_LAG not in unsure and batch_id + CHURN_LAG > last:
+                assert batch_id in batches, f"batch {batch_id}: its put committed, its delete did not start"
+            if batch_id + CHURN_LAG <= last or batch_id > unsure[-1]:
+                assert batch_id not in batches, f"batch {batch_id}: deleted, or never put"
+        return sum(os.stat(os.path.join(path, name)).st_blocks * 512
+                   for name in os.listdir(path) if name.startswith("slab-"))
+
+
+@needs_forkserver
+def test_sigkill_while_puts_and_deletes_turn_the_space_over_loses_nothing_committed(tmp_path):
+    """Puts and deletes, the payload size shifting now and then (slots freed, files cut
+    and punched): after each kill every record reads back as put, every committed step
+    shows (a put present until its delete, a delete's batch gone), no slot is named
+    twice nor lost, and the slab files hold no more than the live steps' records."""
+    ctx = _forkserver()
+    rng = random.Random(20250307)
+    path = str(tmp_path / "store")
+    last = -1
+    # The most the live records' slots can take: the lag's batches and those in flight,
+    # of the larger size (the open gives back the rest).
+    bound = (CHURN_LAG + CHURN_IN_FLIGHT + 2) * max(
+        sum(slot_bytes_for(churn_size(batch_id, i)) for i in range(RECORDS_PER_BATCH)) for batch_id in (0, CHURN_PHASE))
+    for _ in range(CHURN_KILLS):
+        reported = _run_and_kill(ctx, rng, churn_until_killed, (path, last + 1, CHURN_CAPACITY_BYTES))
+        assert reported == list(range(last + 1, last + 1 + len(reported)))
+        last += len(reported)
+        assert _check_churned_store(path, last) <= bound
+    assert last > 2 * CHURN_PHASE, "too few steps committed to shift the payload size: nothing tested"

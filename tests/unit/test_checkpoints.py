@@ -206,6 +206,46 @@ def test_a_restarted_manager_gets_its_checkpoints_back(engine, tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("left", ["another size", "no pages"])
+def test_a_restart_drops_a_checkpoint_record_it_cannot_restore(engine, tmp_path, left):
+    """Left in the store across a restart: a checkpoint record of another size than a
+    state slot (intact: the store would refuse every read of it), or one whose pages'
+    records are gone. The rebuild attaches neither — its node is no hit end — and
+    deletes it; the good checkpoint beside it comes back."""
+    from hicache.storage.base import PageMeta, PageRecord
+
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    a, b = tokens(100, 2), tokens(500, 3)
+    prefill(tm, engine, a, [(2, 71)])
+    prefill(tm, engine, b, [(3, 72)])
+    tm.flush()
+    boundary = tm.match(NS, a, 0).match.node.last_page_key
+    page_keys = tm.match(NS, a, 0).match.node.page_key_list()
+    tm.close()
+    key = checkpoint_key(boundary)
+    if left == "another size":
+        odd = PageRecord(key, np.zeros(tm.host_pool.state_slot_bytes - 8, np.uint8), PageMeta(NS, boundary, b""))
+        store.put([odd], fingerprint=SPEC.fingerprint).result()
+    else:
+        store.delete(page_keys).result()
+    store.close()
+
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    tm.rebuild_from_storage()
+    tm.flush()
+    tm.check_invariants()
+    assert tm.checkpoints.count() == (0, 1, 0)
+    assert tm.match(NS, a, 0).match.node.parent is None
+    assert store.read_tokens([key]) == [None]  # the record is deleted
+    pages, state, _ = load_state(tm, engine, b)
+    assert (pages, state) == (3, True) and engine.state_label(1, [71, 72]) == 72
+    tm.close()
+    store.close()
+
+
 def test_a_checkpoint_goes_with_its_node_from_every_tier(engine, store):
     tm = make_tm(engine, storage=store)
     toks = tokens(300, 2)

@@ -325,19 +325,22 @@ class Checkpoints:
         if cp.host < 0 and not cp.device and not cp.dead:
             self._drop(cp)
 
-    def attach_restored(self, records: list[tuple[bytes, bytes]]) -> int:
-        """After a rebuild: put the checkpoint records ``(key, boundary page key)``
-        back on their nodes (splitting a node to end at its boundary); records whose
-        boundary is in no node are deleted. Returns how many were attached."""
+    def attach_restored(self, records: list[tuple[bytes, bytes, int]]) -> int:
+        """After a rebuild: put the checkpoint records ``(key, boundary page key,
+        payload size)`` back on their nodes (splitting a node to end at its boundary);
+        records whose boundary is in no node, or that are not a state slot's size (the
+        store would refuse every read of them: attached, such a record made its node a
+        hit end whose state never comes), are deleted. Returns how many were attached."""
         tree = self.core.tree
         if not records:
             return 0
-        nodes = tree.disk_nodes(parent for _, parent in records)
+        nodes = tree.disk_nodes(parent for _, parent, _ in records)
+        slot_bytes = self.core.host_pool.state_slot_bytes
         stale = []
         attached = 0
-        for key, parent in records:
+        for key, parent, size in records:
             node, last = _holder(nodes.get(parent), parent)
-            if node is None or key != checkpoint_key(parent):
+            if node is None or key != checkpoint_key(parent) or size != slot_bytes:
                 stale.append(key)
                 continue
             if last + 1 < node.num_pages:  # (the node above a split keeps the first pages)
@@ -350,7 +353,8 @@ class Checkpoints:
             self.by_key[key] = cp
             attached += 1
         if stale and self.storage is not None:
-            logger.warning("deleting %d checkpoint records that no cached page ends", len(stale))
+            logger.warning("deleting %d checkpoint records that no cached page ends or of another size than a "
+                           "state slot", len(stale))
             self.storage.delete(stale)
         return attached
 

@@ -764,7 +764,7 @@ class TierManager:
         return self._rebuild_with_checkpoints(every)
 
     def _rebuild_with_checkpoints(self, every: int) -> Iterator[int]:
-        records: list[tuple[bytes, bytes]] = []
+        records: list[tuple[bytes, bytes, int]] = []
         pages = yield from self.disk.rebuild_steps(every, records)
         attached = self.checkpoints.attach_restored(records)
         logger.info("rebuild: %d checkpoints back on their pages", attached)

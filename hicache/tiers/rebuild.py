@@ -60,8 +60,8 @@ def _rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     no tokens on disk-only nodes).
 
     Checkpoint records of this spec (no tokens: :mod:`hicache.tiers.checkpoints`) are
-    not pages: each one's ``(key, boundary page key)`` is appended to ``checkpoints``
-    (left alone when it is ``None``)."""
+    not pages: each one's ``(key, boundary page key, payload size)`` is appended to
+    ``checkpoints`` (left alone when it is ``None``)."""
     page_bytes = spec.page_size * TOKEN_BYTES
     fingerprint = spec.fingerprint
     metas = {}
@@ -70,7 +70,7 @@ def _rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
             if len(meta.tokens) == page_bytes:
                 metas[key] = meta
             elif not meta.tokens and checkpoints is not None:
-                checkpoints.append((key, meta.parent))
+                checkpoints.append((key, meta.parent, meta.payload_size))
         if done % every == 0:
             yield done
     children: dict[bytes, list[bytes]] = {}

@@ -1015,6 +1015,41 @@ def test_rebuild_restores_every_reachable_page_and_deletes_the_rest_at_once(engi
     store.close()
 
 
+def test_a_restart_cuts_a_sequence_at_a_page_record_of_another_size(engine, tmp_path):
+    """An intact page record of this spec whose payload is not a page's size, left in
+    the store across a restart (every read of it is refused, and takes the read's other
+    records with it): the rebuild restores the pages before it, which read back as
+    written, and deletes it and the pages below it."""
+    from hicache.storage.base import PageMeta, PageRecord
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    tm, _ = make_tm(engine, storage=store)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.close()
+    packed = np.asarray(toks, dtype="<i4").tobytes()
+    odd = PageRecord(keys[3], np.zeros(SPEC.host_page_bytes - 8, dtype=np.uint8),
+                     PageMeta(NS, keys[2], packed[3 * PS * 4 : 4 * PS * 4]))
+    store.put([odd], fingerprint=SPEC.fingerprint).result()
+    store.close()
+
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    restarted = TierManager(SPEC, host_pages=12, storage=store)
+    handle = restarted.register_pool(0, [engine.pool])
+    assert restarted.rebuild_from_storage() == 3
+    assert restarted.match(NS, toks, 0).match.num_disk_pages == 3
+    loaded = load_all(restarted, engine, handle, toks)
+    assert loaded.num_loaded_pages == 3
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys[:3])
+    store.check_invariants()
+    restarted.close()
+    store.close()
+
+
 def test_warm_restart_hits_what_was_persisted(engine, tmp_path):
     from hicache.storage.lmdb_backend import LmdbBackend
 

@@ -44,25 +44,30 @@ def _collector_paused(steps: Generator[int, None, int]) -> Generator[int, None, 
 def _rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
                    every: int, checkpoints: list | None) -> Generator[int, None, int]:
     """Put every persisted page of ``spec`` back into ``tree`` as disk-resident; records
-    of this spec that no chain from a first page reaches (a page before them is gone, or
-    belongs to another namespace) are deleted. A generator: it yields the records done
-    so far every ``every`` records (reading the store's metadata, then walking it), and
-    returns the pages restored. Between two steps the owner thread may serve other work,
-    as long as nothing else touches this tree.
+    of this spec that no chain from a first page reaches (a page before them is gone,
+    belongs to another namespace or is not a page's size) are deleted. A generator: it
+    yields the records done so far every ``every`` records (reading the store's
+    metadata, then walking it), and returns the pages restored. Between two steps the
+    owner thread may serve other work, as long as nothing else touches this tree.
 
     Walks the records top-down from each sequence's first page, once each: the time is
     O(records) plus one tree restore per leaf, however long the shared prefixes are
     (walking up from every leaf instead was O(leaves x depth): 23 s for 450,000 pages
     under 1,000-page shared prompts). Each record's key is checked against its tokens
     once (a record whose key is not its tokens' is unreached, and so is everything
-    below it), and the restores take the checked keys: a restore under a shared prefix
-    then compares the prefix by key instead of hashing its pages again (the tree keeps
-    no tokens on disk-only nodes).
+    below it; so is a record of another size than a page, which the store would refuse
+    at every read, and with it every other record of the read), and the restores take
+    the checked keys: a restore under a shared prefix then compares the prefix by key
+    instead of hashing its pages again (the tree keeps no tokens on disk-only nodes).
 
     Checkpoint records of this spec (no tokens: :mod:`hicache.tiers.checkpoints`) are
     not pages: each one's ``(key, boundary page key, payload size)`` is appended to
     ``checkpoints`` (left alone when it is ``None``)."""
     page_bytes = spec.page_size * TOKEN_BYTES
+    # A page's record holds the whole host page, or (SWA) only what is kept outside the window.
+    payload_sizes = {spec.host_page_bytes}
+    if spec.swa_window and spec.kept_page_bytes:
+        payload_sizes.add(spec.kept_page_bytes)
     fingerprint = spec.fingerprint
     metas = {}
     for done, (key, meta) in enumerate(storage.iter_metadata(batch=every), 1):
@@ -81,12 +86,14 @@ def _rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     hashes = {}  # namespace -> its page key function
 
     def chained(key: bytes, parent: bytes, namespace: bytes) -> bool:
-        """Is ``key`` the key of its record's tokens after ``parent`` (one page's hash)?
-        Then the tree may take it as is, without hashing the path again."""
+        """Is ``key`` the key of its record's tokens after ``parent`` (one page's hash),
+        and the record a page's size? Then the tree may take it as is, without hashing
+        the path again."""
         page_key = hashes.get(namespace)
         if page_key is None:
             page_key = hashes[namespace] = page_key_function(NamespaceId(namespace))
-        return page_key(parent, metas[key].tokens) == key
+        meta = metas[key]
+        return meta.payload_size in payload_sizes and page_key(parent, meta.tokens) == key
 
     reached: set[bytes] = set()
     for first in children.get(ROOT_PARENT_KEY, ()):

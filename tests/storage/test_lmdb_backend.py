@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from hicache.errors import HicacheError, InvalidArgument
+from hicache.errors import HicacheError, InvalidArgument, StorageUnavailable
 from hicache.storage.base import PageBatch, PageMeta, PageRecord, PutResult, StorageStats
 from hicache.storage import lmdb_backend
 from hicache.storage.lmdb_backend import LmdbBackend
@@ -360,6 +360,39 @@ def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_pa
     store.check_invariants()
     store.put([record(key, size) for key in keys[:2]], fingerprint=FP).result()
     assert all(np.array_equal(read(store, key, size), content(key, size)) for key in keys)
+    store.check_invariants()
+
+
+def test_an_open_whose_start_up_commit_fails_is_refused(open_store, tmp_path, monkeypatch):
+    """The open drops two records that name one slot and counts the slot free; the
+    commit that deletes them fails (ENOSPC). The open fails too, rather than run with
+    them still naming the slot it hands out: a record put there would be dropped with
+    them at the next open. Opened again once the commit can succeed, nothing is lost."""
+    size = 3000
+    keys = [key_of(("shared", i)) for i in range(3)]
+    store = open_store()
+    store.put([record(key, size) for key in keys], fingerprint=FP).result()
+    store.close()
+    _patch_meta(tmp_path / "store", keys[1], 72, 0x01)  # slot 1 -> 0, keys[0]'s
+    opened = LmdbBackend._open_env
+
+    def open_on_a_full_disk(self):
+        work = opened(self)
+        self._env = FailingCommits(self._env, lmdb.DiskError("No space left on device"))
+        return work
+
+    monkeypatch.setattr(LmdbBackend, "_open_env", open_on_a_full_disk)
+    with pytest.raises(StorageUnavailable, match="start-up"):
+        open_store()
+    monkeypatch.undo()
+
+    store = open_store()
+    store.put([record(key_of("new"), size)], fingerprint=FP).result()
+    store.close()
+    store = open_store()
+    assert sorted(dict(store.iter_metadata())) == sorted([keys[2], key_of("new")])
+    assert np.array_equal(read(store, key_of("new"), size), content(key_of("new"), size))
+    assert np.array_equal(read(store, keys[2], size), content(keys[2], size))
     store.check_invariants()
 
 

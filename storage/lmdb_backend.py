@@ -39,7 +39,9 @@ names it. A slot freed by a commit is reused only once every read that began bef
 commit is over (:class:`_ReadGate` counts readers by generation), so a read never sees a
 slot being rewritten for another key. Opening the store rebuilds the free slots from
 the metadata, truncates each file after its last used slot and punches out the free
-slots below it (see "Disk space").
+slots below it (see "Disk space"); the records it finds naming a slot past their file's
+end, or one another record names, count as gone and their slots as free, so the open
+fails unless the commit that deletes them succeeds.
 
 Disk space: a slot keeps its disk blocks when its record goes, and the free slots of
 one size cannot hold payloads of another, so when the mix of payload sizes shifts
@@ -1348,8 +1350,14 @@ class LmdbBackend:
             return
         try:
             # Before the constructor returns: whoever rebuilds from iter_metadata then
-            # sees a store within capacity and without orphans.
-            self._commit(startup)
+            # sees a store within capacity and without orphans. A failed commit fails
+            # the open: the records it drops name slots the open counted free, which
+            # the next put would take (and the next open drop with them).
+            committed: Future = Future()
+            self._commit([*startup, _BarrierOp(committed)])
+            if committed.exception() is not None:
+                raise StorageUnavailable(f"cannot open storage {self._path}: its start-up maintenance did not "
+                                         f"commit: {committed.exception()!r}") from committed.exception()
         except BaseException as exc:
             self._close_env()
             ready.set_exception(exc)

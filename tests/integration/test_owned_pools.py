@@ -366,6 +366,32 @@ def test_an_unlocked_load_into_loads_and_leaves_no_lock_behind(daemon, daemon_ca
         engine.close()
 
 
+def test_a_load_into_of_no_blocks_loads_nothing_wherever_first_falls(daemon):
+    """An engine that has every page of a hit in its own prefix cache asks for none
+    (``pages`` empty): the answer is nothing loaded and nothing held, whether ``first``
+    falls on a node's end or inside a node (before, inside one: the node was cut at
+    ``first``, then the request refused ``INVALID_ARGUMENT`` "cannot split ... after 0
+    pages")."""
+    engine = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="none")
+    try:
+        seq = toks(600, 4)
+        engine.compute(seq, [1, 2, 3, 4])
+        assert engine.client.store(seq, [1, 2, 3, 4]).num_cached == 4  # one node of 4 pages
+        m = engine.client.match(seq)
+        before = stats_and_check(daemon.endpoint)["specs"]
+        for first in (0, 2, 4):
+            for locked in (False, True):
+                if locked:
+                    engine.client.lock(m.handle)
+                done = engine.client.load_into(m.handle, [], first, locked=locked)
+                if locked:
+                    engine.client.unlock(m.handle)
+                assert (done.num_loaded_pages, done.wait) == (0, ()), (first, locked)
+                assert stats_and_check(daemon.endpoint)["specs"] == before, (first, locked)
+    finally:
+        engine.close()
+
+
 def test_a_layout_that_does_not_fit_is_refused_before_anything_is_mapped(daemon):
     peer = RawPeer(daemon.endpoint)
     spec = OWNED_SPEC

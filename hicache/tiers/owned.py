@@ -167,6 +167,9 @@ class OwnedTransfers:
             raise InvalidArgument(f"pages {first} .. {first + len(blocks) - 1} are not all in the node's path "
                                   f"of {total} pages")
         future: Future = Future()
+        if not len(blocks):  # (the engine holds every page itself: no node is cut at ``first`` for none)
+            future.set_result(LoadedInto(0, ()))
+            return future
         segment = self._segment(node, first, len(blocks))
         loadable = []
         for n in segment:

@@ -123,6 +123,29 @@ def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon)
         e.close()
 
 
+def test_two_engines_configured_with_the_same_pool_name_each_load_into_their_own_blocks(daemon):
+    """Two engines of one user started from one configuration (the same
+    ``hicache.pool_name``): each registers a pool of its own (the name qualified by its
+    engine id) and its scheduler's loads go to its own blocks. Before, the second
+    worker's registration was refused (the name in use) and its scheduler attached to
+    the first engine's pool: its loads wrote the first engine's blocks, under a running
+    request."""
+    a = Engine(daemon.endpoint, "e1", **{"hicache.pool_name": "shared"})
+    b = Engine(daemon.endpoint, "e2", **{"hicache.pool_name": "shared"})
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(a, p)
+        a.fill([6, 7, 8, 9, 10], 4.0)  # a request of A's own in those blocks
+        ext, errors = b.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert a.values([6, 7, 8, 9, 10]) == [{4.0}] * 5, "B's load wrote A's blocks"
+        assert ext == 4 * BS and not errors
+        assert b.values([6, 7, 8, 9]) == [{7.0}] * 4
+        assert a.worker._client is not None and b.worker._client is not None, "a worker was refused its pool"
+    finally:
+        b.close()
+        a.close()
+
+
 def test_pages_loaded_from_hicache_are_not_stored_again(daemon):
     """A hit's pages are hicache's already: the step that loads them sends no store (a
     round trip that would copy nothing); a longer prompt stores its own new pages."""

@@ -273,7 +273,11 @@ class HicacheConnector(KVConnectorBase_V1):
         self._endpoint = str(extra.get("hicache.endpoint") or ServerConfig().endpoints[0])
         self._timeout_s = float(extra.get("hicache.timeout_s", 1.0))
         self._load_timeout_s = float(extra.get("hicache.load_timeout_s", 5.0))
-        self._pool_name = str(extra.get("hicache.pool_name") or f"vllm-{transfer.engine_id}")
+        # Qualified by the engine's id (which its scheduler and workers share, and vLLM
+        # draws at random unless told): engines started from one configuration register
+        # pools of their own. A name alone let a second engine's worker be refused and its
+        # scheduler attach to the first engine's pool — and load into its blocks.
+        self._pool_name = f"{extra.get('hicache.pool_name') or 'vllm'}-{transfer.engine_id}"
         # CURVE keys and tenant, passed to every client of this connector (None: the environment's).
         self._client_args = {"server_key": extra.get("hicache.server_key") or None,
                              "key_file": extra.get("hicache.key_file") or None,

@@ -346,13 +346,20 @@ def test_an_index_file_cut_short_is_refused_on_open_not_a_bus_error(open_store, 
     assert "data.mdb" in child.stdout and "damaged" in child.stdout, child.stdout
 
 
-def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_path):
+def two_records_naming_one_slot(open_store, tmp_path):
+    """A closed store of three records of one size, the second's slot patched to the
+    first's. Returns the keys and the size."""
     size = 3000
     keys = [key_of(("shared", i)) for i in range(3)]
     store = open_store()
     store.put([record(key, size) for key in keys], fingerprint=FP).result()
     store.close()
     _patch_meta(tmp_path / "store", keys[1], 72, 0x01)  # slot 1 -> 0, keys[0]'s
+    return keys, size
+
+
+def test_two_records_naming_one_slot_are_both_dropped_on_open(open_store, tmp_path):
+    keys, size = two_records_naming_one_slot(open_store, tmp_path)
 
     store = open_store()
     assert sorted(dict(store.iter_metadata())) == [keys[2]]
@@ -368,12 +375,7 @@ def test_an_open_whose_start_up_commit_fails_is_refused(open_store, tmp_path, mo
     commit that deletes them fails (ENOSPC). The open fails too, rather than run with
     them still naming the slot it hands out: a record put there would be dropped with
     them at the next open. Opened again once the commit can succeed, nothing is lost."""
-    size = 3000
-    keys = [key_of(("shared", i)) for i in range(3)]
-    store = open_store()
-    store.put([record(key, size) for key in keys], fingerprint=FP).result()
-    store.close()
-    _patch_meta(tmp_path / "store", keys[1], 72, 0x01)  # slot 1 -> 0, keys[0]'s
+    keys, size = two_records_naming_one_slot(open_store, tmp_path)
     opened = LmdbBackend._open_env
 
     def open_on_a_full_disk(self):

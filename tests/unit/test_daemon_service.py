@@ -530,12 +530,21 @@ def test_a_long_rebuild_on_the_loop_keeps_the_watchdog_fed(tmp_path):
         context.destroy(linger=0)
 
 
+def records_in(path) -> int:
+    """The records of the LMDB store at ``path`` (what a restart would find)."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    store = LmdbBackend(path, capacity_bytes=1 << 30)
+    try:
+        return store.stats().records
+    finally:
+        store.close()
+
+
 def test_drain_persists_pages_whose_backup_was_still_in_flight(tmp_path, engines):
     """SIGTERM right after an insert: the device -> host backup has not been taken in
     yet (no poll since), and the disk policy is write-back. The drain waits for it and
     then writes every host page to disk, so a restart hits all of it."""
-    from hicache.storage.lmdb_backend import LmdbBackend
-
     daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store"),
                                       "tiers.disk_policy": "write_back"})
     engine = engines()
@@ -545,11 +554,7 @@ def test_drain_persists_pages_whose_backup_was_still_in_flight(tmp_path, engines
     ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages)))
     daemon.drain()
     daemon.close()
-    store = LmdbBackend(tmp_path / "store", capacity_bytes=1 << 30)
-    try:
-        assert store.stats().records == 3
-    finally:
-        store.close()
+    assert records_in(tmp_path / "store") == 3
 
 
 def test_drain_persists_host_pages_while_the_remote_store_hangs_in_a_put(tmp_path, engines):
@@ -559,7 +564,6 @@ def test_drain_persists_host_pages_while_the_remote_store_hangs_in_a_put(tmp_pat
     it — though the put never ends within the stop's deadline."""
     import time
 
-    from hicache.storage.lmdb_backend import LmdbBackend
     from hicache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
     from storage_util import InProcessMooncake
 
@@ -584,11 +588,7 @@ def test_drain_persists_host_pages_while_the_remote_store_hangs_in_a_put(tmp_pat
     finally:
         raw.release()
         daemon.close()
-    store = LmdbBackend(tmp_path / "store", capacity_bytes=1 << 30)
-    try:
-        assert store.stats().records == 3
-    finally:
-        store.close()
+    assert records_in(tmp_path / "store") == 3
 
 
 def test_the_oldest_lock_age_is_exported(tmp_path, engines):

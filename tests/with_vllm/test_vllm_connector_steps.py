@@ -110,6 +110,18 @@ def hit_evicted_before_its_load(e, p):
     return r2, r2_blocks
 
 
+def later_request_loads_no_stale_kv(e, p, r4_blocks=(16, 17, 18, 19, 27)):
+    """Request r4 of ``p`` into blocks of its own: what hicache loads into them holds
+    nothing of a stale block's (``STALE``), nor of what was computed on top of one.
+    Returns the tokens loaded and their blocks' values."""
+    r4_blocks = list(r4_blocks)
+    e.fill(r4_blocks, 0.0)
+    ext, _ = e.prefill(request("r4", p), r4_blocks, 1.0)
+    loaded = e.values(r4_blocks[: ext // BS])
+    assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+    return ext, loaded
+
+
 def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon):
     e = Engine(daemon.endpoint)
     try:
@@ -252,12 +264,7 @@ def test_with_a_draft_model_a_failed_load_is_not_stored_as_the_prompts_kv(small_
         assert set(r2_blocks[:4]) <= out.invalid_block_ids
         e.finish(r2, r2_blocks)  # aborted before its recompute step
 
-        r4 = request("r4", p)
-        r4_blocks = [16, 17, 18, 19, 27]
-        e.fill(r4_blocks, 0.0)
-        ext, _ = e.prefill(r4, r4_blocks, 1.0)
-        loaded = e.values(r4_blocks[: ext // BS])
-        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+        later_request_loads_no_stale_kv(e, p)
     finally:
         e.close()
 
@@ -413,12 +420,7 @@ def test_blocks_whose_load_failed_are_not_taken_from_vllms_prefix_cache_as_compu
         e.step(cached_output("r3", 0, len(p)), forward=lambda: e.fill(r3_blocks, 9.0))  # vLLM's recompute
         e.finish(r3, r3_blocks)
 
-        r4 = request("r4", p)
-        r4_blocks = [16, 17, 18, 19, 27]
-        e.fill(r4_blocks, 0.0)
-        ext, _ = e.prefill(r4, r4_blocks, 1.0)
-        loaded = e.values(r4_blocks[: ext // BS])
-        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+        ext, loaded = later_request_loads_no_stale_kv(e, p)
         assert ext == 4 * BS and loaded == [{9.0}] * 4  # the recomputed blocks were stored
     finally:
         e.close()
@@ -458,12 +460,7 @@ def test_under_async_scheduling_blocks_whose_load_fails_are_not_taken_as_compute
         e.step(cached_output("r3", 0, len(p)), forward=lambda: e.fill(r3_blocks, 9.0))  # vLLM's recompute
         e.finish(r3, r3_blocks)
 
-        r4 = request("r4", p)
-        r4_blocks = [16, 17, 18, 19, 27]
-        e.fill(r4_blocks, 0.0)
-        ext, _ = e.prefill(r4, r4_blocks, 1.0)
-        loaded = e.values(r4_blocks[: ext // BS])
-        assert STALE not in set().union(*loaded), f"hicache cached stale KV: r4 loaded {loaded}"
+        ext, loaded = later_request_loads_no_stale_kv(e, p)
         assert ext == 4 * BS and loaded == [{9.0}] * 4  # the recomputed blocks were stored
     finally:
         e.close()
@@ -491,12 +488,7 @@ def test_under_async_scheduling_a_chunked_prefill_stores_no_block_whose_load_fai
         e.deliver(out_n1)
         e.finish(r2, r2_blocks)
 
-        r4 = request("r4", p2)
-        r4_blocks = [1, 2, 3, 4, 5, 6, 7, 8]
-        e.fill(r4_blocks, 0.0)
-        ext, _ = e.prefill(r4, r4_blocks, 1.0)
-        loaded = e.values(r4_blocks[: ext // BS])
-        assert STALE not in set().union(*loaded), f"hicache cached KV computed on stale blocks: r4 loaded {loaded}"
+        later_request_loads_no_stale_kv(e, p2, [1, 2, 3, 4, 5, 6, 7, 8])
         assert set(r2_blocks[:4]) <= out_n1.invalid_block_ids
     finally:
         e.close()

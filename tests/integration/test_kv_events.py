@@ -482,3 +482,61 @@ def test_an_insecure_tcp_events_endpoint_serves_whoever_reaches_it(tmp_path):
     daemon = DaemonProcess(tmp_path, events={"enabled": True, "insecure_tcp": True, "endpoint": endpoint,
                                              "replay_endpoint": replay_endpoint}).start()
     _reads_and_replays(daemon, endpoint, replay_endpoint, seed=6)
+
+
+def _blocks_stored(router: Subscriber, daemon: Daemon, medium: str) -> dict[int, tuple]:
+    """Every block a ``BlockStored`` of ``medium`` announced on the daemon's streams:
+    hash -> (its parent's hash, its tokens, its extra keys)."""
+    out = {}
+    for stream in daemon.events.publisher.streams:
+        for _, payload in router.ask_replay(stream.topic, 0):
+            for event in decode(payload).events:
+                if not isinstance(event, BlockStored) or event.medium != medium:
+                    continue
+                parents = [event.parent_block_hash] + event.block_hashes[:-1]
+                for i, h in enumerate(event.block_hashes):
+                    extra = None if event.extra_keys is None else event.extra_keys[i]
+                    out[h] = (parents[i], event.token_ids[i * PS : (i + 1) * PS], extra)
+    return out
+
+
+def test_blocks_a_restart_restores_are_announced_as_before_with_their_extra_keys(tmp_path):
+    """Pages stored under an extra key (a cache salt, a LoRA name) and written to disk
+    are announced after a restart — the disk tier rebuilt at the first registration —
+    with the hashes, parents, tokens and extra keys they had before: a router that
+    keys its index on the extra keys finds them again."""
+    context = zmq.Context()
+    engine = Engine(16)
+    try:
+        daemon = make_daemon(tmp_path)
+        router = Subscriber(context, daemon)
+        try:
+            sid, _ = register(daemon, engine)
+            daemon.poll()
+            for tokens, extra_key in ((list(range(3 * PS)), "lora-a"), (list(range(500, 500 + 2 * PS)), "")):
+                packed = np.asarray(tokens, np.int32).tobytes()
+                new = answered(daemon, daemon.handle(p.Alloc(id=6, session=sid, num_pages=len(tokens) // PS)))
+                answered(daemon, daemon.handle(p.Insert(id=7, session=sid, tokens=packed, pages=new.pages,
+                                                        extra_key=extra_key)))
+            next(iter(daemon.managers.values())).flush()
+            router.catch_up()
+            before = _blocks_stored(router, daemon, "STORAGE")
+        finally:
+            router.close()
+            daemon.close()
+        assert {extra for _, _, extra in before.values()} == {("lora-a",), None}
+
+        daemon = make_daemon(tmp_path)
+        router = Subscriber(context, daemon)
+        try:
+            register(daemon, engine)
+            for _ in range(3):
+                daemon.poll()
+            router.catch_up()
+            assert _blocks_stored(router, daemon, "STORAGE") == before
+        finally:
+            router.close()
+            daemon.close()
+    finally:
+        context.destroy(linger=0)
+        engine.close()

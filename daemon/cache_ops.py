@@ -62,11 +62,11 @@ class CacheOps:
         the request stores (``storing``): see :meth:`_claim`."""
         ns, owner = self._resolve(session, extra_key, tenant)
         if storing and self._sharing_for(extra_key) is not self._no_sharing:
-            self._claim(session.manager, ns, owner)
+            self._claim(session.manager, ns, owner, extra_key)
             if self._on_namespace is not None:  # (named again: the session resolved it long ago, maybe)
                 self._on_namespace(ns, extra_key)
         else:
-            self._claim_if_known(session.manager, ns, owner)
+            self._claim_if_known(session.manager, ns, owner, extra_key)
         return ns
 
     def _resolve(self, session: Session, extra_key: str, tenant) -> tuple[NamespaceId, str]:
@@ -93,20 +93,21 @@ class CacheOps:
             known = session.namespaces[(tenant, extra_key)] = (ns, name or DEFAULT_TENANT)
         return known
 
-    def _claim(self, manager, ns: NamespaceId, tenant: str) -> None:
+    def _claim(self, manager, ns: NamespaceId, tenant: str, extra_key: str) -> None:
         """The namespace's pages count as ``tenant``'s (its quotas, its occupancy), and
-        after a restart too (the tenant log). Only for a namespace that holds pages or is
-        about to: what the tree and the log keep of a namespace they keep for good, and a
+        after a restart too (the tenant log, which keeps its ``extra_key`` for the
+        restored pages' KV events). Only for a namespace that holds pages or is about
+        to: what the tree and the log keep of a namespace they keep for good, and a
         lookup naming ever new extra keys (a per-request salt, a hostile client) must
         leave nothing behind. O(1) when recorded already."""
         if manager.assign(ns, tenant) and self._tenant_log is not None:
-            self._tenant_log.note(manager.spec.fingerprint, ns, tenant)
+            self._tenant_log.note(manager.spec.fingerprint, ns, tenant, extra_key)
 
-    def _claim_if_known(self, manager, ns: NamespaceId, tenant: str) -> None:
+    def _claim_if_known(self, manager, ns: NamespaceId, tenant: str, extra_key: str) -> None:
         """:meth:`_claim` a namespace the tree has (a lookup may bring pages into it:
         from disk, or the remote tier)."""
         if manager.has_namespace(ns):
-            self._claim(manager, ns, tenant)
+            self._claim(manager, ns, tenant, extra_key)
 
     def _tokens(self, tokens: bytes) -> bytes:
         if len(tokens) % TOKEN_BYTES:
@@ -157,20 +158,20 @@ class CacheOps:
         sharing_off = sharing is self._no_sharing
         namespace, tenant = self._resolve(session, m.extra_key, m.tenant)
         manager = session.manager
-        self._claim_if_known(manager, namespace, tenant)
+        self._claim_if_known(manager, namespace, tenant, m.extra_key)
         tokens = self._tokens(m.tokens)
         hit = sharing.match(manager, namespace, tokens, session.pool_id)
         if isinstance(hit, Future):
             out: Future = Future()
 
             def answer(f: Future) -> None:
-                self._claim_if_known(manager, namespace, tenant)  # (pages the remote tier brought)
+                self._claim_if_known(manager, namespace, tenant, m.extra_key)  # (pages the remote tier brought)
                 self._account_match(session, namespace, tokens, f.result(), sharing_off)
                 out.set_result(self._match_reply(session, f.result()))
 
             hit.add_done_callback(answer)
             return out
-        self._claim_if_known(manager, namespace, tenant)
+        self._claim_if_known(manager, namespace, tenant, m.extra_key)
         self._defer(self._account_match, (session, namespace, tokens, hit, sharing_off))
         return self._match_reply(session, hit)
 
@@ -179,7 +180,7 @@ class CacheOps:
         if len(m.tokens) > self._max_batch:
             raise InvalidArgument(f"more than {self._max_batch} lookups in one batch")
         ns, tenant = self._resolve(session, m.extra_key, m.tenant)
-        self._claim_if_known(session.manager, ns, tenant)
+        self._claim_if_known(session.manager, ns, tenant, m.extra_key)
         sharing = self._sharing_for(m.extra_key)
         sharing_off = sharing is self._no_sharing
         batch = [self._tokens(tokens) for tokens in m.tokens]  # all checked before any is looked up
@@ -192,7 +193,7 @@ class CacheOps:
             r = self._match_reply(session, hit)
             results.append(p.MatchResult(node=r.node, device_pages=r.device_pages, host_pages=r.host_pages,
                                          disk_pages=r.disk_pages, wait=r.wait, remote_pages=r.remote_pages))
-        self._claim_if_known(session.manager, ns, tenant)
+        self._claim_if_known(session.manager, ns, tenant, m.extra_key)
         return p.MatchManyReply(id=m.id, results=results)
 
     def lock(self, m: p.Lock) -> p.Ok:

@@ -185,8 +185,13 @@ class ManagerEvents:
 class KvEvents:
     """The publisher and one :class:`ManagerEvents` per tier manager (owner thread)."""
 
-    def __init__(self, publisher: EventPublisher, topic: str = "") -> None:
+    def __init__(self, publisher: EventPublisher, topic: str = "",
+                 kept: Callable[[bytes], str | None] = lambda namespace: None) -> None:
+        """``kept(namespace id)``: its extra key as kept across restarts (the tenant
+        log), for the blocks a restart restored: no session has named their namespace
+        to this daemon yet when they are announced."""
         self.publisher = publisher
+        self._kept = kept
         self.topic = topic
         # The extra keys of the namespaces that hold pages: kept as long as the trees
         # keep those namespaces (for good), since their blocks may be announced any time.
@@ -207,11 +212,12 @@ class KvEvents:
             del self._named[next(iter(self._named))]
 
     def extra_key(self, namespace: bytes) -> str | None:
-        """The extra key of a namespace whose block is being announced, if known (it
-        holds pages from now on: its key is kept). O(1)."""
+        """The extra key of a namespace whose block is being announced, if known (named
+        by a session, or kept across a restart; it holds pages from now on: its key is
+        kept). O(1)."""
         found = self.extra_keys.get(namespace)
         if found is None:
-            found = self._named.pop(namespace, None)
+            found = self._named.pop(namespace, None) or self._kept(namespace)
             if found is not None:
                 self.extra_keys[namespace] = found
         return found

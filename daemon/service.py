@@ -143,7 +143,8 @@ class Daemon:
         self.remote = remote
         self.sessions = Sessions(config.server, clock=clock, metrics=metrics)
         self.tenant_log = TenantLog(config.disk.store_path / "tenants"
-                                    if config.disk.enabled and storage is not None else None)
+                                    if config.disk.enabled and storage is not None else None,
+                                    extra_keys=config.events.enabled)
         # Called now and then during long work on the owner thread at a spec's first
         # registration (pinning its host pool, rebuilding its disk tier) with a count
         # of what is done; the server feeds the systemd watchdog from it.
@@ -491,7 +492,7 @@ class Daemon:
                                    buffer_steps=config.events.buffer_steps, context=context, secure=secure)
         self._restrict_events(publisher)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
-        self.events = KvEvents(publisher, config.events.topic)
+        self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key)
 
     def _restrict_events(self, publisher: EventPublisher) -> None:
         """The events' ipc:// sockets (token ids) no wider open than the server's."""

@@ -4,6 +4,7 @@ daemon's checks (tenant, administrator, request rate with an injected clock, loc
 quota, reload)."""
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -378,3 +379,24 @@ def test_a_torn_or_damaged_line_of_the_tenant_log_names_no_tenant(tmp_path):
     old = tmp_path / "old-tenants"
     old.write_text(f"{fp.hex()} {kept.hex()} team-a\n{fp.hex()} {mine.hex()} team\n")  # before checksums
     assert TenantLog(old).tenants_of(fp) == {kept: "team-a", mine: "team"}
+
+
+def test_the_tenant_log_keeps_each_namespaces_extra_key(tmp_path):
+    """The extra key goes with its namespace's line — any characters, a space included —
+    and comes back with the log; a namespace without one, or of a line written before
+    extra keys were kept, has none."""
+    from hicache.daemon.tenant_log import TenantLog
+
+    fp = SPEC.fingerprint
+    path = tmp_path / "tenants"
+    salted, plain, old = namespace_id(fp, "lora a/é", "a"), namespace_id(fp, None, "a"), namespace_id(fp, "x", "b")
+    log = TenantLog(path)
+    log.note(fp, salted, "a", "lora a/é")
+    log.note(fp, plain, "a")
+    log.close()
+    with path.open("a") as f:
+        text = f"{fp.hex()} {old.hex()} b"
+        f.write(f"{text} {zlib.crc32(text.encode()):08x}\n")  # (a line of the format before extra keys)
+    again = TenantLog(path)
+    assert again.tenants_of(fp) == {salted: "a", plain: "a", old: "b"}
+    assert [again.extra_key(ns) for ns in (salted, plain, old)] == ["lora a/é", None, None]

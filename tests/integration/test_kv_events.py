@@ -540,3 +540,47 @@ def test_blocks_a_restart_restores_are_announced_as_before_with_their_extra_keys
     finally:
         context.destroy(linger=0)
         engine.close()
+
+
+def test_a_router_replaying_from_its_last_seq_across_a_restart_is_told_to_clear_first(tmp_path):
+    """A router away while the daemon restarted (so it missed the old streams' last
+    AllBlocksCleared, as it would for a daemon killed outright) comes back and asks for
+    the batches after the last one it read, as for any gap. Pool ids count from 1
+    again, so the new daemon's stream has the old one's topic; it must not hand the
+    router batches that seem to continue its old picture: the router gets the new
+    stream from its start, AllBlocksCleared first, and ends with the cache as it is."""
+    context = zmq.Context()
+    engine = Engine(16)
+    try:
+        daemon = make_daemon(tmp_path)
+        router = Subscriber(context, daemon)
+        try:
+            sid, pool_id = register(daemon, engine)
+            _prefill(daemon, sid, list(range(2 * PS)))
+            router.catch_up()
+            topic = str(pool_id).encode()
+            picture, last_seq = set(router.blocks[topic]), router.next_seq[topic] - 1
+            assert ("GPU", next(iter(picture))[1]) in picture
+        finally:
+            router.close()  # (away from here on)
+            daemon.close()
+
+        daemon = make_daemon(tmp_path)
+        back = Subscriber(context, daemon)
+        try:
+            sid, pool_id = register(daemon, engine)
+            assert str(pool_id).encode() == topic
+            for i in range(4):  # (more batches than the old stream had)
+                _prefill(daemon, sid, list(range(1000 * (i + 1), 1000 * (i + 1) + PS)))
+                daemon.poll()
+            batches = [decode(payload) for _, payload in back.ask_replay(topic, last_seq + 1)]
+            assert batches and isinstance(batches[0].events[0], AllBlocksCleared)
+            for batch in batches:
+                apply(picture, batch)
+            assert picture == residency(daemon, pool_id)
+        finally:
+            back.close()
+            daemon.close()
+    finally:
+        context.destroy(linger=0)
+        engine.close()

@@ -7,11 +7,15 @@ memory or disk already holds a prefix. A block hash on the wire is the low 64 bi
 page key (:func:`block_hash`). One message per batch, on a PUB socket::
 
     frame 0   topic                       (the stream's; subscribers filter on it)
-    frame 1   seq, 8 bytes big-endian     (per stream, 0, 1, 2, ...)
+    frame 1   seq, 8 bytes big-endian     (per stream, n, n+1, n+2, ...: see seq_from_clock)
     frame 2   msgpack [ts, [event, ...], data_parallel_rank]
               event: {"type": "BlockStored", "block_hashes": [u64, ...], ...}
                      {"type": "BlockRemoved", "block_hashes": [...], "medium": ...}
                      {"type": "AllBlocksCleared"}
+
+A stream's first ``seq`` is the publisher's choice: 0 as vLLM's, or for a publisher that
+restarts (the daemon) :func:`seq_from_clock`, so that a subscriber sees a restart as a
+gap and its replay reaches back to the new stream's start.
 
 A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
@@ -103,6 +107,17 @@ _ENCODER = msgspec.msgpack.Encoder()
 _CLEARED = msgspec.Raw(_ENCODER.encode(AllBlocksCleared()))
 
 
+def seq_from_clock() -> int:
+    """A new stream's first sequence number, for a publisher that restarts: the wall
+    clock in microseconds. A stream sends at most a batch a loop turn, far fewer than
+    one a microsecond, so the stream a restarted daemon opens on a topic starts past
+    every seq its predecessor sent there: a subscriber that was following the old one
+    sees a gap, and its replay from the seq after its last (older than the new ring)
+    gets the new stream from its start, ``AllBlocksCleared`` first — never the middle
+    of it as if it went on from the old one."""
+    return time.time_ns() // 1000
+
+
 def block_hash(page_key: bytes) -> int:
     """The block hash of a page on the wire: the low 64 bits of its 16-byte key."""
     if len(page_key) != _PAGE_KEY_BYTES:
@@ -114,16 +129,18 @@ class EventStream:
     """One topic's events: a bounded queue of encoded events, its sequence numbers (from
     0) and a ring of the last ``buffer_steps`` batches for replay. Not thread-safe."""
 
-    def __init__(self, topic: bytes, data_parallel_rank: int = 0, *,
-                 max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS) -> None:
+    def __init__(self, topic: bytes, data_parallel_rank: int = 0, *, max_queue_events: int = MAX_QUEUE_EVENTS,
+                 buffer_steps: int = BUFFER_STEPS, first_seq: int = 0) -> None:
         if not 0 <= data_parallel_rank < 1 << 32:  # Dynamo reads it as a u32
             raise InvalidArgument(f"data_parallel_rank {data_parallel_rank} is not a u32")
         if max_queue_events < 1 or buffer_steps < 1:
             raise InvalidArgument("max_queue_events and buffer_steps must be positive")
+        if not 0 <= first_seq < 1 << 62:  # (far from END_SEQ's bytes)
+            raise InvalidArgument(f"first_seq {first_seq} is out of range")
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
         self.max_queue_events = max_queue_events
-        self.next_seq = 0
+        self.next_seq = first_seq
         self.needs_resync = False  # set when events were lost; the owner clears it and re-announces
         self.dropped = 0  # events that never reached the wire
         self.batches_sent = 0
@@ -230,12 +247,14 @@ class EventPublisher:
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, hwm: int = HWM,
                  max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS,
                  context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, first_seq: Callable[[], int] = lambda: 0) -> None:
         """``context``: the sockets' (the daemon's server's, whose ZAP handler admits
         the subscribers); ``secure(socket, endpoint)``: sets a socket's security options
         (CURVE, ZAP domain) before it binds ``endpoint``; ``clock``: the batches'
-        timestamps (wall-clock seconds, as vLLM's)."""
+        timestamps (wall-clock seconds, as vLLM's); ``first_seq()``: a new stream's
+        first sequence number (see :func:`seq_from_clock`)."""
         self._clock = clock
+        self._first_seq = first_seq
         self._max_queue_events = max_queue_events
         self._buffer_steps = buffer_steps
         self._streams: dict[bytes, EventStream] = {}
@@ -289,7 +308,7 @@ class EventPublisher:
         found = self._streams.get(key)
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
-                                                     buffer_steps=self._buffer_steps)
+                                                     buffer_steps=self._buffer_steps, first_seq=self._first_seq())
         elif found.data_parallel_rank != data_parallel_rank:
             raise InvalidArgument(f"events stream {key!r} has data-parallel rank {found.data_parallel_rank}, "
                                   f"not {data_parallel_rank}")

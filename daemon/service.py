@@ -484,12 +484,14 @@ class Daemon:
         config = self.config
         if not config.events.enabled or self.events is not None:
             return
-        from hicache.daemon.events import EventPublisher
+        from hicache.daemon.events import EventPublisher, seq_from_clock
 
         endpoint, replay = config.events.endpoints(config.server.socket_path)
+        # (pool ids, and so topics, count from 1 again after a restart: see seq_from_clock)
         publisher = EventPublisher(endpoint, replay_endpoint=replay, hwm=config.events.hwm,
                                    max_queue_events=config.events.max_queue_events,
-                                   buffer_steps=config.events.buffer_steps, context=context, secure=secure)
+                                   buffer_steps=config.events.buffer_steps, context=context, secure=secure,
+                                   first_seq=seq_from_clock)
         self._restrict_events(publisher)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
         self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key)

@@ -46,10 +46,14 @@ class Subscriber:
         self.batches = 0
 
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
-        if seq < self.next_seq.get(topic, 0):
-            return  # (already applied from a replay)
-        assert seq == self.next_seq.get(topic, 0), (topic, seq)
         batch = decode(payload)
+        expected = self.next_seq.get(topic)
+        if expected is None:  # (a stream's first seq is the daemon's to choose; its first event a clear)
+            assert isinstance(batch.events[0], AllBlocksCleared), (topic, seq)
+        elif seq < expected:
+            return  # (already applied from a replay)
+        else:
+            assert seq == expected, (topic, seq)
         assert batch.data_parallel_rank == int(topic)
         apply(self.blocks.setdefault(topic, set()), batch)
         for event in batch.events:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.daemon.events import (
-    END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream, block_hash,
+    END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream, block_hash, seq_from_clock,
 )
 from hicache.errors import InvalidArgument
 
@@ -354,6 +354,28 @@ def test_a_start_older_than_the_ring_gets_what_the_ring_has(context, tmp_path):
         assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [6, 7, 8, 9]
         assert [decode(r[3]).events[0].block_hashes for r in replies[:-1]] == [[6], [7], [8], [9]]
         dealer.close(linger=0)
+
+
+def test_streams_count_from_the_first_seq_the_publisher_is_given(context, tmp_path):
+    """A restarted daemon's streams start past its predecessor's seqs (seq_from_clock):
+    a replay from an old stream's seq gets the new stream from its first batch."""
+    starts = iter([7_000_000, 9_000_000])
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", replay_endpoint=f"ipc://{tmp_path / 'r'}",
+                        context=context, first_seq=lambda: next(starts)) as publisher:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint)
+        a, b = publisher.stream("a"), publisher.stream("b")
+        a.cleared()  # (a daemon's stream begins with a clear)
+        for i in range(2):
+            b.removed([i], MEDIUM_CPU)
+            publisher.publish()
+            a.removed([i], MEDIUM_CPU)
+        assert (a.next_seq, b.next_seq) == (7_000_002, 9_000_002)
+        replies = ask(publisher, dealer, b"a", seq8(3))
+        assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [7_000_000, 7_000_001]
+        assert isinstance(decode(replies[0][3]).events[0], AllBlocksCleared)
+        dealer.close(linger=0)
+    assert 0 < seq_from_clock() < 1 << 62
 
 
 def test_hostile_replay_requests_get_the_end_marker_at_most(publisher, dealer):

@@ -400,3 +400,41 @@ def test_the_tenant_log_keeps_each_namespaces_extra_key(tmp_path):
     again = TenantLog(path)
     assert again.tenants_of(fp) == {salted: "a", plain: "a", old: "b"}
     assert [again.extra_key(ns) for ns in (salted, plain, old)] == ["lora a/é", None, None]
+
+
+def test_a_reload_that_takes_a_tenant_away_takes_the_sessions_handles_to_its_pages_too(tmp_path, engines):
+    """An identity's session matched tenant b's cached pages, then a reload took b from
+    the identity (the session lives on: same identity). The handle it was given must not
+    go on reaching b's pages: locking or loading the node is PERMISSION_DENIED, while a
+    lock taken before the reload can still be given back; tenant a's nodes are served
+    as before."""
+    from hicache.tree import Tier
+    from test_daemon_service import answered
+
+    daemon = make_daemon_with(auth(_me(tenants=["a", "b"])), tmp_path)
+    try:
+        sid = session(daemon, engines())
+        manager, pool_id = daemon.sessions[sid].manager, daemon.sessions[sid].pool_id
+        tokens = np.arange(2 * SPEC.page_size, dtype=np.int32).tobytes()
+        for tenant in ("a", "b"):
+            pages = ok(daemon.handle(p.Alloc(id=3, session=sid, num_pages=2))).pages
+            ok(daemon.handle(p.Insert(id=4, session=sid, tokens=tokens, pages=pages, tenant=tenant)))
+        manager.flush()
+        manager.evict(Tier.DEVICE, 4, pool_id)  # (on host only: a load copies them into the pool)
+        nodes = {}
+        for tenant in ("a", "b"):
+            m = ok(daemon.handle(p.Match(id=5, session=sid, tokens=tokens, tenant=tenant)))
+            assert m.host_pages == 2, m
+            nodes[tenant] = m.node
+        ok(daemon.handle(p.Lock(id=6, session=sid, node=nodes["b"])))
+        daemon.reload_auth(config(auth(_me(tenants=["a"]))).auth)
+        for request in (p.Lock(id=7, session=sid, node=nodes["b"]), p.Load(id=8, session=sid, node=nodes["b"])):
+            error(answered(daemon, daemon.handle(request)), ErrorCode.PERMISSION_DENIED)
+        ok(daemon.handle(p.Unlock(id=9, session=sid, node=nodes["b"])))
+        ok(daemon.handle(p.Lock(id=10, session=sid, node=nodes["a"])))
+        assert ok(answered(daemon, daemon.handle(p.Load(id=11, session=sid, node=nodes["a"])))).loaded_pages == 2
+        ok(daemon.handle(p.Unlock(id=12, session=sid, node=nodes["a"])))
+        manager.check_invariants()
+        daemon.sessions.check_invariants()
+    finally:
+        daemon.close()

@@ -20,6 +20,7 @@ from hicache.daemon.sharing import NoSharing, RadixSharing, SharingPolicy
 from hicache.errors import DeadlinePassed, InvalidArgument, PermissionDenied
 from hicache.keys import TOKEN_BYTES, NamespaceId, namespace_id
 from hicache.tiers import Hit
+from hicache.tree import Node
 
 _MAX_EXTRA_KEY = 1024  # characters
 _MAX_NAMESPACES = 4096  # namespaces a session remembers
@@ -196,9 +197,22 @@ class CacheOps:
         self._claim_if_known(session.manager, ns, tenant, m.extra_key)
         return p.MatchManyReply(id=m.id, results=results)
 
+    def _readable(self, session: Session, handle: int) -> Node:
+        """The node behind one of the session's handles, if its identity may still use
+        the node's tenant: a reload may have taken the tenant from the identity since
+        the handle was given (the session lives on), and the handle must not go on
+        reaching that tenant's pages. (Unlocking is never refused.) O(1)."""
+        node = self.sessions.node(session, handle)
+        identity = session.creds.identity
+        if identity is not None:
+            tenant = session.manager.tenant_of(node.namespace)
+            if tenant not in identity.tenants:
+                raise PermissionDenied(f"identity {identity.name!r} may no longer use tenant {tenant!r}")
+        return node
+
     def lock(self, m: p.Lock) -> p.Ok:
         session = self._session(m.session)
-        self.sessions.lock(session, self.sessions.node(session, m.node))
+        self.sessions.lock(session, self._readable(session, m.node))
         return p.Ok(id=m.id)
 
     def unlock(self, m: p.Unlock) -> p.Ok:
@@ -208,7 +222,7 @@ class CacheOps:
 
     def load(self, m: p.Load) -> Future:
         session = self._session(m.session)
-        node = self.sessions.node(session, m.node)
+        node = self._readable(session, m.node)
         self.sessions.require_lock(session, node, m.node)
         future = session.manager.load(node, session.pool_id, m.state_slot or None)
         out: Future = Future()
@@ -308,7 +322,7 @@ class CacheOps:
 
     def load_into(self, m: p.LoadInto) -> Future:
         session = self._session(m.session)
-        node = self.sessions.node(session, m.node)
+        node = self._readable(session, m.node)
         if m.unlocked is not True:
             self.sessions.require_lock(session, node, m.node)
         future = session.manager.load_into(node, session.pool_id, m.pages, m.first,

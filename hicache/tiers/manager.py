@@ -674,6 +674,10 @@ class TierManager:
         (False: it was already). Kept for good: see :meth:`HiRadixTree.set_group`."""
         return self.tree.set_group(namespace, group)
 
+    def tenant_of(self, namespace: NamespaceId) -> str:
+        """The tenant :meth:`assign` gave ``namespace`` (``""``: none). O(1)."""
+        return self.tree.group_of(namespace)
+
     def _evict_host_nodes(self, num_pages: int, namespaces: set | None = None) -> int:
         freed = 0
         later = []

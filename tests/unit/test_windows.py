@@ -284,6 +284,53 @@ def test_ends_an_engine_offers_keep_their_windows_for_branches_found_later(engin
     tm.close()
 
 
+@pytest.mark.parametrize("reading", [False, True])
+def test_an_insert_whose_window_the_pool_caches_without_swa_bytes_hands_out_whole_pages(engine, reading):
+    """A device copy loaded from a window-cut host copy lacks the SWA bytes of its pages
+    before the node's window. A prompt that ends inside that node (a branch found from
+    host) is no hit there, so the engine computes it; its insert must not swap its
+    whole pages for the cached ones: the engine goes on reading the insert's window
+    through the canonical pages (req_to_token), and the next such prompt must hit.
+    ``reading``: a request still holds the whole node (its lock) meanwhile: the pages
+    it reads stay allocated until it unlocks."""
+    tm = make_tm(engine)
+    toks = tokens(600, 6)
+    keys = page_keys(NS, toks, PS)
+    prefill(tm, engine, toks)
+    tm.evict(Tier.DEVICE, 32, 0)
+    hit = tm.match(NS, toks, 0).match
+    tm.lock(hit.node, 0)
+    loaded = tm.wait(tm.load(hit.node, 0))
+    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    if not reading:
+        tm.unlock(hit.node, 0)
+    tm.flush()  # (the load is over)
+    assert swa_first(hit.node, 0) == 6 - W  # (the pages before the window: no SWA bytes)
+    branch = toks[: 4 * PS]
+    assert tm.match(NS, branch + tokens(900, 1), 0).match.node.parent is None
+    pages = tm.alloc(0, 4)
+    engine.compute(NS, branch, pages)
+    result = tm.insert(NS, branch, 0, pages)
+    for i in range(4 - W, 4):  # the engine's window after the insert: every byte
+        assert engine.read(int(result.device_pages[i])) == expected_page(keys[i], SPEC), i
+    allocator = tm.pools.get(0).allocator
+    free = allocator.num_free
+    if reading:  # the reader's pages are none of the free ones, and none of the insert's
+        tm.flush()
+        assert allocator.num_free == free
+        assert not set(loaded.device_pages[:4].tolist()) & set(result.device_pages.tolist())
+        tm.check_invariants()
+        tm.unlock(hit.node, 0)
+        tm.poll()  # (the owner loop's next turn)
+    tm.flush()
+    tm.check_invariants()
+    assert allocator.num_free == free + (4 if reading else 0)
+    again = tm.match(NS, branch + tokens(900, 1), 0).match
+    assert again.num_pages == 4 and again.num_device_pages == 4
+    assert list(again.device_pages) == list(result.device_pages)
+    tm.close()
+
+
 def test_a_load_cut_short_for_device_room_ends_where_a_window_has_its_bytes(engine):
     tm = make_tm(engine)
     toks = tokens(500, 6)

@@ -986,6 +986,22 @@ class HiRadixTree:
         elif node.swa and slot in node.swa:
             del node.swa[slot]
 
+    def replace_device(self, node: Node, pool: PoolId, pages: PageIdsLike) -> PageIds:
+        """Give ``node``'s copy in ``pool`` other pages holding the same bytes and more
+        (an SWA spec's whole pages for a copy without some SWA bytes: :attr:`Node.swa`
+        forgets the pool); returns the pages it had, which the caller frees once no one
+        reads them. Counts and eviction order stay: the node keeps its place."""
+        self._check_pool(pool)
+        old = node.residency.get(pool)
+        if old is None:
+            raise ResidencyError(f"node {node.node_id} is not resident in {_slot_name(pool)}")
+        ids = as_page_ids(pages)
+        if len(ids) != node.num_pages:
+            raise InvalidArgument(f"node {node.node_id} has {node.num_pages} pages, got {len(ids)} ids")
+        node.residency[pool] = ids.tobytes()
+        self.set_swa(node, pool, 0)
+        return np.frombuffer(old, dtype=PAGE_ID_DTYPE)
+
     def is_live(self, node: Node) -> bool:
         return self._nodes.get(node.node_id) is node
 

@@ -483,6 +483,12 @@ class TierManager:
                 raise InvalidArgument("a page is neither private nor the cached page at its position")
         result = self.tree.insert(namespace, packed, pool_id, ids)
         pool.unmake_private(ids[private])
+        if self.windows is not None and len(result.duplicate_pages):
+            taken = self.windows.take_whole(pool, result.node, ids, private)
+            if len(taken):  # (the engine's pages, whole, in place of a copy without SWA bytes)
+                result = result._replace(device_pages=np.where(np.isin(ids, taken), ids, result.device_pages),
+                                         duplicate_pages=result.duplicate_pages[
+                                             ~np.isin(result.duplicate_pages, taken)])
         pool.allocator.free(result.duplicate_pages)
         if ends:
             self._cut_at(result.node, ends)  # (before the backup below: it keeps each end's window)
@@ -786,8 +792,11 @@ class TierManager:
             ran += self._retry_backups()
         if self._loads.parked:
             ran += self._loads.retry_parked()
-        if self.windows is not None and self.windows.split:
-            ran += self.windows.top_up()
+        if self.windows is not None:
+            if self.windows.split:
+                ran += self.windows.top_up()
+            if self.windows.superseded:
+                self.windows.release()
         return ran + self._timers.run_due()
 
     def _retry_backups(self) -> int:

@@ -13,7 +13,9 @@ where paths branch, where checkpoints are), so:
   :attr:`~hicache.spec.KVSpec.kept_page_bytes` (the SWA segments come last);
 * the tree records per node and slot from which page on its copy holds SWA bytes
   (:attr:`hicache.tree.Node.swa`, cut along with the node by a split). Device copies
-  the engine computed hold all; one loaded from host or disk holds what its source did;
+  the engine computed hold all; one loaded from host or disk holds what its source did
+  — until an insert of pages the engine computed for that node replaces it
+  (:meth:`Windows.take_whole`: the engine reads on through the insert's pages);
 * a match ends at the deepest node end whose window — the last ``W`` pages before it,
   from wherever a load would take each page (the pool, host, disk) — has its SWA bytes
   (:meth:`Windows.usable`): a mid-edge end found later (a branch after a backup) may
@@ -89,6 +91,9 @@ class Windows:
         self.storage = storage
         self.on_store_evicted = on_store_evicted or (lambda keys: None)
         self.split: list[Node] = []  # new node ends since the last top_up()
+        # Device copies an insert's whole pages replaced while a lock covered them:
+        # (pool, node, old pages), freed by release() once none does.
+        self.superseded: list[tuple[object, Node, np.ndarray]] = []
         self.busy = 0  # top-up copies and rewrites in flight
         self.topped_up = 0  # node ends whose window a top-up gave back its SWA bytes
 
@@ -248,6 +253,48 @@ class Windows:
                     self.on_store_evicted(result.evicted)
 
             core.workers.write(lambda batch=batch: storage.put_batch(batch, fingerprint=fingerprint), done)
+
+    # -- inserts of whole pages -------------------------------------------------------
+
+    def take_whole(self, pool, node: Node, ids: np.ndarray, private: np.ndarray) -> np.ndarray:
+        """An insert of ``ids`` into ``pool`` ended at ``node`` (``private``: per page,
+        the engine computed it). Where the pool's copy of a node of its path lacks SWA
+        bytes (loaded from a window-cut host copy) and the engine computed that node's
+        pages itself, the engine's whole pages become the pool's copy: the engine goes on
+        reading the insert's window through the pages the insert hands back, and a copy
+        without them would end no hit there. Returns the engine's pages taken so. The
+        old copy is freed now or, while a lock in the pool covers it (a request reading
+        it, a transfer), held as the pool's staging until none does (:meth:`release`)."""
+        tree = self.core.tree
+        taken = []
+        offset = 0
+        for n in tree.path(node):
+            mine, computed = ids[offset : offset + n.num_pages], private[offset : offset + n.num_pages]
+            offset += n.num_pages
+            if not swa_first(n, pool.pool_id) or not computed.all():
+                continue
+            old = tree.replace_device(n, pool.pool_id, mine)
+            taken.append(mine)
+            if n.lock_ref.get(pool.pool_id):
+                pool.staging += len(old)
+                self.superseded.append((pool, n, old))
+            else:
+                pool.allocator.free(old)
+        return concat(taken)
+
+    def release(self) -> None:
+        """Free the copies :meth:`take_whole` replaced that no lock in their pool covers
+        any more (owner thread, between requests): a lock taken below the node after the
+        swap holds them too, until it goes. O(copies held)."""
+        tree = self.core.tree
+        held = []
+        for pool, node, old in self.superseded:
+            if tree.is_live(node) and node.lock_ref.get(pool.pool_id):
+                held.append((pool, node, old))
+                continue
+            pool.staging -= len(old)
+            pool.allocator.free(old)
+        self.superseded = held
 
     # -- sizes and checks -------------------------------------------------------------
 

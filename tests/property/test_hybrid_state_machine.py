@@ -167,6 +167,8 @@ class HybridMachine(RuleBasedStateMachine):
             for i in range(len(prefix), total):
                 engine.write_page(int(pages[i]), keys[i])
             result = tm.insert(NS, tokens, 0, pages)
+            for i in range(max(0, total - W), total):  # (the engine reads on through the canonical pages)
+                engine.check_page(int(result.device_pages[i]), keys[i], swa=True)
             offers = []
             # Checkpoints where drawn, and at the end unless told not to (mark 0).
             ends = marks - {0} | ({total} if 0 not in marks else set())

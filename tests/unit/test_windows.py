@@ -128,15 +128,22 @@ def test_a_hit_ends_where_its_window_has_swa_bytes(engine):
     tm.close()
 
 
-def test_loads_from_a_window_cut_host_copy_give_the_window_its_bytes(engine):
-    tm = make_tm(engine)
-    toks = tokens(300, 6)
+def load_from_a_window_cut_host_copy(tm, engine, toks):
+    """Prefill ``toks``, evict its device pages (the host copy keeps the last window's
+    SWA bytes only), then match, lock and load it back: the hit and the load, landed."""
     prefill(tm, engine, toks)
     tm.evict(Tier.DEVICE, 32, 0)
     hit = tm.match(NS, toks, 0).match
     tm.lock(hit.node, 0)
     loaded = tm.wait(tm.load(hit.node, 0))
     engine.wait(tm.pools.get(0).counters, loaded.wait)
+    return hit, loaded
+
+
+def test_loads_from_a_window_cut_host_copy_give_the_window_its_bytes(engine):
+    tm = make_tm(engine)
+    toks = tokens(300, 6)
+    hit, loaded = load_from_a_window_cut_host_copy(tm, engine, toks)
     keys = page_keys(NS, toks, PS)
     for i in range(6 - W, 6):  # the window: every layer, every byte
         assert engine.read(int(loaded.device_pages[i])) == expected_page(keys[i], SPEC)
@@ -296,12 +303,7 @@ def test_an_insert_whose_window_the_pool_caches_without_swa_bytes_hands_out_whol
     tm = make_tm(engine)
     toks = tokens(600, 6)
     keys = page_keys(NS, toks, PS)
-    prefill(tm, engine, toks)
-    tm.evict(Tier.DEVICE, 32, 0)
-    hit = tm.match(NS, toks, 0).match
-    tm.lock(hit.node, 0)
-    loaded = tm.wait(tm.load(hit.node, 0))
-    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    hit, loaded = load_from_a_window_cut_host_copy(tm, engine, toks)
     if not reading:
         tm.unlock(hit.node, 0)
     tm.flush()  # (the load is over)

@@ -73,35 +73,35 @@ def tokens(start, pages):
     return list(range(start, start + pages * PS))
 
 
-def prefill(tm, engine, toks, checkpoints=()):
+def prefill(tm, engine, toks, checkpoints=(), pool_id=0):
     """Compute ``toks`` into new pages, insert them with ``(pages, label)`` checkpoints
     (each label's state written into its own slot first)."""
-    hit = tm.match(NS, toks, 0).match
-    new = tm.alloc(0, len(toks) // PS - hit.num_device_pages)
+    hit = tm.match(NS, toks, pool_id).match
+    new = tm.alloc(pool_id, len(toks) // PS - hit.num_device_pages)
     pages = np.concatenate((hit.device_pages, new))
     engine.compute(NS, toks, pages)
-    result = tm.insert(NS, toks, 0, pages)
+    result = tm.insert(NS, toks, pool_id, pages)
     offers = []
     for slot, (num_pages, label) in enumerate(checkpoints, 1):
         engine.set_state(slot, label)
         offers.append((num_pages, slot))
-    taken = tm.wait(tm.checkpoint(result.node, 0, offers))
+    taken = tm.wait(tm.checkpoint(result.node, pool_id, offers))
     tm.check_invariants()
     return result, taken
 
 
-def load_state(tm, engine, toks, slot=1):
+def load_state(tm, engine, toks, slot=1, pool_id=0):
     """Match, lock, load with a state slot; returns (pages hit, state landed, result)."""
     engine.set_state(slot, 999)
-    hit = tm.match(NS, toks, 0)
+    hit = tm.match(NS, toks, pool_id)
     node = hit.match.node
     if node.parent is None:
         return 0, False, None
-    tm.lock(node, 0)
-    loaded = tm.wait(tm.load(node, 0, state_slot=slot))
-    engine.wait(tm.pools.get(0).counters, loaded.wait)
+    tm.lock(node, pool_id)
+    loaded = tm.wait(tm.load(node, pool_id, state_slot=slot))
+    engine.wait(tm.pools.get(pool_id).counters, loaded.wait)
     engine.check(NS, toks, loaded.device_pages)
-    tm.unlock(node, 0)
+    tm.unlock(node, pool_id)
     tm.check_invariants()
     return len(loaded.device_pages), loaded.state, loaded
 
@@ -393,6 +393,35 @@ def test_without_a_disk_tier_a_device_copy_keeps_a_checkpoint_the_host_lets_go()
         assert tm.checkpoints.lost == 0 and tm.checkpoints.count() == (1, 0, 2)
         pages, state, _ = load_state(tm, lending, a, slot=2)
         assert (pages, state) == (2, True) and lending.state_label(2, [51, 52]) == 51
+        tm.close()
+    finally:
+        lending.close()
+
+
+def test_a_checkpoint_held_only_by_another_pools_device_is_no_state_and_evicts_nothing(engine):
+    # a's checkpoint lives only in pool 0's device slot; c's only in the host slot. A
+    # load into pool 1 (which cannot read pool 0's slots) that asks for a's state gets
+    # none, and must not throw c's checkpoint out of the host to make room for a read
+    # of a copy that is on no disk.
+    lending = StateEngine(checkpoint_slots=2)
+    try:
+        tm = make_tm(lending, host_checkpoints=1)
+        tm.register_pool(1, [engine.pool])
+        a, b, c = tokens(100, 2), tokens(500, 2), tokens(900, 2)
+        prefill(tm, lending, a, [(2, 51)])
+        prefill(tm, lending, b, [(2, 52)])
+        prefill(tm, engine, c, [(2, 53)], pool_id=1)
+        node = tm.match(NS, a, 0).match.node
+        cp_a, cp_c = node.checkpoint, tm.match(NS, c, 1).match.node.checkpoint
+        assert cp_a.host < 0 and 1 not in cp_a.device and cp_c.host >= 0 and not cp_c.device
+        tm.lock(node, 1)
+        loaded = tm.wait(tm.load(node, 1, state_slot=2))
+        tm.unlock(node, 1)
+        assert loaded.state is False
+        assert tm.checkpoints.lost == 0 and cp_c.host >= 0
+        tm.check_invariants()
+        pages, state, _ = load_state(tm, engine, c, slot=2, pool_id=1)
+        assert (pages, state) == (2, True) and engine.state_label(2, [53]) == 53
         tm.close()
     finally:
         lending.close()

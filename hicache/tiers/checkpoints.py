@@ -202,7 +202,7 @@ class Checkpoints:
         the engine computes the prefix itself)."""
         future: Future = Future()
         cp = node.checkpoint
-        if not self.usable(node):
+        if not self.usable(node, pool.pool_id):
             future.set_result(False)
             return future
         cp.pins += 1

@@ -15,7 +15,10 @@ page key (:func:`block_hash`). One message per batch, on a PUB socket::
 
 A stream's first ``seq`` is the publisher's choice: 0 as vLLM's, or for a publisher that
 restarts (the daemon) :func:`seq_from_clock`, so that a subscriber sees a restart as a
-gap and its replay reaches back to the new stream's start.
+gap and its replay reaches back to the new stream's start. A daemon with a disk tier
+keeps a :class:`StreamLedger` beside it: its next run starts every stream past each seq
+this one sent even if the wall clock went back meanwhile, and ends, with
+``AllBlocksCleared``, each stream of this run that the next does not open again.
 
 A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
@@ -40,12 +43,15 @@ one encoder call that copies the encoded events in.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -69,6 +75,8 @@ _PAGE_KEY_BYTES = 16
 _U64_MASK = (1 << 64) - 1
 _MAX_REQUEST_BYTES = 64 * 1024  # a replay request is a topic and 8 bytes
 _NOBLOCK = int(zmq.NOBLOCK)
+LEFT_CLEAR_S = 60.0  # how long the streams a killed run left open are cleared again and again
+LEFT_RESEND_S = 1.0
 _REBIND_S = 2.0  # how long a rebind waits for the old listener to let its port go
 
 
@@ -116,6 +124,102 @@ def seq_from_clock() -> int:
     gets the new stream from its start, ``AllBlocksCleared`` first — never the middle
     of it as if it went on from the old one."""
     return time.time_ns() // 1000
+
+
+class StreamLedger:
+    """What the next run of a daemon must know of this run's streams, kept in a small
+    file (``<store>/events``, JSON, replaced whole: written beside, synced, renamed):
+
+    - a seq floor, above every seq this run may have sent. The next run starts each
+      stream at ``max(wall clock µs, floor)``: a clock stepped back across the restart
+      (a bad RTC corrected at boot) cannot give a new stream the seqs its predecessor
+      used, which a router would take for the old stream going on. The floor is
+      reserved :data:`SEQ_STEP` ahead, so it is written about once per million batches.
+    - the topics of the streams open now, with their data-parallel ranks. A run that
+      ended without closing them (killed, a power loss) left routers counting on their
+      blocks; the next run opens each again to say ``AllBlocksCleared`` (for a while,
+      see :class:`EventPublisher`) — unless a pool takes the topic up again first,
+      whose stream starts with that clear anyway.
+
+    A file that cannot be read is a warning, and the run goes on as without a ledger
+    (clock only, nothing to clear); one that cannot be written is a warning (once).
+    ``path`` None: nothing kept (a daemon without a disk tier)."""
+
+    SEQ_STEP = 1 << 20
+
+    def __init__(self, path: Path | None, clock: Callable[[], int] = lambda: seq_from_clock()) -> None:
+        self.path = path
+        self._clock = clock
+        self._floor = 0  # above every seq the last run sent
+        self._reserved = 0  # above every seq this run sends (once written)
+        self.topics: dict[bytes, int] = {}  # this run's open streams: topic -> data-parallel rank
+        self.left: dict[bytes, int] = {}  # the last run's streams it did not end
+        self._write_failed = False
+        if path is not None:
+            self._read(path)
+
+    def _read(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_bytes())
+            floor, topics = data["seq_floor"], data["topics"]
+            if type(floor) is not int or not 0 <= floor < 1 << 62 or type(topics) is not dict:
+                raise ValueError("fields of the wrong type")
+            left = {bytes.fromhex(topic): rank for topic, rank in topics.items()}
+            if any(type(rank) is not int or not 0 <= rank < 1 << 32 for rank in left.values()):
+                raise ValueError("a rank out of range")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # (json's errors are ValueErrors)
+            logger.warning("events: cannot read the stream ledger %s (%s): streams start at the clock, "
+                           "and the last run's are not cleared", path, exc)
+            return
+        self._floor, self.left = floor, left
+
+    def first_seq(self) -> int:
+        """A new stream's first seq: past the clock, and past every seq the last run sent."""
+        seq = max(self._clock(), self._floor)
+        self.sent(seq)
+        return seq
+
+    def sent(self, seq: int) -> None:
+        """A stream sends (or starts at) ``seq``: the floor moves past it first."""
+        if seq >= self._reserved:
+            self._reserved = min(seq + self.SEQ_STEP, (1 << 62) - 1)
+            self._save()
+
+    def opened(self, topic: bytes, data_parallel_rank: int) -> None:
+        if self.topics.get(topic) != data_parallel_rank:
+            self.topics[topic] = data_parallel_rank
+            self._save()
+
+    def closed(self, topic: bytes) -> None:
+        if self.topics.pop(topic, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        data = {"seq_floor": max(self._reserved, self._floor),
+                "topics": {topic.hex(): rank for topic, rank in self.topics.items()}}
+        tmp = self.path.with_name(self.path.name + ".new")
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as f:
+                f.write(json.dumps(data).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            if not self._write_failed:
+                self._write_failed = True
+                logger.warning("events: cannot write the stream ledger %s (%s): after a restart, streams start "
+                               "at the clock, and this run's are not cleared", self.path, exc)
+            return
+        self._write_failed = False
 
 
 def block_hash(page_key: bytes) -> int:
@@ -247,14 +351,25 @@ class EventPublisher:
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, hwm: int = HWM,
                  max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS,
                  context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str], None] | None = None,
-                 clock: Callable[[], float] = time.time, first_seq: Callable[[], int] = lambda: 0) -> None:
+                 clock: Callable[[], float] = time.time, first_seq: Callable[[], int] = lambda: 0,
+                 ledger: StreamLedger | None = None, left_clear_s: float = LEFT_CLEAR_S,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         """``context``: the sockets' (the daemon's server's, whose ZAP handler admits
         the subscribers); ``secure(socket, endpoint)``: sets a socket's security options
         (CURVE, ZAP domain) before it binds ``endpoint``; ``clock``: the batches'
         timestamps (wall-clock seconds, as vLLM's); ``first_seq()``: a new stream's
-        first sequence number (see :func:`seq_from_clock`)."""
+        first sequence number (see :func:`seq_from_clock`); ``ledger``: a restarting
+        publisher's record of its streams (then it gives the first seqs). The streams
+        its last run left open say ``AllBlocksCleared`` again every
+        :data:`LEFT_RESEND_S` for ``left_clear_s`` (a router reconnects to the new
+        socket when it will: a PUB sends nothing to one not connected yet, and a stream
+        forgotten has no replay), then end — unless a pool takes the topic up first."""
         self._clock = clock
-        self._first_seq = first_seq
+        self._monotonic = monotonic
+        self._left: dict[bytes, float] = {}  # the last run's topics still being cleared -> until when
+        self._left_next = 0.0  # when they say it again
+        self._first_seq = first_seq if ledger is None else ledger.first_seq
+        self._ledger = ledger
         self._max_queue_events = max_queue_events
         self._buffer_steps = buffer_steps
         self._streams: dict[bytes, EventStream] = {}
@@ -289,6 +404,12 @@ class EventPublisher:
         except zmq.ZMQError:
             self.close()
             raise
+        if ledger is not None:
+            until = monotonic() + left_clear_s
+            for topic, rank in ledger.left.items():
+                self.stream(topic, data_parallel_rank=rank).cleared()
+                self._left[topic] = until
+            self._left_next = monotonic() + LEFT_RESEND_S
 
     def rebind(self) -> None:
         """Drop every subscriber and listen again on the same endpoints, so that each
@@ -304,11 +425,18 @@ class EventPublisher:
         """The stream of ``topic``, created on first use (the oldest one answers vLLM's
         one-frame replay requests); one that was ending goes on."""
         key = topic.encode() if isinstance(topic, str) else bytes(topic)
-        self._ending.discard(key)
         found = self._streams.get(key)
+        ending = key in self._ending or key in self._left
+        if found is not None and ending and found.data_parallel_rank != data_parallel_rank:
+            self._forget(key)  # (the new stream's first batch clears the topic just as well)
+            found = None
+        self._ending.discard(key)
+        self._left.pop(key, None)
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
                                                      buffer_steps=self._buffer_steps, first_seq=self._first_seq())
+            if self._ledger is not None:
+                self._ledger.opened(key, data_parallel_rank)
         elif found.data_parallel_rank != data_parallel_rank:
             raise InvalidArgument(f"events stream {key!r} has data-parallel rank {found.data_parallel_rank}, "
                                   f"not {data_parallel_rank}")
@@ -348,6 +476,8 @@ class EventPublisher:
         its stream resync."""
         if now is None:
             now = self._clock()
+        if self._left and self._monotonic() >= self._left_next:
+            self._clear_left()
         sent = 0
         for stream in self._streams.values():
             num_events = stream.num_pending
@@ -355,6 +485,8 @@ class EventPublisher:
             if taken is None:
                 continue
             seq, payload = taken
+            if self._ledger is not None:
+                self._ledger.sent(seq)
             try:
                 self._pub.send_multipart([stream.topic, seq.to_bytes(8, "big"), payload], _NOBLOCK, copy=False)
             except zmq.Again:
@@ -365,11 +497,34 @@ class EventPublisher:
             sent += 1
         for topic in [t for t in self._ending if not self._streams[t].num_pending]:  # (a refused one: again)
             self._ending.discard(topic)
-            stream = self._streams.pop(topic)
-            self._ended_batches += stream.batches_sent
-            self._ended_events += stream.events_sent
-            self._ended_dropped += stream.dropped
+            self._forget(topic)
         return sent
+
+    def _clear_left(self) -> None:
+        """The last run's streams no pool took up say ``AllBlocksCleared`` again; those
+        past their time end (the clear their last batch)."""
+        now = self._monotonic()
+        self._left_next = now + LEFT_RESEND_S
+        for topic, until in list(self._left.items()):
+            if now >= until:
+                self.end_left(topic)
+            else:
+                self._streams[topic].cleared()
+
+    def end_left(self, topic: bytes | None = None) -> None:
+        """The last run's stream of ``topic`` (None: each of them) ends now, unless a
+        pool took it up (see :meth:`end`); its clear is its last batch."""
+        for key in list(self._left) if topic is None else [topic]:
+            if self._left.pop(key, None) is not None:
+                self.end(self._streams[key])
+
+    def _forget(self, topic: bytes) -> None:
+        stream = self._streams.pop(topic)
+        self._ended_batches += stream.batches_sent
+        self._ended_events += stream.events_sent
+        self._ended_dropped += stream.dropped
+        if self._ledger is not None:
+            self._ledger.closed(topic)
 
     def serve_replay(self, limit: int | None = None) -> int:
         """Go on with the replies a client's full queue held up, then answer the replay

@@ -246,5 +246,6 @@ class KvEvents:
         :meth:`EventPublisher.close`)."""
         for events in self._managers.values():
             events.close()
+        self.publisher.end_left()
         self.publisher.publish()
         self.publisher.close(linger_s)

@@ -142,8 +142,9 @@ class Daemon:
             remote = MooncakeBackend(config.remote.store_config(), lazy=True)
         self.remote = remote
         self.sessions = Sessions(config.server, clock=clock, metrics=metrics)
-        self.tenant_log = TenantLog(config.disk.store_path / "tenants"
-                                    if config.disk.enabled and storage is not None else None,
+        # (what is kept across restarts besides the pages: next to them, when there is a disk tier)
+        self._state_dir = config.disk.store_path if config.disk.enabled and storage is not None else None
+        self.tenant_log = TenantLog(self._state_dir / "tenants" if self._state_dir is not None else None,
                                     extra_keys=config.events.enabled)
         # Called now and then during long work on the owner thread at a spec's first
         # registration (pinning its host pool, rebuilding its disk tier) with a count
@@ -484,14 +485,15 @@ class Daemon:
         config = self.config
         if not config.events.enabled or self.events is not None:
             return
-        from hicache.daemon.events import EventPublisher, seq_from_clock
+        from hicache.daemon.events import EventPublisher, StreamLedger
 
         endpoint, replay = config.events.endpoints(config.server.socket_path)
-        # (pool ids, and so topics, count from 1 again after a restart: see seq_from_clock)
+        # (pool ids, and so topics, count from 1 again after a restart: see StreamLedger)
+        ledger = StreamLedger(self._state_dir / "events" if self._state_dir is not None else None)
         publisher = EventPublisher(endpoint, replay_endpoint=replay, hwm=config.events.hwm,
                                    max_queue_events=config.events.max_queue_events,
                                    buffer_steps=config.events.buffer_steps, context=context, secure=secure,
-                                   first_seq=seq_from_clock)
+                                   ledger=ledger)
         self._restrict_events(publisher)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
         self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key)

@@ -588,3 +588,46 @@ def test_a_router_replaying_from_its_last_seq_across_a_restart_is_told_to_clear_
     finally:
         context.destroy(linger=0)
         engine.close()
+
+
+def test_a_killed_daemons_streams_are_cleared_by_its_next_run_though_no_engine_comes_back(tmp_path):
+    """A daemon is killed outright (SIGKILL) while a router holds an engine's blocks;
+    it comes back and no engine registers again (the engine went with it). The router,
+    still subscribed, is told AllBlocksCleared on that topic, with that rank, at a seq
+    past the old stream's: it stops routing to blocks nobody serves. Before, the next
+    run knew nothing of the last run's topics and the router kept them for good."""
+    from daemon_util import ClientEngine, DaemonProcess, events_socket, handshake, token_ids
+
+    daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
+    sub, monitor = events_socket(zmq.SUB, f"ipc://{tmp_path / 'hicache-events.sock'}")
+    engine = ClientEngine(daemon.endpoint)
+    try:
+        assert handshake(monitor) == "admitted"
+        tokens = np.random.default_rng(7).integers(1, 30_000, 2 * PS).tolist()
+        engine.prefill(tokens)
+        seen: dict[bytes, list] = {}
+        last_seq: dict[bytes, int] = {}
+        while not set(tokens) <= token_ids([b for batches in seen.values() for b in batches]):
+            assert sub.poll(30_000), "the subscription got no events"
+            topic, seq8, payload = sub.recv_multipart()
+            seen.setdefault(topic, []).append(payload)
+            last_seq[topic] = int.from_bytes(seq8, "big")
+        (topic,) = [t for t, batches in seen.items() if token_ids(batches)]
+        rank = decode(seen[topic][-1]).data_parallel_rank
+        daemon.kill()
+        engine.close()
+
+        daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
+        while True:
+            assert sub.poll(30_000), "the next run said nothing on the old topic"
+            got, seq8, payload = sub.recv_multipart()
+            if got == topic:
+                break
+        batch = decode(payload)
+        assert [type(e) for e in batch.events] == [AllBlocksCleared]
+        assert batch.data_parallel_rank == rank and int.from_bytes(seq8, "big") > last_seq[topic]
+    finally:
+        engine.close()
+        for sock in (sub, monitor):
+            sock.close(0)
+        assert daemon.stop() == 0

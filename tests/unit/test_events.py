@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.daemon.events import (
-    END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream, block_hash, seq_from_clock,
+    END_SEQ, MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream, StreamLedger, block_hash,
+    seq_from_clock,
 )
 from hicache.errors import InvalidArgument
 
@@ -483,3 +484,121 @@ def test_a_client_that_never_reads_holds_a_bounded_number_of_replies(context):
         assert MAX_REPLIES_WAITING <= ends < 2 * MAX_REPLIES_WAITING
         assert [r[2] for r in replies] == [seq8(2), seq8(3), END_SEQ] * ends
         dealer.close()
+
+
+def _run(context, tmp_path, ledger, **kwargs) -> EventPublisher:
+    """A publisher of one daemon run (its sockets in ``tmp_path``, its ledger given)."""
+    return EventPublisher(f"ipc://{tmp_path / 'e'}", replay_endpoint=f"ipc://{tmp_path / 'r'}",
+                          context=context, ledger=ledger, **kwargs)
+
+
+def _batches(stream: EventStream) -> list[tuple[int, list]]:
+    """(seq, events) of every batch in the stream's ring."""
+    return [(seq, decode(payload).events) for seq, payload in stream.replay(0)]
+
+
+def test_a_restarted_publisher_starts_past_every_seq_the_last_run_sent_though_the_clock_went_back(
+        context, tmp_path, monkeypatch):
+    """A run sends more batches than one reservation of the ledger covers, and is killed
+    (its streams never end); the next run's clock reads far earlier (a clock stepped
+    back at boot). Its streams, the topic taken up again and a new one, start past every
+    seq the last run sent: a router sees a gap, never the old stream going on."""
+    monkeypatch.setattr(StreamLedger, "SEQ_STEP", 4)
+    path = tmp_path / "ledger"
+    first = _run(context, tmp_path, StreamLedger(path, clock=lambda: 5_000_000))
+    stream = first.stream("a", data_parallel_rank=1)
+    for i in range(10):
+        stream.removed([i], MEDIUM_CPU)
+        first.publish()
+    last_sent = stream.next_seq - 1
+    first.close()  # (killed: no stream ended)
+
+    again = _run(context, tmp_path, StreamLedger(path, clock=lambda: 1_000))
+    try:
+        taken_up, new = again.stream("a", data_parallel_rank=1), again.stream("b")
+        assert taken_up.next_seq > last_sent and new.next_seq > last_sent
+    finally:
+        again.close()
+
+
+def test_the_streams_a_killed_run_left_open_are_cleared_for_a_while_then_forgotten(context, tmp_path):
+    """A run ends one stream (its clear went out) and is killed with two still open.
+    The next run, before any pool speaks, says AllBlocksCleared on those two, with
+    their ranks, again every LEFT_RESEND_S (a router may reconnect late), until
+    left_clear_s is over; then they end and the ledger forgets them. A pool that takes
+    one of the topics up meanwhile gets it as its own stream, which never ends by time."""
+    path = tmp_path / "ledger"
+    first = _run(context, tmp_path, StreamLedger(path))
+    for topic, rank in ((b"a", 1), (b"b", 2), (b"c", 3)):
+        first.stream(topic, data_parallel_rank=rank).stored([rank], None, [0] * 4, 4, MEDIUM_GPU)
+    first.end(first.streams[2])
+    first.publish()
+    first.publish()
+    first.close()
+    assert StreamLedger(path).left == {b"a": 1, b"b": 2}
+
+    now = [0.0]
+    again = _run(context, tmp_path, StreamLedger(path), left_clear_s=2.5, monotonic=lambda: now[0])
+    try:
+        again.publish()
+        a, b = again.streams
+        assert [(s.topic, s.data_parallel_rank) for s in (a, b)] == [(b"a", 1), (b"b", 2)]
+        b_own = again.stream(b"b", data_parallel_rank=2)  # (a pool takes "b" up)
+        assert b_own is b
+        b_own.stored([9], None, [0] * 4, 4, MEDIUM_GPU)
+        for step in range(1, 4):
+            now[0] = step * 1.0
+            again.publish()
+        events = [e for _, batch in _batches(a) for e in batch]
+        assert len(events) == 4 and all(isinstance(e, AllBlocksCleared) for e in events)
+        assert [s.topic for s in again.streams] == [b"b"]  # a ended after its last clear; b goes on
+        assert [type(e) for _, batch in _batches(b) for e in batch] == [AllBlocksCleared, BlockStored]
+        assert StreamLedger(path).left == {b"b": 2}
+    finally:
+        again.close()
+
+
+def test_a_left_topic_a_pool_takes_up_with_another_rank_is_a_new_stream(context, tmp_path):
+    path = tmp_path / "ledger"
+    first = _run(context, tmp_path, StreamLedger(path))
+    first.stream(b"x11", data_parallel_rank=11)
+    first.close()
+    again = _run(context, tmp_path, StreamLedger(path))
+    try:
+        stream = again.stream(b"x11", data_parallel_rank=1)
+        assert [(s.topic, s.data_parallel_rank) for s in again.streams] == [(b"x11", 1)]
+        stream.cleared()
+        again.publish()
+        assert StreamLedger(path).left == {b"x11": 1}
+    finally:
+        again.close()
+
+
+def test_a_clean_close_leaves_no_stream_to_clear(context, tmp_path):
+    path = tmp_path / "ledger"
+    first = _run(context, tmp_path, StreamLedger(path))
+    first.end(first.stream(b"a"))
+    first.publish()
+    first.close()
+    assert StreamLedger(path).left == {}
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"seq_floor": -1, "topics": {}}',
+                                     b'{"seq_floor": 5, "topics": {"zz": 1}}', b'{"seq_floor": 5, "topics": []}',
+                                     b'{"seq_floor": 5, "topics": {"61": "one"}}', b"[1, 2]"])
+def test_a_ledger_that_cannot_be_read_is_a_warning_and_the_clock_alone(tmp_path, caplog, content):
+    path = tmp_path / "ledger"
+    path.write_bytes(content)
+    ledger = StreamLedger(path, clock=lambda: 42)
+    assert ledger.first_seq() == 42 and ledger.left == {}
+    assert "cannot read the stream ledger" in caplog.text
+    # ... and the next write replaces it with a good one.
+    assert StreamLedger(path).first_seq() > 42
+
+
+def test_a_ledger_that_cannot_be_written_is_one_warning(tmp_path, caplog):
+    ledger = StreamLedger(tmp_path / "gone" / "ledger", clock=lambda: 42)
+    ledger.opened(b"a", 0)
+    ledger.sent(1 << 40)
+    assert ledger.first_seq() == 42
+    assert caplog.text.count("cannot write the stream ledger") == 1

@@ -539,3 +539,30 @@ def test_a_request_over_the_daemons_limit_is_refused_at_once_and_the_client_stay
         client.close()
         fake.close()
     assert fake.errors == []
+
+
+def test_a_load_still_copying_is_waited_on_its_ring_after_many_registrations(fake, client):
+    """A load answered on the pool's first ring is still copying (its daemon holds that
+    ring: it may still write the engine's blocks) while the pool is registered again
+    five times. Its ticket reads what its own ring says: not over, then landed once the
+    daemon stamps it (before, the client kept only the last four rings: the ticket was
+    looked up on the current ring, read as stale, and wait_over said the load was over
+    — an engine reuses the blocks the daemon still writes)."""
+    from hicache.errors import WaitTimeout
+
+    tokens = seq(1200, 2)
+    prefill(client, tokens)
+    ring = fake.counters
+    ticket = fake.land(tokens)
+    for i in range(5):
+        fake.restart()
+        client.match(seq(2000 + 100 * i, 1))  # UNKNOWN_SESSION: hello, register again
+    assert client.epoch == 6
+    assert client.wait_over([ticket], timeout_s=0.0) is False
+    with pytest.raises(WaitTimeout):
+        client.wait_layer([ticket], 0, timeout_s=0.0)
+    with fake.lock:
+        for layer in range(ring.num_layers):
+            ring.complete_layer(ticket, layer)
+    client.wait_layer([ticket], ring.num_layers - 1, timeout_s=0.0)
+    assert client.wait_over([ticket], timeout_s=0.0) is True

@@ -164,9 +164,10 @@ class Inserted(NamedTuple):
     num_checkpoints: int = 0  # checkpoints taken (their state slots are the engine's again)
 
 
-# Rings of earlier registrations kept mapped (CacheClient._waiter_of): a registration
-# comes after a daemon restart or a lapsed lease, each with at most a load timeout of
-# copies in flight; four cover re-registrations far closer together than that.
+# Rings of earlier registrations kept mapped (CacheClient._waiter_of) once their daemon
+# has let go of them (nothing writes their loads' blocks any more: a ticket read stale
+# there is over), so that a load that ended before the registration still reads as
+# landed or failed. A ring its daemon still holds is kept whatever the count.
 _RETIRED_RINGS = 4
 _RCVTIMEO = int(zmq.RCVTIMEO)  # a plain int: pyzmq converts enum members on every call
 
@@ -490,14 +491,29 @@ class CacheClient:
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
         if self.waiter is not None:
             self._retired.append(self.waiter)
-            while len(self._retired) > _RETIRED_RINGS:
-                self._retired.popleft().close()
+            self._drop_retired()
         self.waiter = waiter
         self.epoch += 1
         self._down_since = None
         self._answering.clear()
         self._start_heartbeat()
         logger.info("registered with %s (epoch %d)", self.endpoint, self.epoch)
+
+    def _drop_retired(self) -> None:
+        """Unmap the oldest retired rings beyond :data:`_RETIRED_RINGS` whose daemon has
+        let go of them. One it still holds may have a load copying into the engine's
+        blocks: unmapped, that load's ticket would be looked up on the current ring,
+        read as stale there, and :meth:`wait_over` would call it over while the daemon
+        still writes. (A daemon that does not say when it lets go — no
+        :attr:`CountersHandle.writer_lock` — is taken at its count, as before.)"""
+        excess = len(self._retired) - _RETIRED_RINGS
+        for old in list(self._retired):
+            if excess <= 0:
+                break
+            if not old.handle.writer_lock or old.writer_gone():
+                self._retired.remove(old)
+                old.close()
+                excess -= 1
 
     def _request(self, message: p._Request, timeout_s: float | None = None, *,
                  epoch: int | None = None, stamp: Callable[[p._Request], None] | None = None) -> p.Reply | None:
@@ -719,7 +735,9 @@ class CacheClient:
         its slot: the daemon may still be copying that load into the engine's blocks
         (its old pool retires once its transfers end), and says on that ring when it
         has landed or failed. Rings count from random starts, so a ticket is held by
-        its own ring only. One no ring holds: the current ring's (which says stale).
+        its own ring only. One no ring holds: the current ring's (which says stale) —
+        its load is over, since a ring is unmapped only once its daemon let go of it
+        (:meth:`_drop_retired`).
         A ring of a daemon that died never moves again: its loads read as not landed
         until their waits time out, never as done."""
         waiter = self.waiter

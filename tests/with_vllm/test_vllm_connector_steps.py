@@ -321,6 +321,56 @@ def fake_layer_waits(w, tickets_of, answer):
     return now, calls
 
 
+def test_a_step_waits_once_for_each_layer_of_its_loads(daemon):
+    """The attention of each layer waits for that layer of the step's loads; the end of
+    the step (``wait_for_save``) waits only for layers no attention call waited for —
+    none here. (Before, it waited for every layer of every load again: on a GPU a
+    stream wait per ticket and layer for copies long landed, and a ticket whose slot
+    went to a later load meanwhile read as stale — a landed load reported failed.)"""
+    from collections import Counter
+
+    e = Engine(daemon.endpoint)
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        loads, targets = three_loads_in_one_step(e, admin)
+        now, calls = fake_layer_waits(e.worker, loads, lambda i, layer, timeout_s: None)
+        errors = e.step(empty_output())
+        assert not errors
+        waits = Counter((i, layer) for i, layer, _ in calls)
+        assert waits == {(i, layer): len(load.tickets) for i, load in enumerate(loads)
+                         for layer in range(len(LAYER_NAMES))}
+        assert [e.values(t) for t in targets] == [[{7.0}] * 2, [{8.0}] * 2, [{9.0}] * 2]
+    finally:
+        admin.close()
+        e.close()
+
+
+def test_a_step_whose_attention_skipped_a_layer_waits_for_it_at_its_end(daemon):
+    """A layer no attention call waited for (a forward that skips the hook) is waited
+    for by ``wait_for_save``, once, before the step's stores and its output."""
+    from collections import Counter
+
+    e = Engine(daemon.endpoint)
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        loads, _ = three_loads_in_one_step(e, admin)
+        now, calls = fake_layer_waits(e.worker, loads, lambda i, layer, timeout_s: None)
+        w = e.worker
+        w.bind_connector_metadata(e.scheduler.build_connector_meta(empty_output()))
+        w.start_load_kv(None)
+        w.wait_for_layer_load(LAYER_NAMES[0])
+        assert {layer for _, layer, _ in calls} == {0}
+        w.wait_for_save()
+        waits = Counter((i, layer) for i, layer, _ in calls)
+        assert waits == {(i, layer): len(load.tickets) for i, load in enumerate(loads)
+                         for layer in range(len(LAYER_NAMES))}
+        assert not w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+    finally:
+        admin.close()
+        e.close()
+
+
 def test_loads_stalled_together_cost_the_step_one_load_timeout(daemon):
     """A daemon that stops with several loads in flight: their layer counters never
     move. The step's waits end at the loads' own deadline, which they share (before,

@@ -322,6 +322,9 @@ class HicacheConnector(KVConnectorBase_V1):
             self._cuda = False
             self._layer_index: dict[str, int] = {}
             self._pending: list[LoadMeta] = []
+            # The layers waited for since loads were last added to ``_pending`` (every
+            # pending load has each of them landed): the step's end waits for the rest.
+            self._waited: set[int] = set()
             self._load_errors: set[int] = set()
             # The blocks this step reported already, until it ends: an engine with a draft
             # model collects the step's output before its stores run (``_valid_pages``).
@@ -644,16 +647,18 @@ class HicacheConnector(KVConnectorBase_V1):
                 continue
             self._load_errors.update(load.blocks[load.num_loaded:])
             self._pending.append(load)
+            self._waited.clear()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
-        if layer is None or not self._pending:
+        if layer is None or not self._pending or layer in self._waited:
             return
         self._wait(layer)
 
     def _wait(self, layer: int) -> None:
         with self._lock:
             self._wait_locked(layer)
+        self._waited.add(layer)
 
     def _wait_locked(self, layer: int) -> None:
         """Wait for ``layer`` of every pending load, each until the daemon starts no more
@@ -720,8 +725,10 @@ class HicacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._pending:  # layers that no attention call waited for (nothing should be left)
             for layer in range(self._num_layers):
-                self._wait(layer)
+                if layer not in self._waited:
+                    self._wait(layer)
             self._pending = []
+        self._waited.clear()
         if self._client is None or not self.has_connector_metadata():
             return
         stores = self._get_connector_metadata().stores

@@ -33,7 +33,7 @@ from connector_harness import (  # noqa: E402
 )
 from daemon_util import DaemonProcess  # noqa: E402
 from hicache.client import CacheClient  # noqa: E402
-from hicache.errors import Unavailable  # noqa: E402
+from hicache.errors import ErrorCode, Unavailable  # noqa: E402
 from hicache.integrations.vllm import HicacheConnector, KVConnectorRole, model_identity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -941,3 +941,31 @@ def test_a_hybrid_model_runs_without_hicache_rather_than_share_a_wrong_layout(da
             admin.close()
     finally:
         worker.shutdown()
+
+
+def test_the_scheduler_of_a_hybrid_model_never_tries_to_attach(tmp_path):
+    """The worker of a hybrid model runs without hicache and registers no pool; its
+    scheduler, which has the same KV cache config, knows so at once: it makes no
+    attempt to attach and starts no thread to retry (before, it asked a hello and an
+    attach — refused, no such pool — at the engine's start and then every second for
+    the engine's whole life). Its matches miss, at once."""
+    from fake_daemon import FakeDaemon
+
+    fake = FakeDaemon(tmp_path)
+    config = kv_cache_config()
+    config.kv_cache_groups = [object(), object()]
+    scheduler = None
+    try:
+        fake.script("attach", ErrorCode.INVALID_ARGUMENT)  # (what a daemon says: no such pool)
+        scheduler = HicacheConnector(vllm_config(fake.endpoint), KVConnectorRole.SCHEDULER, config)
+        assert fake.ops() == []
+        assert scheduler._connecting is None and scheduler._client is None
+        p = list(range(100, 100 + 3 * BS + 1))
+        scheduler.on_new_request(request("r", p))
+        assert scheduler.get_num_new_matched_tokens(request("r", p), 0) == (0, False)
+        assert fake.ops() == []
+    finally:
+        if scheduler is not None:
+            scheduler.shutdown()
+        fake.close()
+    assert fake.errors == []

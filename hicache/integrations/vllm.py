@@ -240,6 +240,19 @@ def model_identity(config: "VllmConfig") -> str:
     return f"{model.model}@{model.revision or ''}#{digest}"
 
 
+def _unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
+    """Why hicache cannot hold this KV cache (``None``: it can, as far as the config
+    tells). Both roles have the engine's config: the worker runs without hicache for
+    such a cache and registers no pool, and its scheduler, seeing the same, does not
+    try to attach to one for the engine's whole life."""
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        # Sliding-window or recurrent layers beside full attention: each group's
+        # blocks are its own, and a page of one layer spec is not all of the KV.
+        return (f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (a hybrid model): "
+                "one group of full-attention layers only, for now")
+    return None
+
+
 def _request_amx() -> None:
     """Ask Linux for the AMX tile state now, before this connector starts any thread.
 
@@ -291,6 +304,10 @@ class HicacheConnector(KVConnectorBase_V1):
         if not self._enabled:
             logger.warning("hicache connector: tensor / pipeline parallelism is not supported yet; "
                            "running without hicache")
+        elif role == KVConnectorRole.SCHEDULER and (reason := _unsupported_kv_cache(kv_cache_config)):
+            # (the worker says so too, and runs without hicache: see register_kv_caches)
+            logger.warning("hicache: cannot hold this KV cache (%s); running without hicache", reason)
+            self._enabled = False
         # ``_client`` is published (under ``_lock``) only once it is registered or
         # attached; until then a thread of this connector (``_connecting``) owns its
         # client and makes every further attempt, so that neither vLLM's scheduler loop
@@ -604,11 +621,9 @@ class HicacheConnector(KVConnectorBase_V1):
         config = self._vllm_config
         model = config.model_config
         kv_config = self._kv_cache_config_
-        if len(kv_config.kv_cache_groups) != 1:
-            # Sliding-window or recurrent layers beside full attention: each group's
-            # blocks are its own, and a page of one layer spec is not all of the KV.
-            raise InvalidArgument(f"{len(kv_config.kv_cache_groups)} KV cache groups (a hybrid model): "
-                                  "one group of full-attention layers only, for now")
+        reason = _unsupported_kv_cache(kv_config)
+        if reason is not None:
+            raise InvalidArgument(reason)
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._num_layers = len(names)

@@ -208,6 +208,14 @@ class CacheClient:
 
     ``clock`` times the reconnect attempts (tests inject one); call timeouts are real
     time.
+
+    Threads: the client's own background thread shares the session socket with the
+    caller's calls safely, but the caller's calls are one caller's — serialise them.
+    In particular a wait (``wait_layer``, ``wait_over``) must not run while another
+    thread makes a session call or ``revive``: either may register again, which
+    retires the ring the wait reads and may unmap an older one under it. (vLLM's
+    connector makes every call of its worker's client, and its reviving thread's,
+    under one lock.)
     """
 
     def __init__(

@@ -492,6 +492,20 @@ def _run(context, tmp_path, ledger, **kwargs) -> EventPublisher:
                           context=context, ledger=ledger, **kwargs)
 
 
+def _last_run(context, tmp_path, path, streams, ended=()) -> None:
+    """A run with a ledger at ``path`` that opens ``streams`` ((topic, rank)), each with
+    a block stored, ends those of ``ended`` (their clears go out) and is killed."""
+    run = _run(context, tmp_path, StreamLedger(path))
+    for topic, rank in streams:
+        run.stream(topic, data_parallel_rank=rank).stored([rank], None, [0] * 4, 4, MEDIUM_GPU)
+    for stream in run.streams:
+        if stream.topic in ended:
+            run.end(stream)
+    run.publish()
+    run.publish()
+    run.close()
+
+
 def _batches(stream: EventStream) -> list[tuple[int, list]]:
     """(seq, events) of every batch in the stream's ring."""
     return [(seq, decode(payload).events) for seq, payload in stream.replay(0)]
@@ -528,13 +542,7 @@ def test_the_streams_a_killed_run_left_open_are_cleared_for_a_while_then_forgott
     left_clear_s is over; then they end and the ledger forgets them. A pool that takes
     one of the topics up meanwhile gets it as its own stream, which never ends by time."""
     path = tmp_path / "ledger"
-    first = _run(context, tmp_path, StreamLedger(path))
-    for topic, rank in ((b"a", 1), (b"b", 2), (b"c", 3)):
-        first.stream(topic, data_parallel_rank=rank).stored([rank], None, [0] * 4, 4, MEDIUM_GPU)
-    first.end(first.streams[2])
-    first.publish()
-    first.publish()
-    first.close()
+    _last_run(context, tmp_path, path, [(b"a", 1), (b"b", 2), (b"c", 3)], ended=[b"c"])
     assert StreamLedger(path).left == {b"a": 1, b"b": 2}
 
     now = [0.0]
@@ -560,9 +568,7 @@ def test_the_streams_a_killed_run_left_open_are_cleared_for_a_while_then_forgott
 
 def test_a_left_topic_a_pool_takes_up_with_another_rank_is_a_new_stream(context, tmp_path):
     path = tmp_path / "ledger"
-    first = _run(context, tmp_path, StreamLedger(path))
-    first.stream(b"x11", data_parallel_rank=11)
-    first.close()
+    _last_run(context, tmp_path, path, [(b"x11", 11)])
     again = _run(context, tmp_path, StreamLedger(path))
     try:
         stream = again.stream(b"x11", data_parallel_rank=1)
@@ -576,10 +582,7 @@ def test_a_left_topic_a_pool_takes_up_with_another_rank_is_a_new_stream(context,
 
 def test_a_clean_close_leaves_no_stream_to_clear(context, tmp_path):
     path = tmp_path / "ledger"
-    first = _run(context, tmp_path, StreamLedger(path))
-    first.end(first.stream(b"a"))
-    first.publish()
-    first.close()
+    _last_run(context, tmp_path, path, [(b"a", 0)], ended=[b"a"])
     assert StreamLedger(path).left == {}
 
 

@@ -969,3 +969,44 @@ def test_the_scheduler_of_a_hybrid_model_never_tries_to_attach(tmp_path):
             scheduler.shutdown()
         fake.close()
     assert fake.errors == []
+
+
+def test_a_scheduler_whose_worker_runs_without_hicache_stops_trying_to_attach(tmp_path, monkeypatch):
+    """The worker cannot share its KV cache (here share_kv_caches refuses it; a layout
+    hicache cannot describe does the same) and runs without hicache: no pool is ever
+    registered. Its first step's output tells the scheduler, which stops its thread
+    trying to attach every second for the engine's whole life, and misses at once."""
+    from fake_daemon import FakeDaemon
+
+    import hicache.integrations.vllm as connector
+
+    def refuse(*args, **kwargs):
+        raise connector.InvalidArgument("a layout this test cannot share")
+
+    monkeypatch.setattr(connector, "share_kv_caches", refuse)
+    fake = FakeDaemon(tmp_path)
+    engine = None
+    try:
+        fake.script("attach", ErrorCode.INVALID_ARGUMENT)  # (what a daemon says: no such pool)
+        engine = Engine(fake.endpoint)
+        assert not engine.worker._enabled and engine.worker._client is None
+        thread = engine.scheduler._connecting
+        assert thread is not None and thread.is_alive()  # (refused at the start: trying again)
+        out = engine.execute(engine.scheduler.build_connector_meta(empty_output()))
+        assert isinstance(out.kv_connector_worker_meta, connector.HicacheWorkerMetadata)
+        assert out.kv_connector_worker_meta.off
+        engine.deliver(out)
+        thread.join(30)
+        assert not thread.is_alive() and engine.scheduler._client is None
+        attempts = fake.ops().count("attach")
+        # Said once: the next steps' outputs are empty again.
+        assert engine.execute(engine.scheduler.build_connector_meta(empty_output())).is_empty()
+        p = list(range(100, 100 + 3 * BS + 1))
+        engine.scheduler.on_new_request(request("r", p))
+        assert engine.scheduler.get_num_new_matched_tokens(request("r", p), 0) == (0, False)
+        assert fake.ops().count("attach") == attempts
+    finally:
+        if engine is not None:
+            engine.close()
+        fake.close()
+    assert fake.errors == []

@@ -151,13 +151,18 @@ class HicacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class HicacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """Back to the scheduler from a step that had loads: that step's outcome is in."""
+    """Back to the scheduler from a step that had loads: that step's outcome is in.
+    ``off``: a worker runs without hicache (it could not share its KV cache), said once:
+    the scheduler stops trying to attach to a pool nobody will register."""
 
     step: int
+    off: bool = False
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
-        # (a step is in once every worker has run it)
-        return self if not isinstance(other, HicacheWorkerMetadata) or self.step <= other.step else other
+        if not isinstance(other, HicacheWorkerMetadata):
+            return self
+        # (a step is in once every worker has run it; hicache is off if one worker is)
+        return HicacheWorkerMetadata(min(self.step, other.step), self.off or other.off)
 
 
 @dataclass
@@ -351,6 +356,7 @@ class HicacheConnector(KVConnectorBase_V1):
             self._failed: dict[int, int] = {}
             self._clock: Callable[[], int] = monotonic_ns  # times a step's layer waits (tests inject one)
             self._num_layers = 0
+            self._said_off = False  # (running without hicache: told the scheduler)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -555,8 +561,17 @@ class HicacheConnector(KVConnectorBase_V1):
         a step with loads sends its number (:class:`HicacheWorkerMetadata`)."""
         if not self._enabled:
             return
-        self._stale.update(connector_output.invalid_block_ids or ())
         done = connector_output.kv_connector_worker_meta
+        if isinstance(done, HicacheWorkerMetadata) and done.off:
+            logger.warning("hicache: the workers run without hicache; the scheduler stops trying to attach")
+            self._enabled = False
+            self._stop.set()  # (the connecting thread ends: it closes a client it never published)
+            with self._lock:
+                client, self._client = self._client, None
+            if client is not None:
+                client.close()
+            return
+        self._stale.update(connector_output.invalid_block_ids or ())
         if isinstance(done, HicacheWorkerMetadata) and done.step > self._confirmed:
             self._confirmed = done.step
             self._unconfirmed = {b: step for b, step in self._unconfirmed.items() if step > done.step}
@@ -802,6 +817,9 @@ class HicacheConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
+        if not self._enabled:
+            said, self._said_off = self._said_off, True
+            return None if said else HicacheWorkerMetadata(meta.step, off=True)
         return HicacheWorkerMetadata(meta.step) if meta.loads else None
 
     def shutdown(self) -> None:

@@ -106,8 +106,9 @@ class StorageBackend(Protocol):
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer;
-        ``False`` where a record is missing or fails a check (the buffer may then hold
-        anything). Counts as an access for LRU."""
+        ``False`` where a record is missing, fails a check or is not its buffer's size
+        (the buffer may then hold anything) — each record judged on its own. Counts as
+        an access for LRU."""
 
     def delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Queue the deletion of ``keys``; the future gives how many existed."""

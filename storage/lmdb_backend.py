@@ -81,8 +81,9 @@ Integrity: every get checks the metadata's version and length, reads the payload
 checks its checksum before reporting it found. A record that fails is reported missing,
 counted in ``corrupt_records`` and queued for deletion: the writer checks it again in
 its own transaction (the key may have been rewritten since) and deletes it, so it stops
-taking capacity. An intact record of another spec fingerprint is reported missing and
-counted as well, but kept: deleting it would punish a caller bug. A read that fails
+taking capacity. An intact record of another spec fingerprint, or of another size than
+the buffer given for it, is reported missing and counted as well, but kept: deleting it
+would punish a caller bug (the other records of the get are judged on their own). A read that fails
 (EIO, ENOMEM) says nothing about the record: the get raises
 :class:`~hicache.errors.StorageUnavailable` (the caller's read fails as a whole, and the
 records stay), and the writer's second check keeps a record it cannot read.
@@ -936,12 +937,14 @@ class LmdbBackend:
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes) -> list[bool]:
         """Copy each present, intact record of spec ``fingerprint`` into its buffer (a
-        contiguous CPU tensor, numpy array, bytearray or writable memoryview of exactly
-        the payload size; :class:`InvalidArgument` otherwise). ``False`` where a record
-        is missing or fails a check (its buffer may then hold anything); a failed check
-        is counted, and a corrupt record is deleted by the writer. A hit counts as an
-        access for LRU. Adjacent slots are read with one ``preadv``. Raises
-        :class:`StorageUnavailable` if a read fails (an I/O error: no record is judged)."""
+        contiguous CPU tensor, numpy array, bytearray or writable memoryview;
+        :class:`InvalidArgument` otherwise). ``False`` where a record is missing, fails a
+        check, or is not its buffer's size (its buffer may then hold anything): each
+        record is judged on its own, so one that does not fit fails no other. A failed
+        check is counted, and a corrupt record is deleted by the writer (one of another
+        size is intact: kept). A hit counts as an access for LRU. Adjacent slots are read
+        with one ``preadv``. Raises :class:`StorageUnavailable` if a read fails (an I/O
+        error: no record is judged)."""
         self._check_usable()
         fingerprint = _require_fingerprint(fingerprint)
         if len(keys) != len(buffers):
@@ -966,7 +969,7 @@ class LmdbBackend:
                                 and len(value) == META_BYTES + num_token_bytes):
                             reads.append((slot_bytes_for(length), slot, i, checksum))
                             continue
-                    outcome = self._get_other(txn, key, bytes(value), target, fingerprint, i)
+                    outcome = self._get_other(txn, key, bytes(value), target, fingerprint)
                     if outcome == "corrupt":
                         corrupt.append(key)
                     elif outcome == "mismatch":
@@ -988,36 +991,30 @@ class LmdbBackend:
                     self._queue_cond.notify()
         return found
 
-    def _get_other(self, txn, key: bytes, meta: bytes, target: np.ndarray, fingerprint: bytes, i: int) -> str:
+    def _get_other(self, txn, key: bytes, meta: bytes, target: np.ndarray, fingerprint: bytes) -> str:
         """A get of what the fast path does not take: a legacy record, unreadable
         metadata, another spec's record, or a buffer of the wrong size. ``"found"`` (then
-        copied), ``"corrupt"`` or ``"mismatch"`` (another spec's, intact).
-        Raises :class:`InvalidArgument` for an intact record of this spec that the
-        buffer does not fit."""
+        copied), ``"corrupt"`` or ``"mismatch"`` (intact, but another spec's or not the
+        buffer's size)."""
         fields = _meta_fields(meta)
         if fields is None:
             return "corrupt"
-        version, length, stored_fingerprint = fields[0], fields[1], fields[5]
-        if version == LEGACY_META_VERSION:
-            return self._get_legacy(txn, key, target, fingerprint, i)
+        if fields[0] == LEGACY_META_VERSION:
+            return self._get_legacy(txn, key, target, fingerprint)
         if not self._check_stored(key, meta):
             return "corrupt"
-        if stored_fingerprint != fingerprint:
-            return "mismatch"
-        raise InvalidArgument(f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}")
+        return "mismatch"  # (the fast path takes the rest: this is another spec's, or not the buffer's size)
 
-    def _get_legacy(self, txn, key: bytes, target: np.ndarray, fingerprint: bytes, i: int) -> str:
+    def _get_legacy(self, txn, key: bytes, target: np.ndarray, fingerprint: bytes) -> str:
         """Copy a legacy record out of the "payload" table: ``"found"``, ``"corrupt"`` or
-        ``"mismatch"`` (another spec's)."""
+        ``"mismatch"`` (another spec's, or not the buffer's size)."""
         value = txn.get(key, db=self._payload_db)
         parsed = None if value is None else _parse_legacy_payload(value)
         if parsed is None:
             return "corrupt"
         stored_fingerprint, length = parsed
-        if stored_fingerprint != fingerprint:
+        if stored_fingerprint != fingerprint or length != target.nbytes:
             return "mismatch"
-        if length != target.nbytes:
-            raise InvalidArgument(f"buffer {i} holds {target.nbytes} bytes, the record of key {key.hex()} {length}")
         # The view dies with the transaction: copy out before it ends.
         np.copyto(target, np.frombuffer(value, dtype=np.uint8, count=length, offset=HEADER_BYTES))
         return "found"

@@ -228,13 +228,13 @@ class Checkpoints:
                 self._to_device(cp, pool, slot, future)
                 return
             self.alloc.free(np.array([host], dtype=np.int32))
-            if error is not None and not isinstance(error, InvalidArgument):
+            if error is not None:
                 # The call failed as a whole (an I/O error, LMDB out of reader slots, the
                 # store unavailable): nothing is known of the record, which stays.
                 logger.error("checkpoint record %s not read (kept on disk): %s", key.hex(), error)
-            elif error is not None or not found:
+            elif not found:
                 # Missing, corrupt (the store deletes it), or an intact record of
-                # another size, refused at every try.
+                # another size, read as missing at every try.
                 logger.warning("checkpoint record %s unreadable: dropped", key.hex())
                 self._lose_disk(cp)
             if cp.host >= 0 and not cp.dead:  # (another read brought it meanwhile)

@@ -1,6 +1,7 @@
 """Disk -> host: reading nodes' records into host pages on the I/O threads. A record
-that is missing or fails its checksum cuts the node there: the pages before it stay, the
-rest is forgotten on disk (and deleted). A read whose call fails as a whole (an I/O
+that is missing, fails its checksum or is not its page's size (the store judges each
+record of a read on its own) cuts the node there: the pages before it stay, the rest is
+forgotten on disk (and deleted). A read whose call fails as a whole (an I/O
 error, LMDB out of reader slots, the store unavailable, no memory) says nothing about
 the records: the pages are a miss this time and stay on disk for the next read."""
 
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.errors import InvalidArgument
 from hicache.storage.base import StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
@@ -95,25 +95,19 @@ class DiskReader:
         if found is not None:
             core.report(transfer, sum(found))
         tree.unpin(transfer.hold)
-        if error is not None and not isinstance(error, InvalidArgument):
+        if error is not None:
             logger.error("disk read of %d pages failed (their records stay on disk): %s", transfer.num_pages, error)
             core.metrics.missed("load_failed", transfer.num_pages * core.spec.page_size)
             for entry in transfer.entries:
                 core.host_alloc.free(entry.dst)
             transfer.finished()
             return
-        if error is not None:
-            # The store refused buffers that do not fit its records: an intact record of
-            # another size than its page (the tree and the store disagree). Every read
-            # of it would be refused again: bad records, as if they failed a check.
-            logger.error("disk read refused: %s", error)
-        found = found if found is not None else []
         failed = False
         offset = 0
         for entry in transfer.entries:
             node = entry.node
             n = len(entry.dst)
-            ok = np.asarray(found[offset : offset + n], dtype=bool) if error is None else np.zeros(n, bool)
+            ok = np.asarray(found[offset : offset + n], dtype=bool)
             offset += n
             usable = (not failed and tree.is_live(node) and node.host_pages is None
                       and (node.parent.is_root or node.parent.host_pages is not None))

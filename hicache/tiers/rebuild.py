@@ -55,8 +55,8 @@ def _rebuild_steps(tree: HiRadixTree, storage: StorageBackend, spec: KVSpec,
     (walking up from every leaf instead was O(leaves x depth): 23 s for 450,000 pages
     under 1,000-page shared prompts). Each record's key is checked against its tokens
     once (a record whose key is not its tokens' is unreached, and so is everything
-    below it; so is a record of another size than a page, which the store would refuse
-    at every read, and with it every other record of the read), and the restores take
+    below it; so is a record of another size than a page, which every read would find
+    missing), and the restores take
     the checked keys: a restore under a shared prefix then compares the prefix by key
     instead of hashing its pages again (the tree keeps no tokens on disk-only nodes).
 

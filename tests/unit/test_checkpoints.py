@@ -328,7 +328,7 @@ def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engin
 
 def test_a_checkpoint_record_of_another_size_is_dropped_not_read_again_and_again(engine, store):
     """An intact record under a checkpoint's key whose payload is not a state slot's
-    size (the store refuses the read with InvalidArgument, the same at every try): the
+    size (the store reads it as missing, the same at every try): the
     checkpoint's disk copy goes, and its node is no hit end."""
     from hicache.storage.base import PageMeta, PageRecord
 

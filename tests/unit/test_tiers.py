@@ -1777,3 +1777,39 @@ def test_a_prefetch_keeps_the_disk_records_it_reads_while_it_makes_host_room(eng
     finally:
         tm.close()
         storage.close()
+
+
+def test_a_disk_write_that_other_writes_in_flight_hold_the_room_for_waits_for_them(engine, tmp_path, monkeypatch):
+    """The disk tier holds six pages; a four-page prompt's write is in flight when the
+    next prompt's four pages are to be written. There is no room now (the write in
+    flight holds it, and nothing committed can be evicted yet), but there will be once
+    it commits: the write is deferred, counted, and started then — it makes its room by
+    evicting the first prompt, and the pages reach the disk with no other write of
+    them (a crash afterwards keeps them)."""
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=6 * SPEC.host_page_bytes)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, storage=store, metrics=metrics, disk_write_backlog=64)  # (the queue has room)
+    workers = tm.workers
+    try:
+        first, second = tokens(100, 4), tokens(500, 4)
+        for toks in (first, second):
+            prefill(tm, engine, toks)
+            workers.run("copy")  # the write-through backup; its disk write starts as it lands
+            tm.poll()
+        assert len(workers.queues["write"]) == 1 and tm.disk.pending == 4
+        assert tm.disk.deferred_writes() == 4
+        assert metrics.registry.get_sample_value("hicache_disk_writes_deferred_total") == 1
+        while workers.queues["write"]:
+            workers.run("write")
+            tm.poll()
+        tm.check_invariants()
+        assert tm.tree.match(NS, second, 0, touch=False).node.on_disk
+        assert sorted(k for k, _ in store.iter_metadata()) == sorted(page_keys(NS, second, PS))
+        assert_on_disk(store, [second])
+    finally:
+        tm.close()
+        store.close()

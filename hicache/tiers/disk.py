@@ -223,9 +223,12 @@ class LocalDisk:
         return self._used() + self.core.remote.held_pages + num_pages <= self.capacity_pages
 
     def room_coming(self, num_pages: int) -> bool:
-        """After :meth:`room` found none: will ``num_pages`` fit once the write-backs
-        holding disk records end (each end retries the writes that wait)?"""
-        return self.core.remote.held_pages > 0 and self._used() + num_pages <= self.capacity_pages
+        """After :meth:`room` found none: may ``num_pages`` fit once the writes in flight
+        commit (their records can then be evicted to make room), or will they once the
+        write-backs holding disk records end? Each end retries the writes that wait; one
+        that finds no room then, with nothing left in flight, is given up."""
+        return self.pending > 0 or (self.core.remote.held_pages > 0
+                                    and self._used() + num_pages <= self.capacity_pages)
 
     def _used(self) -> int:
         """Pages of the tree's records and of those being written."""

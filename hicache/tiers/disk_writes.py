@@ -6,9 +6,10 @@ The writer's queue is bounded: at most ``limit`` pages written and not yet commi
 when the disk is slower than the traffic). A write beyond the bound is *deferred*, not
 dropped: counted (``hicache_disk_writes_deferred_total``), kept in order and started as
 earlier writes commit; host eviction writes such a page before it lets its host copy go.
-A write whose room the remote tier's write-backs hold (records on their way to its
-store: :meth:`hicache.tiers.disk.LocalDisk.room`) is deferred the same way, and started
-as those end.
+A write whose room other writes in flight or the remote tier's write-backs hold
+(records on their way to its store: :meth:`hicache.tiers.disk.LocalDisk.room`) is
+deferred the same way, and started as those end: a write-through's pages reach the disk
+without waiting for another write of them (or for their host copy to go).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class DiskWriter:
             return False
         if not self.disk.room(total):
             tree.unpin(hold)
-            if self.disk.room_coming(total):  # (the remote tier's write-backs hold it)
+            if self.disk.room_coming(total):  # (writes in flight or the remote tier's write-backs hold it)
                 self._defer(node, then_drop_host)
             else:
                 self.deferred.pop(node.node_id, None)

@@ -755,3 +755,32 @@ def test_a_write_through_deferred_behind_a_put_that_fails_is_put_or_skipped(retr
     finally:
         raw.release()
         a.close()
+
+
+def test_a_deferred_write_through_whose_pages_left_host_is_counted_skipped():
+    """A write waits for room in the queue behind a put the store is slow to take; its
+    pages leave the host meanwhile (host eviction: nothing to put them from). When the
+    put ends, they are counted skipped — every deferred page ends put or skipped."""
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    a = StandInNode(raw, write_backlog=2)
+    try:
+        raw.hold("batch_put_from_multi_buffers")
+        a.prefill(list(range(100, 100 + 2 * PS)))
+        _until(a, raw.entered.is_set)
+        a.prefill(list(range(5000, 5000 + 2 * PS)))  # (over the backlog: deferred)
+        counts = a.tm.remote.counts
+        _until(a, lambda: counts["put_deferred"] == 2)
+        a.tm.evict(Tier.DEVICE, 32, 0)
+        assert a.tm.evict(Tier.HOST, 2) == 2  # (the deferred pages: the others are being put)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert (counts["pages_put"], counts["put_deferred"], counts["put_skipped"]) == (2, 2, 2)
+        assert a.metrics.registry.get_sample_value("hicache_remote_pages_total",
+                                                   {"op": "put", "result": "skipped"}) == 2
+        assert len(raw.objects) == 2
+    finally:
+        raw.release()
+        a.close()

@@ -9,8 +9,9 @@ and evicts on its own, so what this node could record would go stale. Instead:
   from the host pages themselves, pinned until the put is done. At most ``write_backlog``
   pages are in flight; a write beyond that waits (deferred, counted, started as puts
   finish — up to :data:`MAX_DEFERRED` writes); one while the tier is down is skipped and
-  counted (so are those waiting once a put fails and marks it down) — the page stays
-  cached locally, only the fleet does not get it.
+  counted (so are those waiting once a put fails and marks it down, and the pages of a
+  waiting write that left host before it could start) — the page stays cached locally,
+  or went as any evicted page, only the fleet does not get it.
   ``policy = "write_back"``: pages go to the remote tier as the local disk tier evicts
   them instead — their records read back into staging pages, put, then deleted from the
   disk (:meth:`RemoteTier.write_back`). An eviction of more pages than the staging pages
@@ -479,7 +480,8 @@ class RemoteTier:
     def _retry_deferred(self) -> None:
         """Start the deferred writes the queue has room for (after a put finished); while
         the tier is down, skip them all (counted), as any write then — no put may end to
-        retry them."""
+        retry them. Pages that left host meanwhile (nothing to put them from) are
+        skipped and counted too."""
         tree = self.core.tree
         while self._deferred:
             if not self._usable():
@@ -490,16 +492,19 @@ class RemoteTier:
             node = tree.find(node_id)
             nodes: list[Node] = []
             if node is not None:
+                left = pages
                 for n in reversed(tree.path(node)):
-                    if pages <= 0:
+                    if left <= 0:
                         break
                     nodes.insert(0, n)
-                    pages -= n.num_pages
+                    left -= n.num_pages
             total = sum(n.num_pages for n in nodes if n.host_pages is not None and n.tokens)
             if self.pending and self.pending + total > self.settings.write_backlog:
                 return
             self._deferred.popleft()
-            self.write(nodes)  # (what left host meanwhile is left out; the rest goes now)
+            if pages > total:  # (left host meanwhile)
+                self._skip_write(pages - total)
+            self.write(nodes)  # (the rest goes now)
 
     def _skip_write(self, pages: int) -> None:
         """Pages not put: the tier down, its queue full, or no room in the store."""

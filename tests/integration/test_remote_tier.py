@@ -784,3 +784,63 @@ def test_a_deferred_write_through_whose_pages_left_host_is_counted_skipped():
     finally:
         raw.release()
         a.close()
+
+
+@pytest.mark.parametrize("put_first", [True, False])
+def test_records_a_failed_disk_write_kept_from_a_write_back_are_deleted(tmp_path, put_first):
+    """The disk tier evicts pages that stay on host, and host eviction writes them to
+    disk again while their write-back holds the old records (which it then leaves).
+    That disk write fails: the tree has no record of the pages, so the old records go
+    too — whether the write-back is done before the failure or after — instead of
+    staying in the store, out of the tree, until a restart rebuilds them."""
+    import threading
+
+    from hicache.errors import StorageUnavailable
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import InProcessMooncake
+
+    class Refusing:
+        """Fails a put once ``fail`` is set (while ``refuse`` is)."""
+
+        def __init__(self, inner):
+            self.inner, self.refuse, self.fail = inner, False, threading.Event()
+
+        def put_batch(self, batch, *, fingerprint):
+            if self.refuse:
+                assert self.fail.wait(60)
+                raise StorageUnavailable("the disk is gone")
+            return self.inner.put_batch(batch, fingerprint=fingerprint)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    raw = InProcessMooncake()
+    lmdb_store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=256 * SPEC.host_page_bytes)
+    disk = Refusing(lmdb_store)
+    a = StandInNode(raw, disk=disk, policy="write_back")
+    try:
+        tokens = list(range(100, 100 + 4 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, 4) == 4
+        assert raw.entered.wait(60)  # (the write-back has read the records: its put hangs)
+        disk.refuse = True
+        a.tm.evict(Tier.HOST, 4)  # written to disk first: the write will fail
+        assert a.tm.disk.pending == 4
+        if put_first:
+            raw.release()
+            _until(a, lambda: a.tm.remote.counts["pages_put"] == 4)
+        disk.fail.set()
+        _until(a, lambda: not a.tm.disk.pending)
+        raw.release()
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert a.tm.remote.counts["pages_put"] == 4
+        assert a.tm.tree.sizes(Tier.DISK).cached == 0
+        lmdb_store.flush()
+        assert len(list(lmdb_store.iter_metadata())) == 0, "records of pages no tier knows stay on disk"
+    finally:
+        raw.release()
+        disk.fail.set()
+        a.close()

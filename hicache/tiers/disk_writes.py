@@ -109,8 +109,8 @@ class DiskWriter:
                 return storage.put_batches(split_batch(path_batch(parts, host_pool), mask, kept),
                                            fingerprint=fingerprint)
 
-        core.remote.keep_on_disk(path)
-        core.workers.write(submit, lambda result, error: self._done(transfer, result, error))
+        reclaimed = core.remote.keep_on_disk(path)
+        core.workers.write(submit, lambda result, error: self._done(transfer, result, error, reclaimed))
         return True
 
     def _defer(self, node: Node, then_drop_host: bool) -> None:
@@ -121,7 +121,9 @@ class DiskWriter:
         elif then_drop_host:
             self.deferred[node.node_id] = True
 
-    def _done(self, transfer: Transfer, result, error: BaseException | None) -> None:
+    def _done(self, transfer: Transfer, result, error: BaseException | None, reclaimed: set[bytes]) -> None:
+        """``reclaimed``: keys of old records a remote write-back left to this write
+        (:meth:`~hicache.tiers.remote.RemoteTier.keep_on_disk`)."""
         core = self.core
         tree = core.tree
         core.inflight.remove(transfer)
@@ -132,6 +134,8 @@ class DiskWriter:
         tree.unpin(transfer.hold)
         if error is not None:
             logger.error("disk write failed: %s", error)
+            if reclaimed:  # (the old records, which this write did not replace)
+                self._drop_reclaimed(reclaimed)
         unknown = []  # records written that the tree cannot take: deleted, never orphaned
         for entry in transfer.entries:
             node = entry.node
@@ -154,6 +158,15 @@ class DiskWriter:
                 core.drop_host_if_evictable(entry.node)
         if self.deferred:
             self.retry()
+
+    def _drop_reclaimed(self, reclaimed: set[bytes]) -> None:
+        """A failed write's old records that a write-back left to it: back to the
+        write-backs that still hold them; those of write-backs done meanwhile are
+        deleted now (but any the tree has on disk again). O(nodes + pages): rare."""
+        orphans = self.core.remote.keep_failed(reclaimed)
+        if orphans:
+            on_disk = self.core.tree.disk_nodes(orphans)
+            self.storage.delete([k for k in orphans if k not in on_disk])
 
     def retry(self) -> int:
         """Start the deferred writes the queue has room for now, oldest first; returns

@@ -145,7 +145,8 @@ class _WriteBack:
     """Pages the disk tier evicted, on their way to the store (``policy = "write_back"``):
     their keys, and each one's namespace and parent key (concatenated, in the same
     order). ``doomed``: the records to delete once they are put — those the disk tier
-    writes again meanwhile are taken out (:meth:`RemoteTier.keep_on_disk`)."""
+    writes again meanwhile are taken out (:meth:`RemoteTier.keep_on_disk`), and put
+    back if that write fails (:meth:`RemoteTier.keep_failed`)."""
 
     storage: Any
     keys: list[bytes]
@@ -217,8 +218,11 @@ class NoRemote:
     def write_back(self, leaving, storage, max_held: int) -> bool:
         return False
 
-    def keep_on_disk(self, nodes: list[Node]) -> None:
-        pass
+    def keep_on_disk(self, nodes: list[Node]) -> set[bytes]:
+        return set()
+
+    def keep_failed(self, keys: set[bytes]) -> set[bytes]:
+        return keys
 
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
@@ -447,16 +451,31 @@ class RemoteTier:
         self.pending += total
         return True
 
-    def keep_on_disk(self, nodes: list[Node]) -> None:
+    def keep_on_disk(self, nodes: list[Node]) -> set[bytes]:
         """The disk tier writes ``nodes`` again (pages it evicted stayed on host): a
         write-back in flight or waiting with the same pages must not delete their new
-        records (same keys) when it is done. O(pages of ``nodes``) while a write-back is
-        in flight."""
+        records (same keys) when it is done. Returns the keys taken from write-backs
+        (for :meth:`keep_failed`). O(pages of ``nodes``) while a write-back is in
+        flight."""
         if not self._writing:
-            return
+            return set()
         keys = {k for n in nodes for k in n.page_key_list()}
+        taken: set[bytes] = set()
         for part in (*self._writing, *self._waiting):
+            taken |= part.doomed & keys
             part.doomed -= keys
+        return taken
+
+    def keep_failed(self, keys: set[bytes]) -> set[bytes]:
+        """The disk write that :meth:`keep_on_disk` took ``keys`` for failed: their old
+        records are the write-backs' again, to delete once put. Returns the keys of
+        write-backs done meanwhile — their records the caller deletes now, else they
+        would stay on disk, in no tier, until a restart. O(pages held)."""
+        for part in (*self._writing, *self._waiting):
+            held = keys.intersection(part.keys)
+            part.doomed |= held
+            keys = keys - held
+        return keys
 
     def _staging_area(self) -> np.ndarray:
         """The write-back's staging pages (allocated and registered with the store once)."""

@@ -12,7 +12,7 @@ from hicache.keys import namespace_id, page_keys
 from hicache.spec import KVSpec, MHALayer
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
-from hicache.tree import DISK_SLOT, HOST_SLOT, Tier, swa_first
+from hicache.tree import DISK_SLOT, HOST_SLOT, Place, Tier, swa_first
 from tiers_util import Engine, ManualWorkers, expected_page
 
 WINDOW = 9  # tokens: the token after n pages reads back to page n - 2 (page size 4)
@@ -222,6 +222,32 @@ def test_a_restart_cuts_a_run_of_swa_pages_longer_than_the_window(engine, tmp_pa
     assert tm.match(NS, parent + tokens(900, 1), 0).match.num_pages == 5
     tm.close()
     store.close()
+
+
+def test_a_restart_into_a_smaller_disk_tier_evicts_down_to_its_page_capacity(engine, tmp_path):
+    """Records outside a window are shorter, so a store whose capacity shrank across a
+    restart can keep more of them than the tier's pages (its bytes over a whole page's)
+    allow. The rebuild evicts the least recently used down to that capacity, as a write
+    would have: the account never says more disk pages than the tier has, and the store
+    keeps exactly the records the tree restored."""
+    path = tmp_path / "lmdb"
+    store = LmdbBackend(path, capacity_bytes=256 * SPEC.host_page_bytes)
+    tm = make_tm(engine, storage=store)
+    prefill(tm, engine, tokens(400, 10))
+    tm.close()
+    store.close()
+    store = LmdbBackend(path, capacity_bytes=(10 - W) * SPEC.kept_page_bytes + W * SPEC.host_page_bytes)
+    try:
+        tm = make_tm(engine, storage=store)
+        assert store.stats().records == 10 > tm.disk.capacity_pages
+        tm.rebuild_from_storage()
+        disk = tm.accounting()[Place(Tier.DISK)]
+        assert tm.tree.sizes(Tier.DISK).cached <= tm.disk.capacity_pages and disk.free >= 0
+        assert store.stats().records == tm.tree.sizes(Tier.DISK).cached
+        tm.check_invariants()
+        tm.close()
+    finally:
+        store.close()
 
 
 def test_a_branch_found_while_on_device_keeps_its_window_on_host_and_disk(engine, tmp_path):

@@ -28,7 +28,7 @@ def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, Ti
                                         core.host_staging)
     sizes = tree.sizes(Tier.DISK)
     pending = disk.pending + core.remote.held_pages  # (records on their way to the remote tier's store)
-    free = max(0, disk.capacity_pages - sizes.cached - pending)
+    free = disk.capacity_pages - sizes.cached - pending  # (below 0: check_invariants says so)
     out[Place(Tier.DISK)] = TierAccount(free, 0, sizes.evictable, sizes.protected, pending)
     return out
 

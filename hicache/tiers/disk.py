@@ -326,7 +326,17 @@ class LocalDisk:
         self.storage.flush(timeout_s)
 
     def rebuild_steps(self, every: int = REBUILD_PROGRESS_EVERY, checkpoints: list | None = None) -> Iterator[int]:
-        return rebuild_steps(self.core.tree, self.storage, self.core.spec, every, checkpoints)
+        """The rebuild, then the least recently used of what it restored evicted down to
+        the tier's pages: records outside a window are shorter than a page, so a store
+        whose capacity shrank across the restart may keep more of them than a write would
+        have left (writes make room by pages)."""
+        pages = yield from rebuild_steps(self.core.tree, self.storage, self.core.spec, every, checkpoints)
+        excess = self.core.tree.sizes(Tier.DISK).cached - self.capacity_pages
+        if excess > 0:
+            evicted = self.evict(excess)
+            logger.info("rebuild: %d disk pages over the tier's %d evicted", evicted, self.capacity_pages)
+            pages -= evicted
+        return pages
 
 
 def _on_host(node: Node) -> bool:

@@ -243,6 +243,7 @@ def test_a_restart_into_a_smaller_disk_tier_evicts_down_to_its_page_capacity(eng
         tm.rebuild_from_storage()
         disk = tm.accounting()[Place(Tier.DISK)]
         assert tm.tree.sizes(Tier.DISK).cached <= tm.disk.capacity_pages and disk.free >= 0
+        tm.flush()
         assert store.stats().records == tm.tree.sizes(Tier.DISK).cached
         tm.check_invariants()
         tm.close()

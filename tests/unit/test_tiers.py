@@ -1813,3 +1813,42 @@ def test_a_disk_write_that_other_writes_in_flight_hold_the_room_for_waits_for_th
     finally:
         tm.close()
         store.close()
+
+
+def test_a_write_back_whose_copy_fails_counts_the_device_pages_it_drops(engine, monkeypatch):
+    """Under write_back a device eviction backs a page up first and drops its device
+    copy once the backup lands. When the copy fails the device copy still goes (a
+    broken copy engine must not hold the pool's pages for good), and with it the only
+    copy: those pages are counted as evicted from the device and dropped from the cache,
+    and a match that misses them says evicted_device. A write-back that lands counts
+    its device copies as evicted, not dropped."""
+    from hicache.metrics import Metrics
+
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, metrics=metrics, write_policy="write_back")
+    workers = tm.workers
+
+    def counted(name):
+        return {tier: metrics.registry.get_sample_value(name, {"tier": tier}) for tier in ("device", "host")}
+
+    first, second = tokens(100, 8), tokens(300, 8)
+    prefill(tm, engine, first)
+    assert tm.alloc(0, 9) is None  # the write-back of first starts
+    workers.run("copy", fail=True, movers=tm.pools.get(0).movers)
+    tm.poll()
+    tm.check_invariants()
+    assert tm.tree.match(NS, first, 0, touch=False).num_pages == 0
+    assert counted("hicache_evicted_pages_total") == {"device": 8, "host": 0}
+    assert counted("hicache_pages_dropped_total") == {"device": 8, "host": 0}
+    assert tm.miss_reason(page_keys(NS, first, PS)[0]) == "evicted_device"
+
+    prefill(tm, engine, second)
+    assert tm.alloc(0, 9) is None  # the write-back of second starts, and lands
+    workers.run("copy")
+    tm.poll()
+    tm.check_invariants()
+    assert tm.tree.match(NS, second, 0, touch=False).num_host_pages == 8
+    assert counted("hicache_evicted_pages_total") == {"device": 16, "host": 0}
+    assert counted("hicache_pages_dropped_total") == {"device": 8, "host": 0}
+    tm.close()

@@ -156,10 +156,14 @@ class Backups:
             self.disk.write(added[-1])
         if added:
             core.remote.write(added)
+        # A write-back's device copy goes even when its copy failed (a broken copy
+        # engine must not hold the pool's pages for good): then it was the only one,
+        # and the eviction counts the pages dropped from the cache.
         for entry in transfer.entries:
             node = entry.node
             if (node.node_id in transfer.then_drop and tree.is_live(node)
                     and tree.is_evictable(node, Tier.DEVICE, pool.pool_id)):
+                core.misses.evicted(node, Tier.DEVICE)
                 pool.allocator.free(tree.drop(node, Tier.DEVICE, pool.pool_id))
 
 

@@ -1852,3 +1852,44 @@ def test_a_write_back_whose_copy_fails_counts_the_device_pages_it_drops(engine, 
     assert counted("hicache_evicted_pages_total") == {"device": 16, "host": 0}
     assert counted("hicache_pages_dropped_total") == {"device": 8, "host": 0}
     tm.close()
+
+
+def test_a_disk_write_before_a_host_drop_that_fails_counts_the_host_pages_it_drops(engine, store, monkeypatch):
+    """Under the write_back disk policy a host eviction writes a page that is nowhere
+    else to disk first and drops its host copy once the write is done. When the write
+    fails the host copy still goes (a broken disk must not pin the host tier), and with
+    it the only copy: those pages are counted as evicted from host and dropped from the
+    cache, and a match that misses them says evicted_host. A write that lands counts
+    its host copies as evicted, not dropped."""
+    from hicache.metrics import Metrics
+
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, storage=store, metrics=metrics, disk_policy="write_back")
+    workers = tm.workers
+
+    def counted(name):
+        return {tier: metrics.registry.get_sample_value(name, {"tier": tier}) for tier in ("host", "disk")}
+
+    def written_back(toks, *, fail):
+        prefill(tm, engine, toks)
+        workers.run("copy")  # the backup to host
+        tm.poll()
+        tm.evict(Tier.DEVICE, 16, 0)  # host is now the only copy
+        tm.evict(Tier.HOST, 12)  # written to disk first
+        workers.run("write", fail=fail)
+        tm.poll()
+        tm.check_invariants()
+
+    first, second = tokens(100, 3), tokens(300, 3)
+    written_back(first, fail=True)
+    assert tm.tree.match(NS, first, 0, touch=False).num_pages == 0
+    assert counted("hicache_evicted_pages_total") == {"host": 3, "disk": 0}
+    assert counted("hicache_pages_dropped_total") == {"host": 3, "disk": 0}
+    assert tm.miss_reason(page_keys(NS, first, PS)[0]) == "evicted_host"
+
+    written_back(second, fail=False)
+    assert tm.tree.match(NS, second, 0, touch=False).num_disk_pages == 3
+    assert counted("hicache_evicted_pages_total") == {"host": 6, "disk": 0}
+    assert counted("hicache_pages_dropped_total") == {"host": 3, "disk": 0}
+    tm.close()

@@ -95,6 +95,9 @@ class Core:
         return sum(n.num_pages for n in nodes if reads.pop(n.node_id, 0) is None)
 
     def drop_host_if_evictable(self, node: Node) -> None:
-        """Drop ``node``'s host copy if it may go now (a write-back that finished)."""
+        """Drop ``node``'s host copy if it may go now (a write-back that finished — or
+        failed: a broken disk must not pin the host tier, and the pages then leave the
+        cache, counted as such)."""
         if self.tree.is_live(node) and self.tree.is_evictable(node, Tier.HOST):
+            self.misses.evicted(node, Tier.HOST)
             self.host_alloc.free(self.tree.drop(node, Tier.HOST))

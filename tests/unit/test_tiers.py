@@ -1893,3 +1893,56 @@ def test_a_disk_write_before_a_host_drop_that_fails_counts_the_host_pages_it_dro
     assert counted("hicache_evicted_pages_total") == {"host": 6, "disk": 0}
     assert counted("hicache_pages_dropped_total") == {"host": 3, "disk": 0}
     tm.close()
+
+
+def test_pages_whose_records_a_shared_store_evicts_for_another_spec_are_counted_evicted_from_disk(engine, tmp_path):
+    """One LMDB store serves every KV spec, and each spec's disk tier counts only its
+    own records: a write of one spec can have the store evict another's records on its
+    own. Those pages leave that spec's disk tier, and the cache with it when they were
+    on disk only: counted as evicted from disk and dropped from the cache, as the disk
+    tier's own evictions are, and a match that misses them says evicted_disk."""
+    import dataclasses
+
+    from hicache.metrics import Metrics
+    from hicache.storage.lmdb_backend import LmdbBackend
+
+    other_spec = dataclasses.replace(SPEC, model="tiers-test-other")
+    other_ns = namespace_id(other_spec.fingerprint, "tiers")
+    store = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * SPEC.host_page_bytes)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, host_pages=8, storage=store, metrics=metrics)
+    other_engine = Engine(num_pages=16, spec=other_spec)
+    other = TierManager(other_spec, host_pages=8, storage=store, metrics=metrics)
+    other.add_namespace(other_ns)
+    other.register_pool(0, [other_engine.pool])
+    for manager in (tm, other):  # (as the daemon's Specs does)
+        manager.on_store_evicted = lambda keys: (tm.forget_disk_keys(keys), other.forget_disk_keys(keys))
+
+    def counted(name):
+        return metrics.registry.get_sample_value(name, {"tier": "disk"})
+
+    try:
+        a = tokens(100, 4)
+        prefill(tm, engine, a)
+        settle(tm)
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, 8)  # a is on disk only, the whole store
+        settle(tm)
+        assert tm.tree.match(NS, a, 0, touch=False).num_disk_pages == 4
+
+        b = tokens(900, 2)
+        pages = other.alloc(0, 2)
+        other_engine.compute(other_ns, b, pages)
+        other.insert(other_ns, b, 0, pages)
+        settle(other)  # its write has the store evict a's records
+        settle(tm)
+        assert other.tree.match(other_ns, b, 0, touch=False).node.on_disk
+        assert tm.tree.match(NS, a, 0, touch=False).num_pages == 0
+        assert counted("hicache_evicted_pages_total") == 4
+        assert counted("hicache_pages_dropped_total") == 4
+        assert tm.miss_reason(page_keys(NS, a, PS)[0]) == "evicted_disk"
+    finally:
+        other.close()
+        tm.close()
+        other_engine.close()
+        store.close()

@@ -278,16 +278,20 @@ class LocalDisk:
             logger.warning("cannot read the tokens of node %d back from the store: %s", node.node_id, exc)
 
     def forget_keys(self, keys: Iterable[bytes]) -> None:
-        """The store dropped these records on its own: forget them (and what hangs
-        below); keys this tree does not hold are ignored."""
+        """The store dropped these records on its own (one store serves every spec,
+        each of whose disk tiers counts only its own records: a write of one spec may
+        evict another's): forget them, and what hangs below — evicted from disk, counted
+        as :meth:`evict` counts its own; keys this tree does not hold are ignored."""
         tree = self.core.tree
         wanted = set(keys)
         hit = {id(node): node for node in tree.disk_nodes(wanted).values()}
         for node in hit.values():
             if tree.is_live(node) and node.on_disk:  # not gone with an ancestor already
-                below = self._subtree_keys(node)
+                below = self._subtree(node)
+                for n in below:
+                    self.core.misses.evicted(n, Tier.DISK)
                 tree.discard(node, Tier.DISK)
-                self.storage.delete([k for k in below if k not in wanted])
+                self.storage.delete([k for n in below for k in n.page_key_list() if k not in wanted])
 
     def drop_bad_records(self, node: Node) -> None:
         """A missing or corrupt record: forget ``node`` (and below) on disk, delete. (A
@@ -300,14 +304,19 @@ class LocalDisk:
             self.storage.delete(keys)
 
     def _subtree_keys(self, node: Node) -> list[bytes]:
-        keys = []
+        return [key for n in self._subtree(node) for key in n.page_key_list()]
+
+    @staticmethod
+    def _subtree(node: Node) -> list[Node]:
+        """``node`` and the nodes below it on disk (those the tree discards with it)."""
+        out = []
         stack = [node]
         while stack:
             n = stack.pop()
             if n.on_disk:
-                keys.extend(n.page_key_list())
+                out.append(n)
                 stack.extend(n.children.values())
-        return keys
+        return out
 
     def persist(self) -> int:
         """Start writing every host page that has no disk record yet; returns the pages

@@ -9,7 +9,7 @@ from hicache.daemon.service import Daemon
 from hicache.fdpass import FdExchange
 from hicache.errors import LoadFailed
 from hicache.keys import key_self_test, namespace_id
-from hicache.metrics import DIRECTIONS, MISS_REASONS, OPS, TIERS, Metrics
+from hicache.metrics import DIRECTIONS, MISS_REASONS, OPS, SESSION_END_REASONS, TIERS, Metrics
 from hicache.storage.lmdb_backend import LmdbBackend
 from hicache.tiers import TierConfig, TierManager
 from hicache.transfer import PageMover
@@ -36,6 +36,20 @@ def test_every_counter_exists_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("hicache_missed_tokens_total", {"reason": reason}) == 0
     for direction in DIRECTIONS:
         assert metrics.registry.get_sample_value("hicache_transfer_bytes_total", {"direction": direction}) == 0
+
+
+def test_every_refusal_and_loss_counter_exists_at_zero_from_the_start():
+    """What the daemon refuses, drops or ends is counted from zero, so that the first
+    one shows in an increase() (a series born at 1 shows none): every reason the
+    metrics' table lists."""
+    metrics = Metrics()
+    for reason in ("unknown_key", "unknown_user", "revoked", "events", "shed"):
+        assert metrics.registry.get_sample_value("hicache_auth_refused_total", {"reason": reason}) == 0, reason
+    for reason in SESSION_END_REASONS:
+        assert metrics.registry.get_sample_value("hicache_sessions_ended_total", {"reason": reason}) == 0
+    for tier in TIERS:
+        assert metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": tier}) == 0
+    assert metrics.registry.get_sample_value("hicache_remote_pages_total", {"op": "put", "result": "skipped"}) == 0
 
 
 def test_request_latency_histogram_buckets_are_cumulative_and_inclusive():

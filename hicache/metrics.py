@@ -130,7 +130,7 @@ BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
                 "corrupt_record", "load_failed", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "replaced", "shutdown", "pool_gone", "revoked")
-AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events")
+AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events", "shed")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")

@@ -139,6 +139,48 @@ def test_tier_manager_transfers_and_evictions(engine, tmp_path):
     store.close()
 
 
+def test_backups_and_disk_writes_that_fail_count_their_pages(engine, tmp_path, monkeypatch):
+    """A store that refuses every write (a full or failing disk) and a copy engine that
+    fails leave pages off the tier they were going to — not on disk, lost at a crash —
+    or drop them where an eviction wanted them gone: counted by direction, not only
+    logged."""
+    from hicache.errors import StorageUnavailable
+
+    metrics = Metrics()
+    store = LmdbBackend(tmp_path / "db", capacity_bytes=64 * SPEC.host_page_bytes)
+    tm = TierManager(SPEC, host_pages=8, storage=store, metrics=metrics, config=TierConfig(copy_threads=1))
+    tm.add_namespace(NS)
+    tm.register_pool(0, [engine.pool])
+
+    def failed():
+        return {d: value(metrics, "hicache_transfer_failed_pages_total", direction=d) for d in ("d2h", "host_to_disk")}
+
+    def refused(*args, **kwargs):
+        raise StorageUnavailable("no space left on the device")
+
+    def broken(self, *args, **kwargs):
+        raise OSError("the copy engine failed")
+
+    try:
+        assert metrics.registry.get_sample_value("hicache_transfer_failed_pages_total", {"direction": "d2h"}) == 0
+        monkeypatch.setattr(store, "put_batch", refused)
+        first = list(range(100, 100 + 3 * PS))
+        pages = tm.alloc(0, 3)
+        tm.insert(NS, first, 0, pages)
+        tm.flush()
+        assert failed() == {"d2h": 0, "host_to_disk": 3}
+        monkeypatch.setattr(PageMover, "backup", broken)
+        second = list(range(500, 500 + 2 * PS))
+        pages = tm.alloc(0, 2)
+        tm.insert(NS, second, 0, pages)
+        tm.flush()
+        assert failed() == {"d2h": 2, "host_to_disk": 3}
+        assert tm.tree.sizes(Tier.DISK).cached == 0 and tm.tree.sizes(Tier.HOST).cached == 3
+    finally:
+        tm.close()
+        store.close()
+
+
 def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
     metrics = Metrics()
     tm = TierManager(SPEC, host_pages=8, metrics=metrics, config=TierConfig(copy_threads=1))

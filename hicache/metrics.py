@@ -31,6 +31,10 @@ hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_dis
                                                 disk_to_host, host_to_remote,
                                                 remote_to_host)
 hicache_transfer_duration_seconds (histogram)   direction
+hicache_transfer_failed_pages_total             direction (d2h, host_to_disk: pages of
+                                                backups and disk writes that failed —
+                                                not on the tier they were going to, or
+                                                dropped where an eviction wanted them gone)
 hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
 hicache_pages_dropped_total                     tier (device, host, disk): pages that left
@@ -121,6 +125,7 @@ logger = logging.getLogger(__name__)
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
+FAILED_DIRECTIONS = ("d2h", "host_to_disk")  # (a failed load is a miss: load_failed; a remote call, remote_errors)
 REMOTE_LOOKUPS = ("hit", "miss", "recent_miss", "unavailable", "busy")
 REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "deferred"),
                 ("put", "skipped"))
@@ -161,6 +166,9 @@ class Metrics:
         r.register(_RequestCollector(self))
         self.transfer_bytes = Counter("hicache_transfer_bytes", "Bytes moved between tiers, by direction",
                                       ["direction"], registry=r)
+        self.transfer_failed_pages = Counter("hicache_transfer_failed_pages",
+                                             "Pages of transfers that failed, by direction", ["direction"],
+                                             registry=r)
         self.transfer_seconds = Histogram("hicache_transfer_duration_seconds",
                                           "Time from a transfer's start to its completion, by direction",
                                           ["direction"], buckets=_TRANSFER_BUCKETS, registry=r)
@@ -189,6 +197,8 @@ class Metrics:
         for direction in DIRECTIONS:
             self.transfer_bytes.labels(direction)
             self.transfer_seconds.labels(direction)
+        for direction in FAILED_DIRECTIONS:
+            self.transfer_failed_pages.labels(direction)
         for reason in SESSION_END_REASONS:
             self.sessions_ended.labels(reason)
         self.remote_lookups = Counter("hicache_remote_lookups", "Remote tier lookups after a local hit, by result",
@@ -239,6 +249,10 @@ class Metrics:
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(num_bytes)
         self.transfer_seconds.labels(direction).observe(seconds)
+
+    def transfer_failed(self, direction: str, num_pages: int) -> None:
+        if num_pages:
+            self.transfer_failed_pages.labels(direction).inc(num_pages)
 
     def first_layer(self, seconds: float) -> None:
         self.first_layer_seconds.observe(seconds)
@@ -311,6 +325,7 @@ class NullMetrics:
     def missed(self, reason: str, tokens: int) -> None: ...
     def load_short(self, tokens: int) -> None: ...
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None: ...
+    def transfer_failed(self, direction: str, num_pages: int) -> None: ...
     def first_layer(self, seconds: float) -> None: ...
     def evicted(self, tier: Tier, num_pages: int) -> None: ...
     def dropped(self, tier: Tier, num_pages: int) -> None: ...

@@ -140,6 +140,7 @@ class Backups:
         pool.free_orphans(transfer)
         if error is not None:
             logger.error("backup from pool %s failed: %s", transfer.pool, error)
+            core.failed(transfer)
         added = []
         for entry in transfer.entries:
             node = entry.node

@@ -84,6 +84,11 @@ class Core:
         self.metrics.transfer(transfer.kind.value, nbytes, seconds)
         self.moved[transfer.kind.value] = self.moved.get(transfer.kind.value, 0) + nbytes
 
+    def failed(self, transfer: Transfer, num_pages: int | None = None) -> None:
+        """A transfer's pages did not reach their tier: counted by direction (the log
+        line says why)."""
+        self.metrics.transfer_failed(transfer.kind.value, transfer.num_pages if num_pages is None else num_pages)
+
     def note_read(self, node: Node) -> None:
         self.read_from_disk[node.node_id] = None
         if len(self.read_from_disk) > _READS_REMEMBERED:

@@ -134,6 +134,7 @@ class DiskWriter:
         tree.unpin(transfer.hold)
         if error is not None:
             logger.error("disk write failed: %s", error)
+            core.failed(transfer)
             if reclaimed:  # (the old records, which this write did not replace)
                 self._drop_reclaimed(reclaimed)
         unknown = []  # records written that the tree cannot take: deleted, never orphaned

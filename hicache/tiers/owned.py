@@ -129,6 +129,7 @@ class OwnedTransfers:
                 return
             if error is not None:
                 logger.error("store from pool %s failed: %s", pool.pool_id, error)
+                core.failed(transfer, count)
                 core.host_alloc.free(host_pages)
                 future.set_result(Stored(prefix, 0, skip))
                 return

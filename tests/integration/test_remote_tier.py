@@ -741,12 +741,7 @@ def test_a_write_through_deferred_behind_a_put_that_fails_is_put_or_skipped(retr
     raw.batch_put_from_multi_buffers = fails_once
     a = StandInNode(raw, write_backlog=2, retry_s=retry_s)
     try:
-        raw.hold("batch_put_from_multi_buffers")
-        a.prefill(list(range(100, 100 + 2 * PS)))
-        _until(a, raw.entered.is_set)
-        a.prefill(list(range(5000, 5000 + 2 * PS)))  # (over the backlog: deferred)
-        counts = a.tm.remote.counts
-        _until(a, lambda: counts["put_deferred"] == 2)
+        counts = _deferred_behind_a_held_put(a, raw)
         raw.release()
         a.tm.flush()
         a.tm.check_invariants()
@@ -755,6 +750,18 @@ def test_a_write_through_deferred_behind_a_put_that_fails_is_put_or_skipped(retr
     finally:
         raw.release()
         a.close()
+
+
+def _deferred_behind_a_held_put(a: StandInNode, raw) -> dict:
+    """Node ``a`` (a write backlog of 2) puts a 2-page prompt, which the store holds in
+    its put; a second prompt's write-through is deferred behind it. The tier's counts."""
+    raw.hold("batch_put_from_multi_buffers")
+    a.prefill(list(range(100, 100 + 2 * PS)))
+    _until(a, raw.entered.is_set)
+    a.prefill(list(range(5000, 5000 + 2 * PS)))  # (over the backlog: deferred)
+    counts = a.tm.remote.counts
+    _until(a, lambda: counts["put_deferred"] == 2)
+    return counts
 
 
 def test_a_deferred_write_through_whose_pages_left_host_is_counted_skipped():
@@ -766,12 +773,7 @@ def test_a_deferred_write_through_whose_pages_left_host_is_counted_skipped():
     raw = InProcessMooncake()
     a = StandInNode(raw, write_backlog=2)
     try:
-        raw.hold("batch_put_from_multi_buffers")
-        a.prefill(list(range(100, 100 + 2 * PS)))
-        _until(a, raw.entered.is_set)
-        a.prefill(list(range(5000, 5000 + 2 * PS)))  # (over the backlog: deferred)
-        counts = a.tm.remote.counts
-        _until(a, lambda: counts["put_deferred"] == 2)
+        counts = _deferred_behind_a_held_put(a, raw)
         a.tm.evict(Tier.DEVICE, 32, 0)
         assert a.tm.evict(Tier.HOST, 2) == 2  # (the deferred pages: the others are being put)
         raw.release()

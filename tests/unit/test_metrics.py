@@ -161,19 +161,17 @@ def test_backups_and_disk_writes_that_fail_count_their_pages(engine, tmp_path, m
     def broken(self, *args, **kwargs):
         raise OSError("the copy engine failed")
 
+    def prompt(start, num_pages):
+        tm.insert(NS, list(range(start, start + num_pages * PS)), 0, tm.alloc(0, num_pages))
+        tm.flush()
+
     try:
         assert metrics.registry.get_sample_value("hicache_transfer_failed_pages_total", {"direction": "d2h"}) == 0
         monkeypatch.setattr(store, "put_batch", refused)
-        first = list(range(100, 100 + 3 * PS))
-        pages = tm.alloc(0, 3)
-        tm.insert(NS, first, 0, pages)
-        tm.flush()
+        prompt(100, 3)
         assert failed() == {"d2h": 0, "host_to_disk": 3}
         monkeypatch.setattr(PageMover, "backup", broken)
-        second = list(range(500, 500 + 2 * PS))
-        pages = tm.alloc(0, 2)
-        tm.insert(NS, second, 0, pages)
-        tm.flush()
+        prompt(500, 2)
         assert failed() == {"d2h": 2, "host_to_disk": 3}
         assert tm.tree.sizes(Tier.DISK).cached == 0 and tm.tree.sizes(Tier.HOST).cached == 3
     finally:
@@ -194,6 +192,10 @@ def test_a_failed_load_is_reported_and_leaks_nothing(engine, monkeypatch):
 
     def broken(self, *args, **kwargs):
         raise OSError("the copy engine failed")
+
+    def prompt(start, num_pages):
+        tm.insert(NS, list(range(start, start + num_pages * PS)), 0, tm.alloc(0, num_pages))
+        tm.flush()
 
     monkeypatch.setattr(PageMover, "load", broken)
     node = tm.match(NS, tokens, 0).match.node

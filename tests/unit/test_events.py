@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import struct
 import time
 
@@ -605,3 +607,75 @@ def test_a_ledger_that_cannot_be_written_is_one_warning(tmp_path, caplog):
     ledger.sent(1 << 40)
     assert ledger.first_seq() == 42
     assert caplog.text.count("cannot write the stream ledger") == 1
+
+
+def _run_killed_at(tmp_path, path, kill_at: int) -> tuple[bool, dict[bytes, int]]:
+    """The run after a killed one, in a process of its own (forked): it takes up the
+    left topic ``a``, takes ``b`` up with another rank, opens ``c``, and publishes on
+    each. The ``kill_at``-th step of its ledger writes (a sync of ``events.new``, the
+    rename, the sync of the directory) is never reached: SIGKILL first. Returns
+    whether it was killed, and each topic's last seq that ``publish`` returned from."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        try:
+            os.close(reader)
+            steps = [0]
+
+            def step(fn):
+                def run(*args):
+                    steps[0] += 1
+                    if steps[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return fn(*args)
+                return run
+
+            os.fsync, os.replace = step(os.fsync), step(os.replace)
+            context = zmq.Context()
+            run = _run(context, tmp_path, StreamLedger(path))
+            streams = [run.stream(b"a", data_parallel_rank=1), run.stream(b"b", data_parallel_rank=5),
+                       run.stream(b"c", data_parallel_rank=3)]
+            for i in range(3):
+                for stream in streams:
+                    stream.removed([i], MEDIUM_CPU)
+                run.publish()
+                os.write(writer, b"".join(s.topic + seq8(s.next_seq - 1) for s in streams))
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        sent = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    last = {sent[i : i + 1]: int.from_bytes(sent[i + 1 : i + 9], "big") for i in range(0, len(sent), 9)}
+    return os.WIFSIGNALED(status), last
+
+
+def test_a_run_killed_at_any_step_of_a_ledger_write_leaves_every_open_topic_and_the_floor(
+        context, tmp_path, caplog):
+    """A run is killed with two streams open (``a``, ``b``). The next run is killed
+    too, at each step of its ledger writes in turn, while it takes ``a`` up, takes
+    ``b`` up with another rank and opens ``c``. Whatever the step, the ledger it
+    leaves reads without a warning, still names every topic routers may hold blocks
+    of (``a`` and ``b``, and ``c`` once it sent on it), and its floor is past every seq
+    sent. Before, each stream the next run opened rewrote the ledger with only the
+    topics opened so far (and ``b``'s new rank was written after ``b`` was dropped):
+    killed in between, its ledger forgot ``b``, whose blocks no run would clear."""
+    path = tmp_path / "ledger"
+    first = _run(context, tmp_path, StreamLedger(path))
+    first.stream(b"a", data_parallel_rank=1)
+    first.stream(b"b", data_parallel_rank=2)
+    first.close()
+    before = path.read_bytes()
+    kill_at = 0
+    while True:
+        kill_at += 1
+        path.write_bytes(before)
+        killed, last = _run_killed_at(tmp_path, path, kill_at)
+        caplog.clear()
+        ledger = StreamLedger(path, clock=lambda: 0)
+        assert "stream ledger" not in caplog.text, kill_at
+        assert {b"a", b"b"} | set(last) <= set(ledger.left), kill_at
+        assert all(ledger.first_seq() > seq for seq in last.values()), kill_at
+        if not killed:
+            break
+    assert kill_at > 3

@@ -135,7 +135,8 @@ class StreamLedger:
       (a bad RTC corrected at boot) cannot give a new stream the seqs its predecessor
       used, which a router would take for the old stream going on. The floor is
       reserved :data:`SEQ_STEP` ahead, so it is written about once per million batches.
-    - the topics of the streams open now, with their data-parallel ranks. A run that
+    - the topics of the streams open now, with their data-parallel ranks (the last
+      run's that this one has not ended yet among them). A run that
       ended without closing them (killed, a power loss) left routers counting on their
       blocks; the next run opens each again to say ``AllBlocksCleared`` (for a while,
       see :class:`EventPublisher`) — unless a pool takes the topic up again first,
@@ -173,7 +174,9 @@ class StreamLedger:
             logger.warning("events: cannot read the stream ledger %s (%s): streams start at the clock, "
                            "and the last run's are not cleared", path, exc)
             return
-        self._floor, self.left = floor, left
+        # Its topics stay open until this run ends them: every write names them, so a
+        # run killed while it reopens them (or at any time after) leaves them all to the next.
+        self._floor, self.left, self.topics = floor, left, dict(left)
 
     def first_seq(self) -> int:
         """A new stream's first seq: past the clock, and past every seq the last run sent."""
@@ -428,7 +431,9 @@ class EventPublisher:
         found = self._streams.get(key)
         ending = key in self._ending or key in self._left
         if found is not None and ending and found.data_parallel_rank != data_parallel_rank:
-            self._forget(key)  # (the new stream's first batch clears the topic just as well)
+            # (The new stream's first batch clears the topic just as well; the ledger
+            # keeps the topic throughout, its rank replaced when the new stream opens.)
+            self._forget(key)
             found = None
         self._ending.discard(key)
         self._left.pop(key, None)
@@ -498,6 +503,8 @@ class EventPublisher:
         for topic in [t for t in self._ending if not self._streams[t].num_pending]:  # (a refused one: again)
             self._ending.discard(topic)
             self._forget(topic)
+            if self._ledger is not None:
+                self._ledger.closed(topic)
         return sent
 
     def _clear_left(self) -> None:
@@ -523,8 +530,6 @@ class EventPublisher:
         self._ended_batches += stream.batches_sent
         self._ended_events += stream.events_sent
         self._ended_dropped += stream.dropped
-        if self._ledger is not None:
-            self._ledger.closed(topic)
 
     def serve_replay(self, limit: int | None = None) -> int:
         """Go on with the replies a client's full queue held up, then answer the replay

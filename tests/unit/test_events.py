@@ -679,3 +679,39 @@ def test_a_run_killed_at_any_step_of_a_ledger_write_leaves_every_open_topic_and_
         if not killed:
             break
     assert kill_at > 3
+
+
+def test_a_floor_near_the_top_of_the_seqs_keeps_every_run_past_the_last(context, tmp_path, caplog, monkeypatch):
+    """The ledger of a run whose clock was far ahead holds a floor near 2**62. The
+    next run's stream sends past 2**62 and is killed; the run after reads its ledger
+    as any other, and its streams — the topic taken up again and a new one — start
+    past every seq sent. Each run writes the ledger once per reservation, not once per
+    batch. Before, the floor written stopped at 2**62 - 1, below the seqs sent: the
+    run after started its streams among them (and every batch past it rewrote the
+    ledger, two fsyncs on the owner's thread)."""
+    path = tmp_path / "ledger"
+    path.write_text(f'{{"seq_floor": {(1 << 62) - 3}, "topics": {{}}}}')
+    writes = [0]
+    replace = os.replace
+
+    def counted(*args):
+        writes[0] += 1
+        replace(*args)
+
+    monkeypatch.setattr(os, "replace", counted)
+    first = _run(context, tmp_path, StreamLedger(path, clock=lambda: 1_000))
+    stream = first.stream("a")
+    for i in range(6):
+        stream.removed([i], MEDIUM_CPU)
+        first.publish()
+    last_sent = stream.next_seq - 1
+    first.close()
+    assert last_sent > 1 << 62 and writes[0] <= 2
+
+    again = _run(context, tmp_path, StreamLedger(path, clock=lambda: 1_000))
+    try:
+        taken_up, new = again.stream("a"), again.stream("b")
+        assert taken_up.next_seq > last_sent and new.next_seq > last_sent
+    finally:
+        again.close()
+    assert "stream ledger" not in caplog.text

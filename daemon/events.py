@@ -70,6 +70,10 @@ BUFFER_STEPS = 10_000
 HWM = 100_000
 MAX_REPLIES_WAITING = 64  # replay replies a client has not made room for yet, at most
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# A stream starts below this seq: it has 2**63 more before its seqs reach END_SEQ's
+# bytes (2**64 - 1), and a ledger's floor, however far ahead a past run's clock was,
+# is below it too (see StreamLedger).
+SEQ_START_LIMIT = 1 << 63
 
 _PAGE_KEY_BYTES = 16
 _U64_MASK = (1 << 64) - 1
@@ -135,6 +139,9 @@ class StreamLedger:
       (a bad RTC corrected at boot) cannot give a new stream the seqs its predecessor
       used, which a router would take for the old stream going on. The floor is
       reserved :data:`SEQ_STEP` ahead, so it is written about once per million batches.
+      It is never held down below a seq sent: a floor near 2**62 (a run whose clock was
+      far ahead) is followed past 2**62 as any other, ~2**42 runs short of
+      :data:`SEQ_START_LIMIT` (a floor past that reads as a ledger that cannot be read).
     - the topics of the streams open now, with their data-parallel ranks (the last
       run's that this one has not ended yet among them). A run that
       ended without closing them (killed, a power loss) left routers counting on their
@@ -163,7 +170,7 @@ class StreamLedger:
         try:
             data = json.loads(path.read_bytes())
             floor, topics = data["seq_floor"], data["topics"]
-            if type(floor) is not int or not 0 <= floor < 1 << 62 or type(topics) is not dict:
+            if type(floor) is not int or not 0 <= floor < SEQ_START_LIMIT or type(topics) is not dict:
                 raise ValueError("fields of the wrong type")
             left = {bytes.fromhex(topic): rank for topic, rank in topics.items()}
             if any(type(rank) is not int or not 0 <= rank < 1 << 32 for rank in left.values()):
@@ -187,7 +194,7 @@ class StreamLedger:
     def sent(self, seq: int) -> None:
         """A stream sends (or starts at) ``seq``: the floor moves past it first."""
         if seq >= self._reserved:
-            self._reserved = min(seq + self.SEQ_STEP, (1 << 62) - 1)
+            self._reserved = seq + self.SEQ_STEP
             self._save()
 
     def opened(self, topic: bytes, data_parallel_rank: int) -> None:
@@ -242,7 +249,7 @@ class EventStream:
             raise InvalidArgument(f"data_parallel_rank {data_parallel_rank} is not a u32")
         if max_queue_events < 1 or buffer_steps < 1:
             raise InvalidArgument("max_queue_events and buffer_steps must be positive")
-        if not 0 <= first_seq < 1 << 62:  # (far from END_SEQ's bytes)
+        if not 0 <= first_seq < SEQ_START_LIMIT:
             raise InvalidArgument(f"first_seq {first_seq} is out of range")
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank

@@ -631,3 +631,125 @@ def test_a_killed_daemons_streams_are_cleared_by_its_next_run_though_no_engine_c
         for sock in (sub, monitor):
             sock.close(0)
         assert daemon.stop() == 0
+
+
+class Router:
+    """A router following a daemon process's KV events: a SUB socket and a replay
+    DEALER on its ipc:// sockets in ``directory``. A batch past the next seq it expects
+    of a topic (a restart, a late connection, a topic never seen: from 0) is preceded
+    by that topic's batches from the replay socket."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.blocks: dict[bytes, set] = {}
+        self.next_seq: dict[bytes, int] = {}
+        self.received: dict[bytes, int] = {}  # batches new to it read from the SUB socket, by topic
+        self.connect()
+
+    def connect(self) -> None:
+        """Connect (again), and wait until the subscription is admitted."""
+        from daemon_util import events_socket, handshake
+
+        self.sub, self._sub_monitor = events_socket(zmq.SUB, f"ipc://{self.directory / 'hicache-events.sock'}")
+        self.replay, self._replay_monitor = events_socket(
+            zmq.DEALER, f"ipc://{self.directory / 'hicache-events-replay.sock'}")
+        assert handshake(self._sub_monitor) == "admitted"
+
+    def close(self) -> None:
+        for sock in (self.sub, self._sub_monitor, self.replay, self._replay_monitor):
+            sock.close(0)
+
+    def ask_replay(self, topic: bytes, start: int) -> list[tuple[int, bytes]]:
+        """The topic's batches from ``start`` on; never another topic's."""
+        self.replay.send_multipart([topic, start.to_bytes(8, "big")])
+        got = []
+        while True:
+            assert self.replay.poll(30_000), "no end marker from the replay socket"
+            _, got_topic, seq8, payload = self.replay.recv_multipart()
+            if not got_topic:
+                assert seq8 == (-1).to_bytes(8, "big", signed=True) and not payload
+                return got
+            assert got_topic == topic
+            got.append((int.from_bytes(seq8, "big"), payload))
+
+    def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
+        if seq >= self.next_seq.get(topic, 0):
+            apply(self.blocks.setdefault(topic, set()), decode(payload))
+            self.next_seq[topic] = seq + 1
+
+    def pump_until(self, done) -> None:
+        """Read batches until ``done(self)``."""
+        while not done(self):
+            assert self.sub.poll(30_000), f"the events stopped short: {self.blocks}"
+            topic, seq8, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq8, "big")
+            if seq >= self.next_seq.get(topic, 0):
+                self.received[topic] = self.received.get(topic, 0) + 1
+            if seq > self.next_seq.get(topic, 0):
+                for s, data in self.ask_replay(topic, self.next_seq.get(topic, 0)):
+                    self._apply(topic, s, data)
+            self._apply(topic, seq, payload)
+
+
+def test_routers_follow_a_killed_daemon_through_its_restart_with_one_of_its_two_pools_back(tmp_path):
+    """Two engines' pools (topics 1 and 2) have written their blocks to disk, and two
+    routers hold them, when the daemon is killed outright (SIGKILL). It comes back, one
+    engine registers again (pool 1: topic 1) and prefills anew, to disk, and then goes
+    quiet. A router that kept its sockets through the restart, and one that was away
+    and connects now (within the minute), both with the old run's seqs, end up with
+    nothing on topic 2, whose pool is gone, and on topic 1 the new pool's device
+    blocks and every block on disk — none of the old pool's device blocks. Before, a
+    topic a pool took up said nothing more once that pool went quiet: a router that
+    connected after its first batches never saw a gap, and kept the old pool's blocks."""
+    from daemon_util import ClientEngine, DaemonProcess
+
+    rng = np.random.default_rng(11)
+    old = [rng.integers(1, 30_000, 2 * PS).tolist() for _ in range(2)]
+    new = rng.integers(1, 30_000, 3 * PS).tolist()
+    daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
+    staying, away = Router(tmp_path), Router(tmp_path)
+    engines = []
+    try:
+        engines = [ClientEngine(daemon.endpoint) for _ in old]
+        for engine, tokens in zip(engines, old):
+            engine.prefill(tokens)
+        ns = engines[0].ns()
+
+        def hashes(tokens: list[int]) -> set[int]:
+            return {int.from_bytes(key[8:], "big") for key in page_keys(ns, tokens, PS)}
+
+        on_disk = hashes(old[0]) | hashes(old[1])
+        for router in (staying, away):
+            router.pump_until(lambda r: all({("STORAGE", h) for h in on_disk} <= r.blocks.get(topic, set())
+                                            for topic in (b"1", b"2")))
+            assert {h for medium, h in router.blocks[b"1"] if medium == "GPU"} == hashes(old[0])
+        away.close()
+        daemon.kill()
+        for engine in engines:
+            engine.close()
+
+        daemon = DaemonProcess(tmp_path, events={"enabled": True}).start()
+        engines = [ClientEngine(daemon.endpoint)]
+        engines[0].prefill(new)
+        engines[0].client.flush()
+        on_disk |= hashes(new)
+        away.connect()
+        for router in (staying, away):
+            # Two of topic 2's repeated clears from here on: the publisher spoke on
+            # every topic of the last run since this router was subscribed.
+            clears = router.received.get(b"2", 0) + 2
+            router.pump_until(lambda r: r.received.get(b"2", 0) >= clears)
+            assert router.blocks[b"2"] == set()
+            up = router.blocks[b"1"]
+            assert {(medium, h) for medium, h in up if medium != "CPU"} == (
+                {("GPU", h) for h in hashes(new)} | {("STORAGE", h) for h in on_disk})
+            assert {h for medium, h in up if medium == "CPU"} <= hashes(new)
+            # The left topic's replay from before the restart: its clears, then the end marker.
+            batches = [decode(payload) for _, payload in router.ask_replay(b"2", 0)]
+            assert batches and all(type(e) is AllBlocksCleared for batch in batches for e in batch.events)
+    finally:
+        for engine in engines:
+            engine.close()
+        staying.close()
+        away.close()
+        assert daemon.stop() == 0

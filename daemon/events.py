@@ -260,6 +260,7 @@ class EventStream:
         self.batches_sent = 0
         self.events_sent = 0
         self._clear_first = False  # the next batch starts with AllBlocksCleared (not counted in the bound)
+        self._nudged = False  # the next batch goes out though it holds no event (see nudge)
         self._pending: list[msgspec.Raw] = []
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
 
@@ -292,6 +293,12 @@ class EventStream:
         self._pending = []
         self._clear_first = True
 
+    def nudge(self) -> None:
+        """The next batch goes out even if it holds no event: a subscriber that missed
+        the batches before it (it connected after them) sees the gap in ``seq`` and
+        replays them. O(1)."""
+        self._nudged = True
+
     def _push(self, event: BlockStored | BlockRemoved) -> None:
         if len(self._pending) >= self.max_queue_events:
             self.lost(1)
@@ -312,8 +319,9 @@ class EventStream:
     def take_batch(self, now: float) -> tuple[int, bytes] | None:
         """Everything queued as one batch stamped ``now``: ``(seq, payload)``, kept in the
         ring; ``None`` when nothing is queued. O(encoded bytes)."""
-        if not self._pending and not self._clear_first:
+        if not self._pending and not self._clear_first and not self._nudged:
             return None
+        self._nudged = False
         events, self._pending = self._pending, []
         if self._clear_first:
             events.insert(0, _CLEARED)
@@ -373,10 +381,15 @@ class EventPublisher:
         its last run left open say ``AllBlocksCleared`` again every
         :data:`LEFT_RESEND_S` for ``left_clear_s`` (a router reconnects to the new
         socket when it will: a PUB sends nothing to one not connected yet, and a stream
-        forgotten has no replay), then end — unless a pool takes the topic up first."""
+        forgotten has no replay), then end — unless a pool takes the topic up first. A
+        topic a pool took up sends a batch as often and for as long (with no event if
+        it has none to send): a router that reconnects after that stream's first
+        batches, still holding the last run's blocks, sees the gap and replays the
+        stream from its ``AllBlocksCleared``."""
         self._clock = clock
         self._monotonic = monotonic
         self._left: dict[bytes, float] = {}  # the last run's topics still being cleared -> until when
+        self._taken_up: dict[bytes, float] = {}  # the last run's topics a pool took up -> until when nudged
         self._left_next = 0.0  # when they say it again
         self._first_seq = first_seq if ledger is None else ledger.first_seq
         self._ledger = ledger
@@ -443,7 +456,9 @@ class EventPublisher:
             self._forget(key)
             found = None
         self._ending.discard(key)
-        self._left.pop(key, None)
+        until = self._left.pop(key, None)
+        if until is not None:
+            self._taken_up[key] = until
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
                                                      buffer_steps=self._buffer_steps, first_seq=self._first_seq())
@@ -488,7 +503,7 @@ class EventPublisher:
         its stream resync."""
         if now is None:
             now = self._clock()
-        if self._left and self._monotonic() >= self._left_next:
+        if (self._left or self._taken_up) and self._monotonic() >= self._left_next:
             self._clear_left()
         sent = 0
         for stream in self._streams.values():
@@ -516,7 +531,8 @@ class EventPublisher:
 
     def _clear_left(self) -> None:
         """The last run's streams no pool took up say ``AllBlocksCleared`` again; those
-        past their time end (the clear their last batch)."""
+        past their time end (the clear their last batch). Those a pool took up send a
+        batch (see :meth:`EventStream.nudge`) until their time is over, or they end."""
         now = self._monotonic()
         self._left_next = now + LEFT_RESEND_S
         for topic, until in list(self._left.items()):
@@ -524,6 +540,11 @@ class EventPublisher:
                 self.end_left(topic)
             else:
                 self._streams[topic].cleared()
+        for topic, until in list(self._taken_up.items()):
+            if now >= until or topic not in self._streams:
+                del self._taken_up[topic]
+            else:
+                self._streams[topic].nudge()
 
     def end_left(self, topic: bytes | None = None) -> None:
         """The last run's stream of ``topic`` (None: each of them) ends now, unless a

@@ -50,6 +50,8 @@ def test_every_refusal_and_loss_counter_exists_at_zero_from_the_start():
     for tier in TIERS:
         assert metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": tier}) == 0
     assert metrics.registry.get_sample_value("hicache_remote_pages_total", {"op": "put", "result": "skipped"}) == 0
+    for op in ("loop", "envelope"):  # (a step the loop dropped; a message over the envelope's bounds)
+        assert metrics.registry.get_sample_value("hicache_requests_total", {"op": op, "status": "DROPPED"}) == 0, op
 
 
 def test_request_latency_histogram_buckets_are_cumulative_and_inclusive():

@@ -14,7 +14,9 @@ metric                                          labels
 =============================================  ======================================
 hicache_requests_total                          op, status (``OK`` or an error code;
                                                 op ``loop``, status ``DROPPED``: a step
-                                                the loop dropped)
+                                                the loop dropped; op ``envelope``, status
+                                                ``DROPPED``: a message over the
+                                                envelope's bounds, read and dropped)
 hicache_request_duration_seconds (histogram)    op
 hicache_matched_tokens_total                    tier (device, host, disk): tokens served
                                                 from the cache — device pages when a
@@ -139,6 +141,7 @@ AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events", "shed")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")
 OPS = ("hello", "register", "attach", "match", "match_many", "lock", "unlock", "load", "alloc", "insert", "release",
        "store", "load_into", "heartbeat", "bye", "stats", "health", "flush", "check", "reload", "decode")
+DROPPED_OPS = ("loop", "envelope")  # status DROPPED: a step the loop dropped, a message over the envelope's bounds
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
 _TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -158,6 +161,7 @@ class Metrics:
         # Per-request figures (requests, their latency, matched and missed tokens) are
         # plain counts on the owner thread, exported at scrape time by _RequestCollector.
         self.request_counts: dict[tuple[str, str], int] = {(op, "OK"): 0 for op in OPS}
+        self.request_counts.update(((op, "DROPPED"), 0) for op in DROPPED_OPS)
         self.latency_buckets: dict[str, list[int]] = {op: [0] * (len(_LATENCY_BUCKETS) + 1) for op in OPS}
         self.latency_sum: dict[str, float] = dict.fromkeys(OPS, 0.0)
         self.matched_tokens: dict[str, int] = dict.fromkeys(TIERS, 0)

@@ -441,6 +441,9 @@ def test_a_checkpoint_record_the_store_evicts_ends_no_hit(engine, tmp_path):
         stored = [store.get([key], [buf], fingerprint=SPEC.fingerprint)[0] for key in tm.checkpoints.by_key]
         assert all(stored) and len(stored) < len(prompts)
         tm.check_invariants()
+        # Those whose record went while on disk only are lost, and counted so.
+        held = sum(1 for toks in prompts if tm.match(NS, toks, 0).match.node.parent is not None)
+        assert held < len(prompts) and tm.checkpoints.lost == len(prompts) - held
         # Every hit brings its state: one whose checkpoint is gone is no hit.
         for label, toks in enumerate(prompts, 1):
             pages, state, _ = load_state(tm, engine, toks)

@@ -102,8 +102,12 @@ hicache_checkpoints                    (gauge)  tier (device, host, disk): recur
 hicache_checkpoint_host_slots          (gauge)  — (host slots for them: ``host_checkpoints``)
 hicache_checkpoint_events_total                 event (offered: taken from an engine's
                                                 insert; restored: copied into a request's
-                                                state slot; lost: left host while on no
-                                                disk; refused: an offer found no free slot)
+                                                state slot; lost: gone with its last copy
+                                                while its node stayed — its host or device
+                                                slot taken while on no disk, or its disk
+                                                record, the only copy, evicted by the store
+                                                or unreadable; refused: an offer found no
+                                                free slot)
 hicache_build_info                     (gauge)  version, protocol_version, mode
 =============================================  ======================================
 """

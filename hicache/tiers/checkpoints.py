@@ -20,7 +20,8 @@ tree node that ends at that boundary (the tree is split there). Then:
   (:meth:`Checkpoints.attach_restored`);
 * host state slots are a pool of their own (``host_checkpoints``): when they run out,
   the least recently used checkpoint's host copy goes (one on disk first; one that is
-  nowhere else is lost, and counted);
+  nowhere else is lost, and counted — as is one whose disk record, its last copy, the
+  store evicts or cannot read);
 * a checkpoint never outlives its node: the tree calls :meth:`Checkpoints.forget` as it
   removes a node, which frees the host slot and deletes the disk record.
 
@@ -93,7 +94,9 @@ class Checkpoints:
         self.by_key: dict[bytes, Checkpoint] = {}  # disk record key -> checkpoint on disk
         self.on_device: dict[tuple[int, int], Checkpoint] = {}  # (pool id, slot) -> checkpoint
         self.on_store_evicted = on_store_evicted or (lambda keys: None)
-        self.lost = 0  # checkpoints dropped from host that were nowhere else
+        # checkpoints gone while their node stays: their last copy's slot taken, or their
+        # disk record gone (the store evicted it, or it reads as missing) with no other copy
+        self.lost = 0
         self.offered = 0
         self.restored = 0
         self.refused = 0  # offers that found no host slot (every one being read)
@@ -319,10 +322,12 @@ class Checkpoints:
                 self._lose_disk(cp)
 
     def _lose_disk(self, cp: Checkpoint) -> None:
+        """``cp``'s disk record is gone: so is ``cp`` if that was its last copy (lost)."""
         if self.by_key.get(cp.key) is cp:
             del self.by_key[cp.key]
         cp.on_disk = False
         if cp.host < 0 and not cp.device and not cp.dead:
+            self.lost += 1
             self._drop(cp)
 
     def attach_restored(self, records: list[tuple[bytes, bytes, int]]) -> int:

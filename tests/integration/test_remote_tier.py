@@ -516,10 +516,53 @@ def test_a_write_back_over_its_backlog_puts_what_fits_and_deletes_the_rest(tmp_p
         counts = a.tm.remote.counts
         assert (counts["pages_put"], counts["put_deferred"], counts["put_skipped"]) == (backlog, 4, 6)
         assert len(raw.objects) == backlog
+        # (all evicted from disk; the skipped ones, on its disk only, dropped from the cache)
+        assert a.metrics.registry.get_sample_value("hicache_evicted_pages_total", {"tier": "disk"}) == num_pages
+        assert a.metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": "disk"}) == 6
         disk.flush()
         assert not list(disk.iter_metadata())
     finally:
         a.close()
+
+
+def test_pages_a_write_back_puts_are_evicted_from_disk_not_dropped_from_the_cache(tmp_path):
+    """The disk tier evicts pages on disk only and the write-back puts them: they are
+    evicted from disk, not dropped — the remote tier holds them (another node loads
+    them). Pages whose put fails are dropped then: those on disk only, not those whose
+    host copy stays. Every page is counted evicted from disk either way."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    a, b = StandInNode(raw, disk=disk, policy="write_back", retry_s=3600.0), StandInNode(raw)
+
+    def counted(name):
+        return a.metrics.registry.get_sample_value(name, {"tier": "disk"})
+
+    try:
+        put = list(range(100, 100 + 4 * PS))
+        _on_disk_only(a, [put])
+        assert a.tm.evict(Tier.DISK, 4) == 4
+        a.tm.flush()
+        assert a.tm.remote.counts["pages_put"] == 4
+        assert (counted("hicache_evicted_pages_total"), counted("hicache_pages_dropped_total")) == (4, 0)
+        hit, _ = b.load(put)
+        assert hit.remote_pages == 4
+        failing, kept = list(range(5000, 5000 + 3 * PS)), list(range(9000, 9000 + 2 * PS))
+        _on_disk_only(a, [failing])
+        a.prefill(kept)  # (on the device, on host and on disk)
+        a.tm.flush()
+        raw.batch_put_from_multi_buffers = lambda names, all_ptrs, all_sizes: [-900] * len(names)  # (RPC failed)
+        assert a.tm.evict(Tier.DISK, 5) == 5  # (the least recent first: failing's 3, then kept's 2)
+        a.tm.flush()
+        a.tm.check_invariants()
+        assert a.tm.remote.counts["put_skipped"] == 5
+        assert (counted("hicache_evicted_pages_total"), counted("hicache_pages_dropped_total")) == (9, 3)
+        assert a.tm.tree.sizes(Tier.HOST).cached == 2
+    finally:
+        a.close()
+        b.close()
 
 
 def _until(node: StandInNode, done) -> None:

@@ -41,8 +41,10 @@ hicache_load_first_layer_seconds (histogram)    —
 hicache_evicted_pages_total                     tier (device, host, disk)
 hicache_pages_dropped_total                     tier (device, host, disk): pages that left
                                                 the cache from their last tier — disk: the
-                                                disk tier's capacity; device / host: never
-                                                written to disk (lost, under write-through)
+                                                disk tier's capacity (with a remote
+                                                write-back: those it did not put, skipped
+                                                or failed); device / host: never written to
+                                                disk (lost, under write-through)
 hicache_backups_deferred_total                  — (device -> host backups the host tier
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's

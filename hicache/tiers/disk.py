@@ -240,15 +240,17 @@ class LocalDisk:
         which then takes the interpreter from the owner thread for a while); returns
         the pages freed."""
         doomed: list[bytes] = []
-        leaving = []  # (namespace, parent key, page keys) of each node: for a remote write-back
+        # (namespace, parent key, page keys, on disk only) of each node: for a remote write-back
+        leaving = []
         tree = self.core.tree
         floor = self.clean_host_floor
+        written_back = self.core.remote.writes_back
         for where in (None,) if floor is None else (_on_host, None):
             for node in tree.iter_evictable(Tier.DISK, namespaces=namespaces, where=where):
                 if len(doomed) >= num_pages or (where is not None and tree.clean_host_pages() <= floor):
                     break
-                leaving.append((node.namespace, node.parent.last_page_key, node.page_keys))
-                self._drop(node, doomed)
+                leaving.append((node.namespace, node.parent.last_page_key, node.page_keys, len(node.residency) == 1))
+                self._drop(node, doomed, written_back=written_back)
             if len(doomed) >= num_pages:
                 break
         if doomed and not self.core.remote.write_back(leaving, self.storage,
@@ -256,10 +258,13 @@ class LocalDisk:
             self.storage.delete(doomed)
         return len(doomed)
 
-    def _drop(self, node: Node, doomed: list[bytes]) -> None:
+    def _drop(self, node: Node, doomed: list[bytes], *, written_back: bool) -> None:
         """``node`` leaves the disk tier; its keys go to ``doomed`` (to be deleted — by
-        the remote tier's write-back once it has them, if it takes them)."""
-        self.core.misses.evicted(node, Tier.DISK)
+        the remote tier's write-back once it has them, if it takes them).
+        ``written_back``: the write-back takes them to the remote tier, which then holds
+        what was their last copy here: evicted, not dropped from the cache (the
+        write-back counts the pages it does not put dropped)."""
+        self.core.misses.evicted(node, Tier.DISK, moving_on=written_back)
         keys = node.page_key_list()
         if not node.tokens and len(node.residency) > 1:  # cached elsewhere still: it may
             self._give_tokens_back(node, keys)  # have to be written again

@@ -164,14 +164,16 @@ class MissReasons:
     def nbytes(self) -> int:
         return self._log.nbytes
 
-    def evicted(self, node: Node, tier: Tier) -> None:
-        """``node``'s pages are leaving ``tier`` (and the cache, if it is their last)."""
+    def evicted(self, node: Node, tier: Tier, *, moving_on: bool = False) -> None:
+        """``node``'s pages are leaving ``tier`` (and the cache, if it is their last).
+        ``moving_on``: to a tier the tree does not record (the remote tier's write-back),
+        so not dropped yet — the write-back counts those it does not put."""
         self._pending.append((tier, node.page_keys))
         self._num_pending += node.num_pages
         if self._num_pending >= PENDING_KEYS:
             self._hand_off()
         self.metrics.evicted(tier, node.num_pages)
-        if len(node.residency) == 1:
+        if len(node.residency) == 1 and not moving_on:
             self.metrics.dropped(tier, node.num_pages)
 
     def _hand_off(self) -> None:

@@ -17,7 +17,9 @@ and evicts on its own, so what this node could record would go stale. Instead:
   disk (:meth:`RemoteTier.write_back`). An eviction of more pages than the staging pages
   free goes in parts: the rest wait for rows (their records stay on disk meanwhile) up
   to ``write_backlog`` pages in all, and to the share of the disk tier it leaves them
-  (half); beyond that, or while the tier is down, skipped and counted the same way. The
+  (half); beyond that, or while the tier is down, skipped and counted the same way. A
+  page written back is counted evicted from the disk tier; it is dropped from the cache
+  only if it was on disk alone and is not put (skipped, or its put failed). The
   records write-backs hold count as used disk space until they are put (a write-back
   cache's dirty data: left uncounted, a disk write would overflow the store, which
   evicts its oldest records on its own — these — and they would reach neither tier): a
@@ -65,7 +67,7 @@ from hicache.tiers.disk_writes import path_batch
 from hicache.tiers.policies import PrefetchPolicy, prefetch_policy
 from hicache.storage.base import PageBatch
 from hicache.tiers.transfers import Entry, Kind, Transfer
-from hicache.tree import MatchResult, Node
+from hicache.tree import MatchResult, Node, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +148,15 @@ class _WriteBack:
     their keys, and each one's namespace and parent key (concatenated, in the same
     order). ``doomed``: the records to delete once they are put — those the disk tier
     writes again meanwhile are taken out (:meth:`RemoteTier.keep_on_disk`), and put
-    back if that write fails (:meth:`RemoteTier.keep_failed`)."""
+    back if that write fails (:meth:`RemoteTier.keep_failed`). ``last``: the keys of
+    pages that were on this node's disk only — dropped from the cache if not put."""
 
     storage: Any
     keys: list[bytes]
     namespaces: bytes
     parents: bytes
     doomed: set[bytes]
+    last: set[bytes]
 
     def split(self, count: int) -> _WriteBack:
         """Cut off the first ``count`` pages: returned as a write-back of their own,
@@ -160,9 +164,10 @@ class _WriteBack:
         cut = count * PAGE_KEY_BYTES
         head = self.keys[:count]
         first = _WriteBack(self.storage, head, self.namespaces[:cut], self.parents[:cut],
-                           self.doomed.intersection(head))
+                           self.doomed.intersection(head), self.last.intersection(head))
         self.keys, self.namespaces, self.parents = self.keys[count:], self.namespaces[cut:], self.parents[cut:]
         self.doomed -= first.doomed
+        self.last -= first.last
         return first
 
     def delete_records(self) -> None:
@@ -209,6 +214,7 @@ class _Lane:
 
 class NoRemote:
     enabled = False
+    writes_back = False
     pending = 0
     held_pages = 0
 
@@ -294,6 +300,11 @@ class RemoteTier:
     # -- writes --------------------------------------------------------------------------
 
     @property
+    def writes_back(self) -> bool:
+        """Does :meth:`write_back` take the pages the disk tier evicts?"""
+        return self.settings.policy == "write_back"
+
+    @property
     def held_pages(self) -> int:
         """Pages whose disk records the write-backs still hold (being put, or waiting
         for staging pages): used disk space until they are deleted."""
@@ -336,11 +347,13 @@ class RemoteTier:
             return
         self.pending += total
 
-    def write_back(self, leaving: list[tuple[bytes, bytes, bytes]], storage, max_held: int) -> bool:
+    def write_back(self, leaving: list[tuple[bytes, bytes, bytes, bool]], storage, max_held: int) -> bool:
         """``policy = "write_back"``: the disk tier evicts these nodes' pages —
-        ``(namespace, parent key, page keys)`` each, already out of the tree. Read their
-        records from ``storage`` into staging pages and put them to the store, then delete
-        the records (but those written again meanwhile: :meth:`keep_on_disk`). The pages
+        ``(namespace, parent key, page keys, on disk only)`` each, already out of the
+        tree (counted evicted; those on disk only are dropped from the cache only if
+        they are not put: :meth:`_skip_write_back`). Read their records from
+        ``storage`` into staging pages and put them to the store, then delete the
+        records (but those written again meanwhile: :meth:`keep_on_disk`). The pages
         the free staging pages cannot take now wait for them (as puts finish); what is
         over ``write_backlog`` or ``max_held`` (the records the disk tier lets
         write-backs hold: being put and waiting), or evicted while the tier is down, is
@@ -348,16 +361,18 @@ class RemoteTier:
         (else the caller deletes them now). O(pages)."""
         if self.settings.policy != "write_back":
             return False
-        keys = [k[i : i + PAGE_KEY_BYTES] for _, _, k in leaving for i in range(0, len(k), PAGE_KEY_BYTES)]
-        namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k in leaving)
-        parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k in leaving)
-        part = _WriteBack(storage, keys, namespaces, parents, set(keys))
+        keys = [k[i : i + PAGE_KEY_BYTES] for _, _, k, _ in leaving for i in range(0, len(k), PAGE_KEY_BYTES)]
+        namespaces = b"".join(ns * (len(k) // PAGE_KEY_BYTES) for ns, _, k, _ in leaving)
+        parents = b"".join(parent + k[:-PAGE_KEY_BYTES] for _, parent, k, _ in leaving)
+        last = {k[i : i + PAGE_KEY_BYTES] for _, _, k, only in leaving if only
+                for i in range(0, len(k), PAGE_KEY_BYTES)}
+        part = _WriteBack(storage, keys, namespaces, parents, set(keys), last)
         room = min(self.settings.write_backlog, max_held) - self.held_pages if self._usable() else 0
         taken = max(0, min(room, len(keys)))
         if taken < len(keys):  # (the pages over the bound: the last ones)
             over = part
             part = over.split(taken) if taken else None
-            self._skip_write(len(over.keys))
+            self._skip_write_back(over)
             over.delete_records()
         if part is None:
             return True
@@ -379,7 +394,7 @@ class RemoteTier:
             if not self._usable():
                 self._waiting.popleft()
                 self._waiting_pages -= len(part.keys)
-                self._skip_write(len(part.keys))
+                self._skip_write_back(part)
                 part.delete_records()
                 continue
             count = min(len(part.keys), len(self._free_rows), self.settings.write_backlog - self.pending)
@@ -429,17 +444,17 @@ class RemoteTier:
             if isinstance(error, _DiskReadFailed):  # (the store was not asked: it is not down)
                 logger.error("write-back of %d pages skipped: reading their records from disk failed: %s", total,
                              error.__cause__)
-                self._skip_write(total)
+                self._skip_write_back(part)
             elif error is not None:
                 self._failed("put", error)
-                self._skip_write(total)
+                self._skip_write_back(part)
             else:
                 self._answered()
                 core.report(transfer, written)
                 self.counts["pages_put"] += written
                 core.metrics.remote_pages("put", "ok", written)
                 if written < total:
-                    self._skip_write(total - written)
+                    self._skip_write_back(part, total - written)
             self._start_write_backs()
             self.on_disk_freed()
 
@@ -529,6 +544,17 @@ class RemoteTier:
         """Pages not put: the tier down, its queue full, or no room in the store."""
         self.counts["put_skipped"] += pages
         self.core.metrics.remote_pages("put", "skipped", pages)
+
+    def _skip_write_back(self, part: _WriteBack, pages: int | None = None) -> None:
+        """``pages`` of write-back ``part`` (all of them by default) not put: skipped,
+        and those that were on this node's disk only are dropped from the cache now —
+        their eviction counted them evicted, not dropped (but those the disk tier wrote
+        again meanwhile: cached again). Which pages a store took of a part it took only
+        some of is not known: those not put count as pages on disk only, as far as the
+        part has them."""
+        pages = len(part.keys) if pages is None else pages
+        self._skip_write(pages)
+        self.core.metrics.dropped(Tier.DISK, min(pages, len(part.last & part.doomed)))
 
     def _written(self, transfer: Transfer, result, error: BaseException | None) -> None:
         core = self.core

@@ -64,6 +64,7 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
         assert spec["nodes"] == 1
         assert as_text.returncode == 0 and "1 sessions" in as_text.stdout
         assert "tenant default: 3 host pages, 3 disk pages" in as_text.stdout, as_text.stdout
+        assert "losses: none" in as_text.stdout, as_text.stdout
         assert watched.returncode == 0 and watched.stdout.count("1 sessions") == 3
         assert checked.returncode == 0 and "ok" in checked.stdout
     finally:
@@ -72,6 +73,24 @@ def test_status_and_check_against_a_running_daemon(tmp_path):
     done = subprocess.run([HICACHE, "status", "--endpoint", daemon.endpoint, "--timeout", "0.3"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "no answer" in done.stderr
+
+
+def test_status_shows_what_the_daemon_lost_on_one_line(capsys):
+    """``hicache status`` names each loss ``stats`` reports that is not zero; an older
+    daemon, which reports none, gets no such line."""
+    from hicache.daemon.cli import _print_status
+
+    stats = {"version": __version__, "uptime_s": 5.0, "sessions": 0, "draining": False, "requests": {}, "specs": {},
+             "losses": {"pages_dropped": {"device": 0, "host": 3, "disk": 2},
+                        "transfer_failed_pages": {"d2h": 0, "host_to_disk": 4}, "remote_put_skipped_pages": 0,
+                        "sessions_expired": 1, "kv_events_dropped": 7, "checkpoints_lost": 0}}
+    _print_status(stats, as_json=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("losses:")]
+    assert lines == ["losses: pages dropped from the cache: host 3, disk 2; pages of failed transfers: "
+                     "host_to_disk 4; sessions expired 1; KV events dropped 7"]
+    del stats["losses"]
+    _print_status(stats, as_json=False)
+    assert "losses" not in capsys.readouterr().out
 
 
 def test_serve_refuses_a_tcp_endpoint_without_curve_and_a_secret_readable_by_others(tmp_path):

@@ -217,6 +217,9 @@ def test_checkpoint_events_are_kept_when_their_spec_is_let_go(daemon):
         assert SPEC.fingerprint not in daemon.managers  # (let go: it cached nothing)
         daemon.refresh_snapshot()
         assert value(daemon.metrics, "hicache_checkpoint_events_total", event="offered") == 1
+        # (stats' losses: the count the metric has, the spec let go or not)
+        assert daemon.stats().losses.checkpoints_lost == value(daemon.metrics, "hicache_checkpoint_events_total",
+                                                                event="lost") == 0
     finally:
         other.close()
         engine.close()

@@ -221,6 +221,46 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     daemon.close()
 
 
+def test_stats_report_the_losses_the_metrics_count(tmp_path, engines):
+    """``stats`` says what the daemon lost — pages dropped from the cache by tier, pages
+    of failed transfers, remote puts skipped, sessions whose lease ran out — read from
+    the counters the metrics export, so an operator without Prometheus (or a script on
+    the client) sees them, and the two never disagree — also where the daemon serves
+    no metrics (``[metrics] enabled = false``)."""
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock)
+    engine = engines()
+    sid = session(daemon, engine)
+    losses = ok(daemon.handle(p.Stats(id=1))).stats.losses
+    assert losses == p.LossesMsg(pages_dropped={"device": 0, "host": 0, "disk": 0},
+                                 transfer_failed_pages={"d2h": 0, "host_to_disk": 0}, remote_put_skipped_pages=0,
+                                 sessions_expired=0)
+    pages = ok(daemon.handle(p.Alloc(id=2, session=sid, num_pages=3))).pages
+    ok(daemon.handle(p.Insert(id=3, session=sid, tokens=np.arange(3 * PS, dtype="<i4").tobytes(), pages=pages)))
+    (manager,) = daemon.managers.values()
+    manager.flush()
+    manager.evict(Tier.DEVICE, 3, daemon.sessions[sid].pool_id)  # (their host copies stay)
+    manager.evict(Tier.HOST, 3)  # (no disk tier: the host copies were the last)
+    clock.now += 6.0
+    daemon.poll()  # (the engine stopped heartbeating: its lease runs out)
+    assert sid not in daemon.sessions
+    reply = p.decode_reply(p.encode(ok(daemon.handle(p.Stats(id=4)))))  # (as a client reads it)
+    losses = reply.stats.losses
+    assert losses.pages_dropped == {"device": 0, "host": 3, "disk": 0} and losses.sessions_expired == 1
+    assert losses.kv_events_dropped is None and losses.checkpoints_lost is None  # (no [events], no state spec)
+    registry = daemon.metrics.registry
+    for tier, pages_dropped in losses.pages_dropped.items():
+        assert registry.get_sample_value("hicache_pages_dropped_total", {"tier": tier}) == pages_dropped
+    for direction, failed in losses.transfer_failed_pages.items():
+        assert registry.get_sample_value("hicache_transfer_failed_pages_total", {"direction": direction}) == failed
+    assert registry.get_sample_value("hicache_sessions_ended_total", {"reason": "lease_expired"}) == 1
+    daemon.close()
+    (tmp_path / "quiet").mkdir()
+    quiet = make_daemon(tmp_path / "quiet", **{"metrics.enabled": False})
+    assert ok(quiet.handle(p.Stats(id=1))).stats.losses.sessions_expired == 0
+    quiet.close()
+
+
 @pytest.mark.parametrize("ending", ["bye", "lease_expired"])
 def test_a_pool_whose_engine_went_while_its_backup_copied_is_unmapped_once_the_copy_lands(tmp_path, engines,
                                                                                           ending):

@@ -119,6 +119,35 @@ def test_stats_are_typed_with_the_map_they_always_were(storage):
 
 
 
+def test_losses_in_stats_are_optional_both_ways():
+    """``losses`` came after the other stats: an older daemon's stats decode without
+    it, and a client that predates it reads stats that carry it, ignoring it."""
+    plain = {"version": "0.1.0", "uptime_s": 1.5, "sessions": 1, "draining": False, "requests": {"hello/OK": 1},
+             "specs": {}}
+    assert p.decode_reply(p.encode(p.StatsReply(id=3, stats=plain))).stats.losses is None
+    losses = {"pages_dropped": {"device": 0, "host": 3, "disk": 0}, "transfer_failed_pages": {"d2h": 0, "host_to_disk": 1},
+              "remote_put_skipped_pages": 2, "sessions_expired": 1, "checkpoints_lost": 0}
+    sent = p.encode(p.StatsReply(id=3, stats={**plain, "losses": losses}))
+    assert p.as_dict(p.decode_reply(sent).stats)["losses"] == losses
+
+    class OldStats(msgspec.Struct, kw_only=True):  # (DaemonStats as it was before losses)
+        version: str
+        uptime_s: float
+        sessions: int
+        draining: bool
+        requests: dict[str, int]
+        specs: dict
+        storage: dict | None = None
+        tenants: dict[str, dict[str, int]] = {}
+
+    class OldStatsReply(msgspec.Struct, tag_field="op", tag="stats", kw_only=True):
+        id: int
+        stats: OldStats
+
+    old = msgspec.msgpack.decode(sent, type=OldStatsReply)
+    assert old.id == 3 and old.stats.sessions == 1 and old.stats.requests == {"hello/OK": 1}
+
+
 def test_a_store_deadline_is_optional_both_ways():
     """``Store.deadline_ns`` is left out by older clients (no deadline), and a client
     sends it only to a daemon whose hello says ``store_deadlines`` (an older daemon's

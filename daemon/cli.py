@@ -162,7 +162,26 @@ def _print_status(stats: dict, as_json: bool) -> None:
     if storage:
         print(f"disk: {storage['records']} records, {storage['bytes'] / 2**20:.1f} MiB of "
               f"{storage['capacity_bytes'] / 2**20:.0f} MiB, {storage['corrupt_records']} corrupt")
+    losses = stats.get("losses")
+    if losses is not None:  # (absent from an older daemon's)
+        print(f"losses: {_losses(losses)}")
     sys.stdout.flush()
+
+
+def _losses(losses: dict) -> str:
+    """The losses that are not zero, on one line ("none" when all are)."""
+    parts = []
+    for key, name in (("pages_dropped", "pages dropped from the cache"),
+                      ("transfer_failed_pages", "pages of failed transfers")):
+        shown = ", ".join(f"{label} {n}" for label, n in losses[key].items() if n)
+        if shown:
+            parts.append(f"{name}: {shown}")
+    for key, name in (("remote_put_skipped_pages", "pages the remote tier never got"),
+                      ("sessions_expired", "sessions expired"), ("kv_events_dropped", "KV events dropped"),
+                      ("checkpoints_lost", "checkpoints lost")):
+        if losses.get(key):
+            parts.append(f"{name} {losses[key]}")
+    return "; ".join(parts) or "none"
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -116,11 +116,13 @@ class Daemon:
     ) -> None:
         """``fds``: the descriptor socket engines offer their CPU pools on (without
         one, only CUDA pools can register); closed with the daemon. ``bind_events``:
-        False leaves the KV events sockets to :meth:`bind_events` (the server's)."""
+        False leaves the KV events sockets to :meth:`bind_events` (the server's).
+        ``metrics``: by default counted whether or not ``[metrics]`` serves them —
+        ``stats`` reports the losses they count."""
         self.config = config
         self.fds = fds
         if metrics is None:
-            metrics = Metrics() if config.metrics.enabled else NullMetrics()
+            metrics = Metrics()
         self.metrics = metrics
         self._snapshot: dict[str, Any] = {}
         self._next_snapshot = 0.0
@@ -420,7 +422,9 @@ class Daemon:
         self.settle()  # the counts of requests answered since the last idle moment
         return snapshot.stats(uptime_s=self.clock() - self.started, sessions=len(self.sessions),
                               draining=self.draining, counts=self.counts, managers=self.managers,
-                              storage=self.storage)
+                              storage=self.storage, losses=self.metrics.losses(),
+                              events=self.events.stats() if self.events is not None else None,
+                              closed_checkpoint_events=self.specs.closed_checkpoint_events)
 
     def _stats(self, m: p.Stats) -> p.StatsReply:
         return p.StatsReply(id=m.id, stats=self.stats())

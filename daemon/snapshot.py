@@ -21,8 +21,12 @@ SNAPSHOT_S = 0.5  # the metrics' occupancy figures are at most this old
 
 
 def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, managers: dict[bytes, TierManager],
-          storage) -> p.DaemonStats:
-    """What ``stats`` answers. ``counts``: requests by (op, status)."""
+          storage, losses: dict[str, Any] | None = None, events: Mapping[str, int] | None = None,
+          closed_checkpoint_events: Mapping[str, int] | None = None) -> p.DaemonStats:
+    """What ``stats`` answers. ``counts``: requests by (op, status). ``losses``: the
+    loss counters' values (:meth:`hicache.metrics.Metrics.losses`; None: nothing counts
+    them, a daemon given :class:`~hicache.metrics.NullMetrics`), completed with the KV events' (``events``: their figures, None without
+    [events]) and the checkpoints' as :func:`occupancy` reports them to the metrics."""
     specs: dict[str, p.SpecStats] = {}
     for fingerprint, manager in managers.items():
         figures: p.SpecStats = {str(place): p.TierAccountMsg(**account._asdict())
@@ -32,11 +36,30 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
         specs[fingerprint.hex()] = figures
     tenants = {tenant or "unattributed": {"host_pages": host, "disk_pages": disk}
                for tenant, (host, disk) in tenant_pages(managers.values()).items()}
+    if losses is not None:
+        if events is not None:
+            losses["kv_events_dropped"] = events["dropped"]
+        checkpoints = checkpoint_events(managers.values(), closed_checkpoint_events)
+        if checkpoints is not None:
+            losses["checkpoints_lost"] = checkpoints["lost"]
     return p.DaemonStats(
         version=__version__, uptime_s=uptime_s, sessions=sessions, draining=draining, tenants=tenants,
         requests={f"{op}/{status}": n for (op, status), n in sorted(counts.items())}, specs=specs,
         storage=None if storage is None else p.StorageStatsMsg(**storage.stats()._asdict()),
+        losses=None if losses is None else p.LossesMsg(**losses),
     )
+
+
+def checkpoint_events(managers: Iterable[TierManager],
+                      closed: Mapping[str, int] | None = None) -> dict[str, int] | None:
+    """The checkpoint events (offered, restored, lost, refused) of the managers serving,
+    plus ``closed`` (those of the managers let go: a counter does not go back when a
+    spec is let go); None while no spec has state layers nor had."""
+    held = [m.checkpoints for m in managers if m.checkpoints is not None]
+    if not held and not closed:
+        return None
+    closed = closed or {}
+    return {event: closed.get(event, 0) + sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS}
 
 
 def tenant_pages(managers: Iterable[TierManager]) -> dict[str, list[int]]:
@@ -82,13 +105,13 @@ def occupancy(*, managers: Iterable[TierManager], sessions: int, oldest_lock_s: 
         "tenants": tenants,
         "build": {"version": __version__, "protocol_version": p.PROTOCOL_VERSION, "mode": "gpu" if gpu else "cpu"},
     }
-    held = [m.checkpoints for m in managers if m.checkpoints is not None]
-    closed = closed_checkpoint_events or {}
-    if held or closed:
+    events = checkpoint_events(managers, closed_checkpoint_events)
+    if events is not None:
+        held = [m.checkpoints for m in managers if m.checkpoints is not None]
         out["checkpoints"] = {
             "host": sum(c.count()[0] for c in held), "disk": sum(c.count()[1] for c in held),
             "device": sum(c.count()[2] for c in held),
             "host_slots": sum(c.num_slots for c in held),
-            **{event: closed.get(event, 0) + sum(getattr(c, event) for c in held) for event in CHECKPOINT_EVENTS},
+            **events,
         }
     return out

@@ -7,7 +7,8 @@ Prometheus families at scrape time by ``_RequestCollector``. Occupancy and inven
 served at scrape time by :class:`StateCollector` from a snapshot that the daemon copies on
 its owner thread (``Daemon.refresh_snapshot``, redone every half second by the loop): the
 scrape runs on the HTTP thread and never walks live structures. Every counter exists, at
-zero, from the start.
+zero, from the start. The loss counters are also ``stats``' ``losses``
+(:meth:`Metrics.losses`): the daemon counts whether or not it serves ``/metrics``.
 
 =============================================  ======================================
 metric                                          labels
@@ -315,6 +316,14 @@ class Metrics:
             for quota in QUOTAS:
                 self.quota_refusals.labels(name, quota)
 
+    def losses(self) -> dict[str, Any]:
+        """What the loss counters say (``stats``' ``losses``; the KV events' and the
+        checkpoints' are counted where they happen and added by the daemon)."""
+        return {"pages_dropped": {tier: n for (tier,), n in _values(self.dropped_pages).items()},
+                "transfer_failed_pages": {d: n for (d,), n in _values(self.transfer_failed_pages).items()},
+                "remote_put_skipped_pages": _values(self.remote_pages_moved)[("put", "skipped")],
+                "sessions_expired": _values(self.sessions_ended)[("lease_expired",)]}
+
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(StateCollector(snapshot))
 
@@ -323,6 +332,12 @@ class Metrics:
         server, _ = start_http_server(port, addr=address, registry=self.registry)
         logger.info("metrics on http://%s:%d/metrics", address, server.server_port)
         return server
+
+
+def _values(counter: Counter) -> dict[tuple[str, ...], int]:
+    """A labelled counter's value per label values (its children's ``_total`` samples)."""
+    (family,) = counter.collect()
+    return {tuple(s.labels.values()): int(s.value) for s in family.samples if s.name.endswith("_total")}
 
 
 class NullMetrics:
@@ -349,6 +364,7 @@ class NullMetrics:
     def auth_refused(self, reason: str) -> None: ...
     def quota_refused(self, identity: str, quota: str) -> None: ...
     def identities(self, names: Iterable[str]) -> None: ...
+    def losses(self) -> None: ...  # (nothing counts them: stats has no losses)
     def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None: ...
 
 

@@ -470,6 +470,21 @@ class StorageStatsMsg(msgspec.Struct, kw_only=True, gc=False):
 SpecStats = dict[str, Union[TierAccountMsg, int]]
 
 
+class LossesMsg(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """What the daemon lost since it started: the values of its loss counters, the same
+    the metrics export (``hicache.metrics``)."""
+
+    pages_dropped: dict[str, int]  # tier -> pages that left the cache from it (hicache_pages_dropped_total)
+    # direction (d2h, host_to_disk) -> pages of backups / disk writes that failed
+    # (hicache_transfer_failed_pages_total)
+    transfer_failed_pages: dict[str, int]
+    remote_put_skipped_pages: int  # pages the remote tier never got (hicache_remote_pages_total{op=put,result=skipped})
+    sessions_expired: int  # sessions whose lease ran out (hicache_sessions_ended_total{reason=lease_expired})
+    kv_events_dropped: int | None = None  # (hicache_kv_events_dropped_total; absent without [events])
+    # (hicache_checkpoint_events_total{event=lost}; absent before a spec with state layers)
+    checkpoints_lost: int | None = None
+
+
 class DaemonStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     version: str
     uptime_s: float
@@ -481,6 +496,7 @@ class DaemonStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # tenant -> {"host_pages", "disk_pages"} cached for it, every spec together
     # ("unattributed": namespaces whose tenant the daemon does not know)
     tenants: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    losses: LossesMsg | None = None  # (absent from older daemons)
 
 
 class StatsReply(_Reply, tag="stats"):

@@ -715,3 +715,27 @@ def test_a_floor_near_the_top_of_the_seqs_keeps_every_run_past_the_last(context,
     finally:
         again.close()
     assert "stream ledger" not in caplog.text
+
+
+def test_after_a_rebind_every_stream_sends_a_batch_each_second_for_a_while(context, tmp_path):
+    """A reload rebinds the sockets: every subscriber reconnects when it will, and a
+    batch published before it did is lost to it. On a stream that then stays idle it
+    would never see the gap. So for left_clear_s after a rebind each stream sends a
+    batch every LEFT_RESEND_S, with no event if it has none: a subscriber back by then
+    sees the gap and replays."""
+    now = [0.0]
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", replay_endpoint=f"ipc://{tmp_path / 'r'}", context=context,
+                        left_clear_s=2.5, monotonic=lambda: now[0]) as publisher:
+        stream = publisher.stream(b"a")
+        stream.removed([1], MEDIUM_CPU)
+        publisher.publish()
+        assert publisher.publish() == 0  # (idle: nothing to send)
+        publisher.rebind()
+        stream.removed([2], MEDIUM_CPU)
+        publisher.publish()  # (lost to a subscriber not back yet)
+        sent = []
+        for step in range(1, 5):
+            now[0] = step * 1.0
+            sent.append(publisher.publish())
+        assert sent == [1, 1, 0, 0]  # (at 1 s and 2 s; the while is over at 2.5 s)
+        assert [events for _, events in _batches(stream)][-2:] == [[], []]

@@ -389,7 +389,8 @@ class EventPublisher:
         self._clock = clock
         self._monotonic = monotonic
         self._left: dict[bytes, float] = {}  # the last run's topics still being cleared -> until when
-        self._taken_up: dict[bytes, float] = {}  # the last run's topics a pool took up -> until when nudged
+        self._nudging: dict[bytes, float] = {}  # streams sending a batch every second -> until when
+        self._left_clear_s = left_clear_s
         self._left_next = 0.0  # when they say it again
         self._first_seq = first_seq if ledger is None else ledger.first_seq
         self._ledger = ledger
@@ -438,11 +439,18 @@ class EventPublisher:
         """Drop every subscriber and listen again on the same endpoints, so that each
         is admitted anew (a reload of the identities: one no longer allowed gets
         nothing more). One still allowed reconnects by itself, and replays the batches
-        it missed meanwhile."""
+        it missed meanwhile: it sees the gap at the next batch, which each stream sends
+        every :data:`LEFT_RESEND_S` for ``left_clear_s`` (with no event if it has none;
+        an idle stream would show none)."""
         for sock, endpoint in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
             if sock is not None:
                 sock.unbind(endpoint)
                 _bind_again(sock, endpoint)
+        now = self._monotonic()
+        for topic in self._streams:
+            if topic not in self._left and topic not in self._ending:
+                self._nudging[topic] = now + self._left_clear_s
+        self._left_next = min(self._left_next, now + LEFT_RESEND_S) if self._left else now + LEFT_RESEND_S
 
     def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
         """The stream of ``topic``, created on first use (the oldest one answers vLLM's
@@ -458,7 +466,7 @@ class EventPublisher:
         self._ending.discard(key)
         until = self._left.pop(key, None)
         if until is not None:
-            self._taken_up[key] = until
+            self._nudging[key] = until
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
                                                      buffer_steps=self._buffer_steps, first_seq=self._first_seq())
@@ -503,7 +511,7 @@ class EventPublisher:
         its stream resync."""
         if now is None:
             now = self._clock()
-        if (self._left or self._taken_up) and self._monotonic() >= self._left_next:
+        if (self._left or self._nudging) and self._monotonic() >= self._left_next:
             self._clear_left()
         sent = 0
         for stream in self._streams.values():
@@ -531,8 +539,9 @@ class EventPublisher:
 
     def _clear_left(self) -> None:
         """The last run's streams no pool took up say ``AllBlocksCleared`` again; those
-        past their time end (the clear their last batch). Those a pool took up send a
-        batch (see :meth:`EventStream.nudge`) until their time is over, or they end."""
+        past their time end (the clear their last batch). Those a pool took up, and every
+        stream after a rebind, send a batch (see :meth:`EventStream.nudge`) until their
+        time is over, or they end."""
         now = self._monotonic()
         self._left_next = now + LEFT_RESEND_S
         for topic, until in list(self._left.items()):
@@ -540,9 +549,9 @@ class EventPublisher:
                 self.end_left(topic)
             else:
                 self._streams[topic].cleared()
-        for topic, until in list(self._taken_up.items()):
+        for topic, until in list(self._nudging.items()):
             if now >= until or topic not in self._streams:
-                del self._taken_up[topic]
+                del self._nudging[topic]
             else:
                 self._streams[topic].nudge()
 

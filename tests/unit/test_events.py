@@ -739,3 +739,24 @@ def test_after_a_rebind_every_stream_sends_a_batch_each_second_for_a_while(conte
             sent.append(publisher.publish())
         assert sent == [1, 1, 0, 0]  # (at 1 s and 2 s; the while is over at 2.5 s)
         assert [events for _, events in _batches(stream)][-2:] == [[], []]
+
+
+def test_vllms_one_frame_replay_after_a_restart_answers_from_the_first_pools_stream(context, tmp_path):
+    """vLLM's replay request names no topic: the oldest stream answers. After a restart
+    the oldest are the last run's topics being cleared, which no pool speaks on; the
+    request is for the stream of the engine the router follows, the first pool's."""
+    path = tmp_path / "ledger"
+    _last_run(context, tmp_path, path, [(b"old", 1)])
+    again = _run(context, tmp_path, StreamLedger(path))
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(again.replay_endpoint)
+        pool = again.stream(b"new", data_parallel_rank=2)
+        pool.removed([7], MEDIUM_CPU)
+        again.publish()
+        replies = ask(again, dealer, seq8(0))
+        assert {r[1] for r in replies[:-1]} == {b"new"}
+        assert decode(replies[-2][3]).events[-1].block_hashes == [7]
+        dealer.close(linger=0)
+    finally:
+        again.close()

@@ -453,8 +453,8 @@ class EventPublisher:
         self._left_next = min(self._left_next, now + LEFT_RESEND_S) if self._left else now + LEFT_RESEND_S
 
     def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
-        """The stream of ``topic``, created on first use (the oldest one answers vLLM's
-        one-frame replay requests); one that was ending goes on."""
+        """The stream of ``topic``, created on first use (the oldest one a pool speaks on
+        answers vLLM's one-frame replay requests); one that was ending goes on."""
         key = topic.encode() if isinstance(topic, str) else bytes(topic)
         found = self._streams.get(key)
         ending = key in self._ending or key in self._left
@@ -599,8 +599,9 @@ class EventPublisher:
         if body and not body[0]:  # the empty delimiter of a REQ socket (or a DEALER that mimics one)
             body = body[1:]
         stream = None
-        if len(body) == 1:
-            stream = next(iter(self._streams.values()), None)
+        if len(body) == 1:  # (the oldest stream a pool speaks on: not a last run's being cleared)
+            stream = next((s for topic, s in self._streams.items() if topic not in self._left),
+                          next(iter(self._streams.values()), None))
         elif len(body) == 2:
             stream = self._streams.get(body[0])
         if stream is None or len(body[-1]) != 8:

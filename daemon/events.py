@@ -22,7 +22,7 @@ this one sent even if the wall clock went back meanwhile, and ends, with
 
 A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
-first stream) or ``[topic, start_seq8]``, and gets ``[b"", topic, seq8, payload]`` for
+first pool's stream) or ``[topic, start_seq8]``, and gets ``[b"", topic, seq8, payload]`` for
 each batch still in the stream's ring, then the end marker ``[b"", b"", -1 as 8 bytes,
 b""]``. Every request gets its end marker, in the order asked: a reply that fills the
 client's queue goes on as the client reads (the owner's next turns), up to

@@ -12,6 +12,11 @@
 # Uses the machine's own torch / triton (a venv with --system-site-packages), installs
 # hicache itself without dependencies, so it needs no network. Packages the machine
 # lacks come as wheels in .whl/ (scripts/gpu_wheels.sh makes them where pip works).
+# Each step is time-boxed (BENCH_TIMEOUT_S, TESTS_TIMEOUT_S, TEST_TIMEOUT_S a test),
+# so that the whole script ends well inside a 10-minute lease, and one that fails or
+# hangs does not keep the others from running: the benchmark comes first (its figures
+# are what an operator needs, whatever the tests say), and a summary of every step,
+# with the benchmark's figures, is printed last. Exits non-zero if any step failed.
 # On the device tool, from here:
 #   scripts/gpu_wheels.sh, then run with carry [".whl"] and the command
 #   PYTHONUNBUFFERED=1 scripts/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log
@@ -19,18 +24,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GPU_CHECK_VENV:-/tmp/hicache-gpu-venv}
 BASE_PYTHON=${BASE_PYTHON:-python3}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-360}
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-150}
+PIP=("$VENV/bin/python" -m pip)
 if [ ! -x "$VENV/bin/python" ]; then
-    "$BASE_PYTHON" -m venv "$VENV"
+    # A base Python without ensurepip (Debian's, without python3-venv) makes no venv
+    # with pip in it: make one without, and install into it with the base's own pip.
+    if ! "$BASE_PYTHON" -m venv "$VENV"; then
+        rm -rf "$VENV"
+        "$BASE_PYTHON" -m venv --without-pip "$VENV"
+    fi
     # The machine's packages stay visible behind ours. --system-site-packages is not
     # enough: where python3 is itself a venv (the device image's is), a venv made from
     # it sees the base interpreter's packages, not that venv's torch.
     "$BASE_PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
         >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_machine_site.pth"
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$VENV/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl
+if ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    PIP=("$BASE_PYTHON" -m pip --python "$VENV/bin/python")
 fi
-"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "${PIP[@]}" install -q --no-index --no-deps .whl/*.whl
+fi
+"${PIP[@]}" install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
 # Every import hicache and its GPU tests need, named when missing (not a traceback
 # from the middle of a test).
 "$VENV/bin/python" - <<'PY'
@@ -51,7 +68,46 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
       f"device {torch.cuda.get_device_name(0)}")
 PY
 unset TRITON_INTERPRET
+command -v nvidia-smi >/dev/null && nvidia-smi -L || true
+
+# step NAME SECONDS COMMAND...: run one step under its time box (its process group
+# killed past it), note how it ended for the summary, and go on whatever happened.
 status=0
-"$VENV/bin/python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider || status=$?
-"$VENV/bin/python" benchmarks/bench_copy.py --device cuda --pages "${PAGES:-512}" --pool-pages "${POOL_PAGES:-1024}" --json || status=$?
+summary=()
+step() {
+    local name=$1 seconds=$2 rc=0
+    shift 2
+    echo "== $name (at most ${seconds} s)"
+    timeout -k 10 "$seconds" "$@" || rc=$?
+    case $rc in
+        0) summary+=("$name: ok") ;;
+        124 | 137) summary+=("$name: TIMED OUT after ${seconds} s"); status=1 ;;
+        *) summary+=("$name: FAILED (exit $rc)"); status=1 ;;
+    esac
+}
+
+export BENCH_LOG
+BENCH_LOG=$(mktemp)
+step "bench_copy --device cuda" "$BENCH_TIMEOUT_S" bash -c '"$@" 2>&1 | tee "$BENCH_LOG"; exit "${PIPESTATUS[0]}"' _ \
+    "$VENV/bin/python" benchmarks/bench_copy.py --device cuda --pages "${PAGES:-512}" --pool-pages "${POOL_PAGES:-1024}" --json
+# A test that hangs in Python is stopped by pytest-timeout where the machine has it (the
+# rest still run); one stuck in a CUDA call, by the step's time box.
+per_test=()
+if "$VENV/bin/python" -c "import pytest_timeout" 2>/dev/null; then
+    per_test=(--timeout "$TEST_TIMEOUT_S")
+fi
+step "pytest -m gpu tests/gpu" "$TESTS_TIMEOUT_S" \
+    "$VENV/bin/python" -m pytest -q -rA -m gpu tests/gpu -p no:cacheprovider "${per_test[@]}"
+
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+figures=$(grep '^{' "$BENCH_LOG" | tail -n 1 || true)
+if [ -n "$figures" ]; then
+    "$VENV/bin/python" -c 'import json, sys
+for key, value in json.loads(sys.argv[1]).items():
+    print(f"  {key} = {value:.2f}" if isinstance(value, float) else f"  {key} = {value}")' "$figures"
+else
+    echo "  (no benchmark figures)"
+fi
+rm -f "$BENCH_LOG"
 exit $status

@@ -2,9 +2,11 @@ import os
 import pickle
 import signal
 import socket
+import types
 
 import numpy as np
 import pytest
+import torch
 
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
 from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
@@ -246,3 +248,69 @@ def test_gpu_mode_waits_on_a_layers_event_only_once_the_ring_says_it_was_recorde
         with pytest.raises(LoadFailed):
             waiter.wait_layer(ticket, layer, timeout_s=30)
     assert events.waited == [(ticket, 0)]
+
+
+class _FakeCuda:
+    """torch.cuda's event contract on a machine without CUDA (c10/cuda/CUDAEvent.h): an
+    event is created lazily, on the device of the stream it is first recorded on or, if
+    ``ipc_handle()`` comes first, on the current device (``torch.cuda.device(...)`` at
+    construction does not bind it); recording it on another device's stream fails."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+                assert interprocess and not enable_timing  # (interprocess events cannot time)
+                self.device = None
+
+            def ipc_handle(self):
+                if self.device is None:
+                    self.device = fake.current
+                return bytes([self.device]) * 64
+
+            def record(self, stream):
+                if self.device is None:
+                    self.device = stream.device
+                if self.device != stream.device:
+                    raise RuntimeError(f"Event device index {self.device} does not match recording stream's "
+                                       f"device index {stream.device}")
+
+        self.Event = Event
+
+    def device(self, index):
+        fake = self
+
+        class _Guard:
+            def __enter__(self):
+                self.previous, fake.current = fake.current, index
+
+            def __exit__(self, *exc):
+                fake.current = self.previous
+
+        return _Guard()
+
+
+def test_gpu_mode_events_belong_to_the_pools_device_whatever_the_current_device(monkeypatch):
+    """A pool on a second GPU: its ring's events must be created there, where the
+    daemon's copy stream records them, and their IPC handles opened there by the
+    engine. The daemon hands the handles out on its owner thread, whose current device
+    is the first (before, the events were created lazily by that first ipc_handle(),
+    on device 0, and every load of the pool failed at its first record)."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "device", fake.device)
+    counters = LayerCounters(num_slots=2, num_layers=3, cuda_device=1)
+    try:
+        handle = counters.handle(b"token")
+        assert handle.device == 1
+        assert {h[0] for h in handle.event_handles} == {1}
+        ticket = counters.begin()
+        stream = types.SimpleNamespace(device=1)  # (CudaCopy's stream on cuda:1)
+        for layer in range(3):
+            counters.events.record(ticket, layer, stream)
+            counters.complete_layer(ticket, layer)
+        counters.finish(ticket)
+    finally:
+        counters.close()

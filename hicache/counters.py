@@ -269,25 +269,33 @@ class LayerWaiter:
 class CudaLayerEvents:
     """A slot x layer grid of interprocess CUDA events."""
 
-    def __init__(self, events: list[list[Any]], device: int) -> None:
+    def __init__(self, events: list[list[Any]], device: int, handles: tuple[bytes, ...] = ()) -> None:
         self._events = events
         self.device = device
+        self._handles = handles
 
     @classmethod
     def create(cls, num_slots: int, num_layers: int, device: int) -> "CudaLayerEvents":
+        """Events of ``device``. Torch creates a CUDA event lazily — on the device of its
+        first record's stream, or on the current device at its first ``ipc_handle()`` —
+        so the handles are taken here, with ``device`` current: taken later, on a thread
+        whose current device is another, they would create the events there, and every
+        record on ``device``'s copy stream would fail."""
         with torch.cuda.device(device):
             events = [[torch.cuda.Event(interprocess=True) for _ in range(num_layers)] for _ in range(num_slots)]
-        return cls(events, device)
+            handles = tuple(ev.ipc_handle() for row in events for ev in row)
+        return cls(events, device, handles)
 
     @classmethod
     def open(cls, handle: CountersHandle) -> "CudaLayerEvents":
         device = torch.device("cuda", handle.device)
         flat = [torch.cuda.Event.from_ipc_handle(device, h) for h in handle.event_handles]
         layers = handle.num_layers
-        return cls([flat[s * layers : (s + 1) * layers] for s in range(handle.num_slots)], handle.device)
+        return cls([flat[s * layers : (s + 1) * layers] for s in range(handle.num_slots)], handle.device,
+                   tuple(handle.event_handles))
 
     def ipc_handles(self) -> tuple[bytes, ...]:
-        return tuple(ev.ipc_handle() for row in self._events for ev in row)
+        return self._handles
 
     def record(self, ticket: Ticket, layer: int, stream: Any) -> None:
         self._events[ticket.slot][layer].record(stream)

@@ -180,6 +180,49 @@ def _payload_with_marker(key: bytes, size: int) -> tuple[np.ndarray, bytes]:
     return payload, marker
 
 
+def test_a_read_error_in_one_records_bytes_names_it_and_the_others_are_judged_on_their_own(
+        open_store, tmp_path, monkeypatch):
+    """The slab's bytes under one record of a get fail with EIO at every read (a bad
+    sector), the other records beside it, in the same run of slots: the get reads the
+    run again one record at a time, copies the others, and raises RecordsUnreadable —
+    a StorageUnavailable that names the unreadable record and carries what it found of
+    the others — so one bad record does not make the others of a read unknown. The
+    unreadable record is neither counted corrupt nor deleted."""
+    import errno
+
+    from hicache.errors import StorageUnavailable
+
+    size = 20_000
+    keys = [key_of(("sector", i)) for i in range(4)]
+    store = open_store()
+    payloads = {key: _payload_with_marker(key, size) for key in keys}
+    store.put([record(key, size, payload=payloads[key][0]) for key in keys], fingerprint=FP).result()
+    slab = str(tmp_path / "store" / f"slab-{lmdb_backend.slot_bytes_for(size)}.bin")
+    bad = _find_unique(slab, payloads[keys[2]][1]) + 100
+    real_preadv = os.preadv
+    slab_ino = os.stat(slab).st_ino
+
+    def preadv(fd, buffers, offset):
+        length = sum(memoryview(b).nbytes for b in buffers)
+        if os.fstat(fd).st_ino == slab_ino and offset <= bad < offset + length:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+    buffers = [np.zeros(size, dtype=np.uint8) for _ in keys]
+    with pytest.raises(StorageUnavailable) as raised:
+        store.get(keys, buffers, fingerprint=FP)
+    assert getattr(raised.value, "unreadable", None) == [2], "the get did not name the unreadable record"
+    assert raised.value.found == [True, True, False, True]
+    assert all(np.array_equal(buffers[i], payloads[keys[i]][0]) for i in (0, 1, 3))
+    store.flush()
+    assert store.stats().corrupt_records == 0
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys)
+    monkeypatch.setattr(lmdb_backend.os, "preadv", real_preadv)
+    assert np.array_equal(read(store, keys[2], size), payloads[keys[2]][0])
+    store.check_invariants()
+
+
 def _patch_meta(store_path, key: bytes, offset: int, xor: int) -> None:
     """Flip bits of one byte of ``key``'s metadata record, in place."""
     env = lmdb.open(str(store_path), max_dbs=2)

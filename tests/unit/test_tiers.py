@@ -855,6 +855,59 @@ def test_a_disk_read_that_meets_an_eio_keeps_its_records_and_a_later_read_serves
     tm.close()
 
 
+def bad_sector(monkeypatch, store, key):
+    """Every read of the slab bytes under ``key``'s record (as written now) fails with
+    EIO from here on, as over a bad sector; the bytes around it read as usual."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from hicache.storage import lmdb_backend
+
+    store.flush()
+    pattern = expected_page(key)[:64]
+    (slab,) = [p for p in Path(store.path).glob("slab-*.bin") if pattern in p.read_bytes()]
+    bad = slab.read_bytes().index(pattern) + 10
+    inode = slab.stat().st_ino
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):
+        length = sum(memoryview(b).nbytes for b in buffers)
+        if offset <= bad < offset + length and os.fstat(fd).st_ino == inode:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+
+
+def test_an_unreadable_record_cuts_the_load_there_and_every_record_stays(engine, store, monkeypatch):
+    """The third record of a five-page node sits on a bad sector (EIO), the others
+    beside it in one run of slots: the load brings the two pages before it — the store
+    names the unreadable record and judges the others on their own — and nothing is
+    known of the unreadable one, so it and the pages after it stay on disk, a miss
+    (load_failed) this time."""
+    from hicache.metrics import Metrics
+
+    metrics = Metrics()
+    tm, handle = make_tm(engine, host_pages=8, storage=store, metrics=metrics, prefetch_min_pages=16)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    bad_sector(monkeypatch, store, keys[2])
+    loaded = load_all(tm, engine, handle, toks)
+    assert loaded.num_loaded_pages == 2 and len(loaded.device_pages) == 2
+    assert metrics.missed_tokens["load_failed"] == 3 * PS
+    assert metrics.missed_tokens["corrupt_record"] == 0
+    assert disk_pages(tm) == 5, "the unreadable record, or those after it, left the disk tier"
+    match = tm.match(NS, toks, 0).match
+    assert match.num_pages == 5 and match.num_disk_pages == 3
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys)
+    assert store.stats().corrupt_records == 0
+    store.check_invariants()
+    tm.close()
+
+
 def test_a_record_flipped_on_disk_is_dropped_and_the_pages_before_it_load(engine, store):
     """A payload byte of the third page's record flipped in the slab file itself: the
     load brings the two pages before it, and the node is forgotten on disk from it on,

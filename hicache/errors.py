@@ -119,6 +119,18 @@ class StorageUnavailable(HicacheError, RuntimeError):
     code = ErrorCode.STORAGE_UNAVAILABLE
 
 
+class RecordsUnreadable(StorageUnavailable):
+    """A get could not read the bytes of the records at indices ``unreadable`` (an I/O
+    error there: nothing is known of them) and judged the others on their own:
+    ``found`` is the get's answer for those (``False`` at the unreadable ones). A caller
+    that reads it as a plain :class:`StorageUnavailable` loses nothing but the others."""
+
+    def __init__(self, message: str, found: list[bool], unreadable: list[int]) -> None:
+        super().__init__(message)
+        self.found = found
+        self.unreadable = unreadable
+
+
 class UnknownSession(HicacheError, KeyError):
     """No such session: it expired, ended, or the daemon restarted (reconnect)."""
 

@@ -84,9 +84,12 @@ its own transaction (the key may have been rewritten since) and deletes it, so i
 taking capacity. An intact record of another spec fingerprint, or of another size than
 the buffer given for it, is reported missing and counted as well, but kept: deleting it
 would punish a caller bug (the other records of the get are judged on their own). A read that fails
-(EIO, ENOMEM) says nothing about the record: the get raises
-:class:`~hicache.errors.StorageUnavailable` (the caller's read fails as a whole, and the
-records stay), and the writer's second check keeps a record it cannot read.
+says nothing about the record, and the writer's second check keeps a record it cannot
+read. An I/O error (EIO: a bad sector) is the bytes' own: the records of a run whose
+read met one are read again one at a time, and the get judges the others and raises
+:class:`~hicache.errors.RecordsUnreadable`, which names the unreadable ones (kept, not
+counted) and carries what it found of the rest. Any other failure (ENOMEM, ...) fails
+the whole get with :class:`~hicache.errors.StorageUnavailable`, judging no record.
 
 Writes: :meth:`LmdbBackend.put` and :meth:`LmdbBackend.delete` validate on the caller's
 thread and queue an operation; the writer thread (which also opens the environment, so
@@ -163,7 +166,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hicache.errors import HicacheError, InvalidArgument, StorageUnavailable
+from hicache.errors import HicacheError, InvalidArgument, RecordsUnreadable, StorageUnavailable
 from hicache.keys import PAGE_KEY_BYTES, TOKEN_BYTES
 from hicache.spec import FINGERPRINT_BYTES
 from hicache.storage.base import Buffer, PageBatch, PageMeta, PageRecord, PutResult, StorageStats
@@ -560,18 +563,24 @@ class _Slab:
         os.close(self.fd)
 
 
+class _BytesUnreadable(StorageUnavailable):
+    """An I/O error (EIO) reading a slab file: the bytes read, not the store, failed."""
+
+
 def _preadv(slab: _Slab, buffers: list, slot: int, skip: int = 0) -> int:
     """``preadv`` of ``buffers`` from ``skip`` bytes into ``slot`` on: the bytes read, -1
     for an offset past what a file can hold (a damaged slot number: a bad record).
     Raises :class:`StorageUnavailable` if the read itself failed (EIO, ENOMEM, ...): the
-    bytes were never seen, so nothing says the record is bad."""
+    bytes were never seen, so nothing says the record is bad — :class:`_BytesUnreadable`
+    for EIO, which the bytes read cause (ENOMEM says nothing of them)."""
     try:
         return os.preadv(slab.fd, buffers, slot * slab.slot_bytes + skip)
     except (OSError, OverflowError) as exc:
         if isinstance(exc, OverflowError) or exc.errno == errno.EINVAL:
             logger.error("reading %s at slot %d: no such offset (%r)", slab.path, slot, exc)
             return -1
-        raise StorageUnavailable(f"reading {slab.path} failed: {exc}") from exc
+        failure = _BytesUnreadable if exc.errno == errno.EIO else StorageUnavailable
+        raise failure(f"reading {slab.path} failed: {exc}") from exc
 
 
 def _streamed_checksum(slab: _Slab, slot: int, size: int, seed: int,
@@ -619,6 +628,15 @@ def _read_run(slab: _Slab, first: int, run: list[tuple[int, int]], targets: list
         j += len(group)
         slot += len(group)
     return out
+
+
+def _read_one(slab: _Slab, slot: int, i: int, checksum: int, targets: list[np.ndarray], seed_of) -> bool | None:
+    """:func:`_read_run` of the one record ``i`` at ``slot``: whether it is intact,
+    ``None`` if an I/O error kept its bytes from being read."""
+    try:
+        return _read_run(slab, slot, [(i, checksum)], targets, seed_of) == [(i, True)]
+    except _BytesUnreadable:
+        return None
 
 
 class _ReadGate:
@@ -943,8 +961,10 @@ class LmdbBackend:
         record is judged on its own, so one that does not fit fails no other. A failed
         check is counted, and a corrupt record is deleted by the writer (one of another
         size is intact: kept). A hit counts as an access for LRU. Adjacent slots are read
-        with one ``preadv``. Raises :class:`StorageUnavailable` if a read fails (an I/O
-        error: no record is judged)."""
+        with one ``preadv``. Raises :class:`RecordsUnreadable` if the bytes of some
+        records cannot be read (EIO), once the others are judged (it names them and
+        carries the answer for the rest); :class:`StorageUnavailable` if a read fails
+        otherwise (no record is judged)."""
         self._check_usable()
         fingerprint = _require_fingerprint(fingerprint)
         if len(keys) != len(buffers):
@@ -953,6 +973,7 @@ class LmdbBackend:
         targets = [_byte_view(buffer, writable=True) for buffer in buffers]
         found = [False] * len(keys)
         corrupt: list[bytes] = []
+        unreadable: list[int] = []  # (nothing is known of them: neither found nor corrupt)
         num_mismatched = 0
         reads: list[tuple[int, int, int, int]] = []  # (slot bytes, slot, index, checksum)
         unpack = _META_READ.unpack_from
@@ -969,7 +990,11 @@ class LmdbBackend:
                                 and len(value) == META_BYTES + num_token_bytes):
                             reads.append((slot_bytes_for(length), slot, i, checksum))
                             continue
-                    outcome = self._get_other(txn, key, bytes(value), target, fingerprint)
+                    try:
+                        outcome = self._get_other(txn, key, bytes(value), target, fingerprint)
+                    except _BytesUnreadable:
+                        unreadable.append(i)
+                        continue
                     if outcome == "corrupt":
                         corrupt.append(key)
                     elif outcome == "mismatch":
@@ -979,6 +1004,8 @@ class LmdbBackend:
             for i, intact in self._read_slots(reads, keys, targets, fingerprint):
                 if intact:
                     found[i] = True
+                elif intact is None:
+                    unreadable.append(i)
                 else:
                     corrupt.append(keys[i])
         self._record_reads([k for k, hit in zip(keys, found, strict=True) if hit], len(corrupt) + num_mismatched)
@@ -989,6 +1016,10 @@ class LmdbBackend:
                 if not self._closing:  # else a later open meets them again
                     self._queue.append(_PurgeOp(tuple(corrupt)))
                     self._queue_cond.notify()
+        if unreadable:
+            unreadable.sort()
+            raise RecordsUnreadable(f"{len(unreadable)} records in {self._path} cannot be read (an I/O error; first "
+                                    f"{keys[unreadable[0]].hex()})", found, unreadable)
         return found
 
     def _get_other(self, txn, key: bytes, meta: bytes, target: np.ndarray, fingerprint: bytes) -> str:
@@ -1020,10 +1051,12 @@ class LmdbBackend:
         return "found"
 
     def _read_slots(self, reads: list[tuple[int, int, int, int]], keys: list[bytes], targets: list[np.ndarray],
-                    fingerprint: bytes) -> list[tuple[int, bool]]:
+                    fingerprint: bytes) -> list[tuple[int, bool | None]]:
         """Read each ``(slot bytes, slot, index, checksum)`` into ``targets[index]`` and
-        check it: ``(index, intact)``. Runs of adjacent full slots are read in pieces of
-        up to ``_READ_PIECE_BYTES`` (:meth:`_read_run`). Call under the shared gate."""
+        check it: ``(index, intact)``, intact ``None`` where an I/O error kept its bytes
+        from being read. Runs of adjacent full slots are read in pieces of up to
+        ``_READ_PIECE_BYTES`` (:meth:`_read_run`); a run whose read met an I/O error is
+        read again one record at a time, to tell which. Call under the shared gate."""
         seeds: dict[int, int] = {}
 
         def seed_of(i: int) -> int:
@@ -1045,13 +1078,17 @@ class LmdbBackend:
             run = [(i, checksum) for _, _, i, checksum in reads[start:end]]
             start = end
             slab = self._slabs.get(slot_bytes)
-            checked = None if slab is None else _read_run(slab, first, run, targets, seed_of)
+            if slab is None:
+                out.extend((i, False) for i, _ in run)
+                continue
+            try:
+                checked = _read_run(slab, first, run, targets, seed_of)
+            except _BytesUnreadable:
+                checked = None
             if checked is not None:
                 out.extend(checked)
-            elif slab is None:
-                out.extend((i, False) for i, _ in run)
-            else:  # the file ends inside the run (or an offset no file holds): one at a time
-                out.extend((i, _read_run(slab, first + j, [(i, checksum)], targets, seed_of) == [(i, True)])
+            else:  # the file ends inside the run (or an offset no file holds), or an I/O error: one at a time
+                out.extend((i, _read_one(slab, first + j, i, checksum, targets, seed_of))
                            for j, (i, checksum) in enumerate(run))
         return out
 

@@ -1,9 +1,12 @@
 """Disk -> host: reading nodes' records into host pages on the I/O threads. A record
 that is missing, fails its checksum or is not its page's size (the store judges each
 record of a read on its own) cuts the node there: the pages before it stay, the rest is
-forgotten on disk (and deleted). A read whose call fails as a whole (an I/O
-error, LMDB out of reader slots, the store unavailable, no memory) says nothing about
-the records: the pages are a miss this time and stay on disk for the next read."""
+forgotten on disk (and deleted). A record whose bytes the store could not read (an I/O
+error there: it names the record, :class:`~hicache.errors.RecordsUnreadable`, and
+judges the others) cuts the node there too, but says nothing about the record: the
+pages before it load, it and the rest are a miss this time and stay on disk for the
+next read. So does a read whose call fails as a whole (LMDB out of reader slots, the
+store unavailable, no memory): its pages are a miss, and stay."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.errors import RecordsUnreadable
 from hicache.storage.base import StorageBackend
 from hicache.tiers.core import Core
 from hicache.tiers.transfers import Entry, Kind, Transfer
@@ -92,6 +96,9 @@ class DiskReader:
         tree = core.tree
         core.inflight.remove(transfer)
         core.host_staging -= transfer.num_pages
+        unreadable: set[int] = set()
+        if isinstance(error, RecordsUnreadable):  # (the others are judged: cut at the first)
+            found, unreadable, error = error.found, set(error.unreadable), None
         if found is not None:
             core.report(transfer, sum(found))
         tree.unpin(transfer.hold)
@@ -108,29 +115,44 @@ class DiskReader:
             node = entry.node
             n = len(entry.dst)
             ok = np.asarray(found[offset : offset + n], dtype=bool)
+            start = offset
             offset += n
             usable = (not failed and tree.is_live(node) and node.host_pages is None
                       and (node.parent.is_root or node.parent.host_pages is not None))
             good = n if ok.all() else int(np.argmin(ok))
+            kept = good < n and start + good in unreadable  # (nothing is known of it)
             if not usable or good == 0:
                 core.host_alloc.free(entry.dst)
-                if usable and node.on_disk:
+                if usable and kept:
+                    self._unreadable(transfer, node, start)
+                elif usable and node.on_disk:
                     self.disk.drop_bad_records(node)
                 failed = True
                 continue
             if good < n:
-                # The first good pages stay: cut the node there, forget the rest.
+                # The first good pages stay: cut the node there; the rest is forgotten,
+                # or left on disk if its first record could not be read.
                 upper = tree.split(node, good)
                 tree.add_host(upper, entry.dst[:good])
                 _same_swa(tree, upper)
                 core.host_alloc.free(entry.dst[good:])
-                self.disk.drop_bad_records(node)
+                if kept:
+                    self._unreadable(transfer, node, start + good)
+                else:
+                    self.disk.drop_bad_records(node)
                 failed = True
                 continue
             tree.add_host(node, entry.dst)
             _same_swa(tree, node)
             core.note_read(node)
         transfer.finished()
+
+    def _unreadable(self, transfer: Transfer, node: Node, at: int) -> None:
+        """The first record of ``node``, page ``at`` of ``transfer``, could not be read:
+        the pages from it on are a miss this time, and stay on disk."""
+        logger.warning("disk read: the first record of node %d could not be read (kept on disk): %d pages not "
+                       "loaded", node.node_id, transfer.num_pages - at)
+        self.core.metrics.missed("load_failed", (transfer.num_pages - at) * self.core.spec.page_size)
 
 
 def _same_swa(tree: HiRadixTree, node: Node) -> None:

@@ -857,7 +857,8 @@ def test_a_disk_read_that_meets_an_eio_keeps_its_records_and_a_later_read_serves
 
 def bad_sector(monkeypatch, store, key):
     """Every read of the slab bytes under ``key``'s record (as written now) fails with
-    EIO from here on, as over a bad sector; the bytes around it read as usual."""
+    EIO from here on, as over a bad sector, while the event returned is set (it is); the
+    bytes around it read as usual."""
     import errno
     import os
     from pathlib import Path
@@ -870,14 +871,17 @@ def bad_sector(monkeypatch, store, key):
     bad = slab.read_bytes().index(pattern) + 10
     inode = slab.stat().st_ino
     real_preadv = os.preadv
+    failing = threading.Event()
+    failing.set()
 
     def preadv(fd, buffers, offset):
         length = sum(memoryview(b).nbytes for b in buffers)
-        if offset <= bad < offset + length and os.fstat(fd).st_ino == inode:
+        if failing.is_set() and offset <= bad < offset + length and os.fstat(fd).st_ino == inode:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+    return failing
 
 
 def test_an_unreadable_record_cuts_the_load_there_and_every_record_stays(engine, store, monkeypatch):
@@ -904,6 +908,67 @@ def test_an_unreadable_record_cuts_the_load_there_and_every_record_stays(engine,
     store.flush()
     assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys)
     assert store.stats().corrupt_records == 0
+    store.check_invariants()
+    tm.close()
+
+
+def test_a_record_that_stays_unreadable_is_forgotten_after_a_few_failed_reads_in_a_row(
+        engine, store, monkeypatch, caplog):
+    """A bad sector under the third record of a five-page node: each load brings the
+    two pages before it and misses the rest, which stays on disk — until the reads of
+    that node have failed ``UNREADABLE_READS`` times with no good read between. Then the
+    node is forgotten on disk from the unreadable record on and its records deleted,
+    counted (hicache_disk_unreadable_pages_total, miss reason unreadable_record) and
+    logged once, so a match stops promising pages no load can bring and the prefix is
+    computed and written again. A good read between failed ones starts the count again:
+    a failure that passes keeps the records."""
+    import logging
+
+    from hicache.metrics import Metrics
+
+    UNREADABLE_READS = 3  # (hicache.tiers.disk_reads.UNREADABLE_READS)
+    metrics = Metrics()
+    tm, handle = make_tm(engine, host_pages=8, storage=store, metrics=metrics, prefetch_min_pages=16)
+    toks = tokens(100, 5)
+    keys = page_keys(NS, toks, PS)
+    on_disk_only(tm, engine, toks)
+    failing = bad_sector(monkeypatch, store, keys[2])
+
+    def off_host():
+        tm.evict(Tier.DEVICE, 16, 0)
+        tm.evict(Tier.HOST, tm.host_alloc.capacity)
+        settle(tm)
+
+    for _ in range(UNREADABLE_READS - 1):
+        assert load_all(tm, engine, handle, toks).num_loaded_pages == 2
+        off_host()
+    failing.clear()  # (the sector reads again once: the failures so far were passing ones)
+    assert load_all(tm, engine, handle, toks).num_loaded_pages == 5
+    off_host()
+    failing.set()
+    for _ in range(UNREADABLE_READS - 1):
+        assert load_all(tm, engine, handle, toks).num_loaded_pages == 2
+        off_host()
+    assert tm.match(NS, toks, 0).match.num_pages == 5, "failures a good read broke up forgot the records"
+    assert metrics.missed_tokens.get("unreadable_record", 0) == 0
+    with caplog.at_level(logging.WARNING):
+        assert load_all(tm, engine, handle, toks).num_loaded_pages == 2
+    assert tm.match(NS, toks, 0).match.num_pages == 2, "a record unreadable at every read is promised again"
+    assert disk_pages(tm) == 2
+    store.flush()
+    assert sorted(k for k, _ in store.iter_metadata()) == sorted(keys[:2])
+    assert store.stats().corrupt_records == 0
+    assert metrics.registry.get_sample_value("hicache_disk_unreadable_pages_total") == 3
+    assert metrics.missed_tokens.get("unreadable_record", 0) == 3 * PS
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR and "forgotten" in r.getMessage()]) == 1
+    off_host()
+    failing.clear()
+    loaded = load_all(tm, engine, handle, toks)  # (the prefix computed and stored again)
+    assert loaded.num_loaded_pages == 2
+    prefill(tm, engine, toks)
+    settle(tm)
+    tm.flush()
+    assert_on_disk(store, [toks])
     store.check_invariants()
     tm.close()
 

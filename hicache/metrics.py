@@ -26,7 +26,9 @@ hicache_matched_tokens_total                    tier (device, host, disk): token
 hicache_missed_tokens_total                     reason (never_stored, evicted_device,
                                                 evicted_host, evicted_disk,
                                                 namespace_unknown, corrupt_record,
-                                                load_failed, no_room: cached, but no
+                                                load_failed, unreadable_record: a disk
+                                                record no read could get (I/O errors
+                                                at every try), no_room: cached, but no
                                                 room to load it now)
 hicache_load_short_tokens_total                 — (tokens a match reported on host / disk
                                                 that the load could not bring)
@@ -95,6 +97,9 @@ hicache_queue_limit_pages              (gauge)  queue (the bounded ones: host_st
                                                 bound — no spec registered, no disk tier)
 hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (gauges)
 hicache_disk_corrupt_records_total              —
+hicache_disk_unreadable_pages_total             — (pages forgotten on disk because reads
+                                                of their records kept failing with an I/O
+                                                error: a bad sector; computed again)
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
 hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
                                                   restarting its stream with a snapshot)
@@ -142,7 +147,7 @@ REMOTE_OPS = ("lookup", "get", "put")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
-                "corrupt_record", "load_failed", "no_room")
+                "corrupt_record", "load_failed", "unreadable_record", "no_room")
 SESSION_END_REASONS = ("bye", "lease_expired", "replaced", "shutdown", "pool_gone", "revoked")
 AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events", "shed")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")
@@ -195,6 +200,9 @@ class Metrics:
         self.disk_writes_deferred = Counter(
             "hicache_disk_writes_deferred", "Disk writes over the writer's queue bound (retried, not dropped)",
             registry=r)
+        self.disk_unreadable_pages = Counter(
+            "hicache_disk_unreadable_pages",
+            "Pages forgotten on disk because reads of their records kept failing with an I/O error", registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
         self.auth_refusals = Counter("hicache_auth_refused", "Connections (or their messages) refused, by reason",
                                      ["reason"], registry=r)
@@ -282,6 +290,10 @@ class Metrics:
     def disk_write_deferred(self) -> None:
         self.disk_writes_deferred.inc()
 
+    def disk_unreadable(self, num_pages: int) -> None:
+        if num_pages:
+            self.disk_unreadable_pages.inc(num_pages)
+
     def session_ended(self, reason: str) -> None:
         self.sessions_ended.labels(reason).inc()
 
@@ -356,6 +368,7 @@ class NullMetrics:
     def dropped(self, tier: Tier, num_pages: int) -> None: ...
     def backup_deferred(self) -> None: ...
     def disk_write_deferred(self) -> None: ...
+    def disk_unreadable(self, num_pages: int) -> None: ...
     def session_ended(self, reason: str) -> None: ...
     def remote_lookup(self, result: str) -> None: ...
     def remote_pages(self, op: str, result: str, num_pages: int) -> None: ...

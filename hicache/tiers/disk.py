@@ -298,15 +298,17 @@ class LocalDisk:
                 tree.discard(node, Tier.DISK)
                 self.storage.delete([k for n in below for k in n.page_key_list() if k not in wanted])
 
-    def drop_bad_records(self, node: Node) -> None:
-        """A missing or corrupt record: forget ``node`` (and below) on disk, delete. (A
-        read that failed as a whole, an I/O error among the causes, judges no record:
-        :mod:`hicache.tiers.disk_reads` keeps them.)"""
+    def drop_bad_records(self, node: Node, reason: str = "corrupt_record") -> int:
+        """A missing or corrupt record: forget ``node`` (and below) on disk, delete;
+        their tokens are missed for ``reason``. Returns the pages forgotten. (A read that
+        failed as a whole judges no record, and one the store could not read is judged
+        only once its reads keep failing: :mod:`hicache.tiers.disk_reads`.)"""
         keys = self._subtree_keys(node)
         self.core.tree.discard(node, Tier.DISK)
-        self.core.metrics.missed("corrupt_record", len(keys) * self.core.spec.page_size)
+        self.core.metrics.missed(reason, len(keys) * self.core.spec.page_size)
         if keys:
             self.storage.delete(keys)
+        return len(keys)
 
     def _subtree_keys(self, node: Node) -> list[bytes]:
         return [key for n in self._subtree(node) for key in n.page_key_list()]

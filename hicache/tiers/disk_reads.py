@@ -5,7 +5,10 @@ forgotten on disk (and deleted). A record whose bytes the store could not read (
 error there: it names the record, :class:`~hicache.errors.RecordsUnreadable`, and
 judges the others) cuts the node there too, but says nothing about the record: the
 pages before it load, it and the rest are a miss this time and stay on disk for the
-next read. So does a read whose call fails as a whole (LMDB out of reader slots, the
+next read — unless the reads of that node have now failed :data:`UNREADABLE_READS`
+times in a row (a bad sector, not a hiccup): then it is forgotten on disk from that
+record on, like a corrupt one, so matches stop promising pages no read can bring and
+the prefix is computed and written again. So does a read whose call fails as a whole (LMDB out of reader slots, the
 store unavailable, no memory): its pages are a miss, and stay."""
 
 from __future__ import annotations
@@ -26,12 +29,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Failed reads of a node's first record in a row, with no good read between, after
+# which the record counts as bad rather than unread.
+UNREADABLE_READS = 3
+# Nodes whose failed reads are counted at most; past it, those gone from the disk tier
+# are dropped from the count, then the oldest (a node read again fails at most
+# UNREADABLE_READS times more before it goes).
+_MAX_COUNTED_NODES = 1024
+
 
 class DiskReader:
     def __init__(self, core: Core, storage: StorageBackend, disk: "LocalDisk") -> None:
         self.core = core
         self.storage = storage
         self.disk = disk
+        self._failed_reads: dict[int, int] = {}  # node id -> failed reads in a row (see _unreadable)
 
     def read(self, nodes: list[Node]) -> list[Transfer]:
         """Bring disk-only ``nodes`` (a top-down run of one path) to host; returns the
@@ -137,6 +149,7 @@ class DiskReader:
                 _same_swa(tree, upper)
                 core.host_alloc.free(entry.dst[good:])
                 if kept:
+                    self._failed_reads.pop(node.node_id, None)  # (its first record was read: it starts here now)
                     self._unreadable(transfer, node, start + good)
                 else:
                     self.disk.drop_bad_records(node)
@@ -145,14 +158,37 @@ class DiskReader:
             tree.add_host(node, entry.dst)
             _same_swa(tree, node)
             core.note_read(node)
+            self._failed_reads.pop(node.node_id, None)
         transfer.finished()
 
     def _unreadable(self, transfer: Transfer, node: Node, at: int) -> None:
         """The first record of ``node``, page ``at`` of ``transfer``, could not be read:
-        the pages from it on are a miss this time, and stay on disk."""
-        logger.warning("disk read: the first record of node %d could not be read (kept on disk): %d pages not "
-                       "loaded", node.node_id, transfer.num_pages - at)
-        self.core.metrics.missed("load_failed", (transfer.num_pages - at) * self.core.spec.page_size)
+        the pages from it on are a miss this time, and stay on disk — unless this is the
+        :data:`UNREADABLE_READS`-th failed read of ``node`` in a row: then it is forgotten
+        on disk (and below), its records deleted, and that is logged once."""
+        core = self.core
+        failures = self._failed_reads.pop(node.node_id, 0) + 1
+        if failures >= UNREADABLE_READS:
+            num_pages = self.disk.drop_bad_records(node, "unreadable_record")
+            core.metrics.disk_unreadable(num_pages)
+            logger.error("disk read: the first record of node %d failed %d reads in a row: %d pages forgotten on "
+                         "disk (their records deleted), to be computed again", node.node_id, failures, num_pages)
+            return
+        self._count(node.node_id, failures)
+        logger.warning("disk read: the first record of node %d could not be read (kept on disk, %d failed reads in "
+                       "a row): %d pages not loaded", node.node_id, failures, transfer.num_pages - at)
+        core.metrics.missed("load_failed", (transfer.num_pages - at) * core.spec.page_size)
+
+    def _count(self, node_id: int, failures: int) -> None:
+        """Note ``failures`` for node ``node_id``, within :data:`_MAX_COUNTED_NODES`."""
+        counted = self._failed_reads
+        if len(counted) >= _MAX_COUNTED_NODES:
+            tree = self.core.tree
+            for gone in [i for i in counted if (n := tree.find(i)) is None or not n.on_disk]:
+                del counted[gone]
+            while len(counted) >= _MAX_COUNTED_NODES:
+                del counted[next(iter(counted))]
+        counted[node_id] = failures
 
 
 def _same_swa(tree: HiRadixTree, node: Node) -> None:

@@ -326,6 +326,53 @@ def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engin
     tm.close()
 
 
+def test_a_checkpoint_record_unreadable_at_every_read_is_dropped_after_a_few_reads_in_a_row(engine, store):
+    """The store cannot read a checkpoint's record (an I/O error on its bytes, named by
+    the get: RecordsUnreadable) at every try: each restore misses and keeps the record,
+    until 3 reads in a row have failed with no good one between — then the checkpoint's
+    disk copy goes (its record deleted, the checkpoint counted lost) and its node is no
+    hit end, instead of every later match ending there and every restore failing. A
+    good read between failed ones starts the count again."""
+    from hicache.errors import RecordsUnreadable
+
+    tm = make_tm(engine, storage=store, host_checkpoints=1)
+    a, b = tokens(100, 2), tokens(500, 2)
+    prefill(tm, engine, a, [(2, 61)])
+    tm.flush()
+    prefill(tm, engine, b, [(2, 62)])  # one host slot: a's checkpoint is on disk only
+    tm.flush()
+    key = checkpoint_key(tm.match(NS, a, 0).match.node.last_page_key)
+    original, failing = store.get, [True]
+
+    def bad_sector(keys, buffers, *, fingerprint):
+        if key in keys and failing[0]:
+            raise RecordsUnreadable("an I/O error", [False] * len(keys), [list(keys).index(key)])
+        return original(keys, buffers, fingerprint=fingerprint)
+
+    def restore_b():  # (b's checkpoint takes the host slot back, so a's is on disk only again)
+        assert load_state(tm, engine, b)[:2] == (2, True)
+
+    store.get = bad_sector
+    for _ in range(2):
+        assert load_state(tm, engine, a)[:2] == (2, False)
+    failing[0] = False
+    assert load_state(tm, engine, a)[:2] == (2, True)
+    restore_b()
+    failing[0] = True
+    for _ in range(2):
+        assert load_state(tm, engine, a)[:2] == (2, False)
+    assert tm.checkpoints.count()[1] == 2, "failures a good read broke up dropped the checkpoint"
+    assert load_state(tm, engine, a)[:2] == (2, False)
+    assert tm.checkpoints.count()[1] == 1, "a checkpoint record unreadable at every read stays a hit end"
+    assert tm.match(NS, a, 0).match.node.parent is None
+    assert tm.checkpoints.lost == 1
+    store.get = original
+    store.flush()
+    assert key not in dict(store.iter_metadata()), "the unreadable record was kept in the store"
+    tm.check_invariants()
+    tm.close()
+
+
 def test_a_checkpoint_record_of_another_size_is_dropped_not_read_again_and_again(engine, store):
     """An intact record under a checkpoint's key whose payload is not a state slot's
     size (the store reads it as missing, the same at every try): the

@@ -12,8 +12,9 @@ tree node that ends at that boundary (the tree is split there). Then:
   is never a hit end;
 * a load with a state slot copies the checkpoint there before any layer's pages
   (:meth:`Checkpoints.restore`), reading it from disk first if it has no host copy (a
-  read whose call fails as a whole is a miss that keeps the disk copy; a record found
-  missing or bad is dropped);
+  read whose call fails as a whole is a miss that keeps the disk copy, and so is one
+  the store could not read — until that has happened ``UNREADABLE_READS`` times in a
+  row: then it is dropped and deleted, like a record found missing or bad);
 * with a disk tier, every checkpoint is written through to disk (one record, keyed by
   :func:`checkpoint_key` of its boundary's page key, its metadata's parent that page key
   and its tokens empty), so a restarted daemon gets it back
@@ -45,11 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from hicache.errors import InvalidArgument
+from hicache.errors import InvalidArgument, RecordsUnreadable
 from hicache.keys import PAGE_KEY_BYTES
 from hicache.pages import PageAllocator
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.tiers.core import Core
+from hicache.tiers.disk_reads import UNREADABLE_READS
 from hicache.tiers.devices import DevicePoolState
 from hicache.tiers.transfers import Kind, Transfer
 from hicache.tree import Node
@@ -66,7 +68,8 @@ def checkpoint_key(page_key: bytes) -> bytes:
 class Checkpoint:
     """The state after ``node``'s last page. ``host``: its host state slot (-1: none);
     ``ready``: its bytes have landed; ``pins``: copies reading its host slot now;
-    ``dead``: its node is gone (the slot is freed when the last pin goes)."""
+    ``dead``: its node is gone (the slot is freed when the last pin goes);
+    ``failed_reads``: reads of its disk record the store could not do, in a row."""
 
     node: Node
     key: bytes
@@ -77,6 +80,7 @@ class Checkpoint:
     pins: int = 0
     dead: bool = False
     device: dict[int, int] = field(default_factory=dict)  # pool id -> that pool's checkpoint slot
+    failed_reads: int = 0
 
 
 class Checkpoints:
@@ -225,13 +229,24 @@ class Checkpoints:
 
         def done(found, error: BaseException | None) -> None:
             self.busy -= 1
+            if isinstance(error, RecordsUnreadable):
+                cp.failed_reads += 1
+            elif error is None:  # (a read that failed as a whole says nothing of the record)
+                cp.failed_reads = 0
             if error is None and found and cp.host < 0 and not cp.dead:
                 cp.host = host
                 self.on_host[host] = cp
                 self._to_device(cp, pool, slot, future)
                 return
             self.alloc.free(np.array([host], dtype=np.int32))
-            if error is not None:
+            if cp.failed_reads >= UNREADABLE_READS and cp.on_disk and not cp.dead:
+                # The store could not read its bytes at any of these tries (a bad
+                # sector): a record no read gets, which every match would end at.
+                logger.error("checkpoint record %s failed %d reads in a row: dropped and deleted", key.hex(),
+                             cp.failed_reads)
+                self._lose_disk(cp)
+                storage.delete([key])
+            elif error is not None:
                 # The call failed as a whole (an I/O error, LMDB out of reader slots, the
                 # store unavailable): nothing is known of the record, which stays.
                 logger.error("checkpoint record %s not read (kept on disk): %s", key.hex(), error)

@@ -290,6 +290,18 @@ def test_a_lost_checkpoint_record_makes_the_hit_shorter_not_wrong(engine, store)
     tm.close()
 
 
+def _a_on_disk_only(tm, engine):
+    """Prompts a and b with checkpoints (labels 61, 62), written to disk; the manager's
+    one host slot holds b's, so a's is on disk only. (a, b, a's checkpoint key)."""
+    a, b = tokens(100, 2), tokens(500, 2)
+    prefill(tm, engine, a, [(2, 61)])
+    tm.flush()
+    prefill(tm, engine, b, [(2, 62)])
+    tm.flush()
+    assert tm.checkpoints.count() == (1, 2, 0)
+    return a, b, checkpoint_key(tm.match(NS, a, 0).match.node.last_page_key)
+
+
 def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engine, store):
     """The read of a checkpoint's disk record fails as a whole (LMDB out of reader
     slots; an EIO alike): that restore misses, but nothing is known about the record —
@@ -298,13 +310,7 @@ def test_a_checkpoint_read_that_raises_once_is_a_miss_and_keeps_the_record(engin
     import lmdb
 
     tm = make_tm(engine, storage=store, host_checkpoints=1)
-    a, b = tokens(100, 2), tokens(500, 2)
-    prefill(tm, engine, a, [(2, 61)])
-    tm.flush()
-    prefill(tm, engine, b, [(2, 62)])  # one host slot: a's checkpoint is on disk only
-    tm.flush()
-    assert tm.checkpoints.count() == (1, 2, 0)
-    key = checkpoint_key(tm.match(NS, a, 0).match.node.last_page_key)
+    a, b, key = _a_on_disk_only(tm, engine)
     original, calls = store.get, []
 
     def fails_once(keys, buffers, *, fingerprint):
@@ -336,12 +342,7 @@ def test_a_checkpoint_record_unreadable_at_every_read_is_dropped_after_a_few_rea
     from hicache.errors import RecordsUnreadable
 
     tm = make_tm(engine, storage=store, host_checkpoints=1)
-    a, b = tokens(100, 2), tokens(500, 2)
-    prefill(tm, engine, a, [(2, 61)])
-    tm.flush()
-    prefill(tm, engine, b, [(2, 62)])  # one host slot: a's checkpoint is on disk only
-    tm.flush()
-    key = checkpoint_key(tm.match(NS, a, 0).match.node.last_page_key)
+    a, b, key = _a_on_disk_only(tm, engine)
     original, failing = store.get, [True]
 
     def bad_sector(keys, buffers, *, fingerprint):

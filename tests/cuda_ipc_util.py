@@ -7,6 +7,9 @@ import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 SHM = Path("/dev/shm")
 # What torch writes: /dev/shm/torch_<pid>_<random>_<n>, a 64-byte header and then 10,000
@@ -119,11 +122,41 @@ def hostile(nbytes: int, files: RefCounters) -> list[tuple[str, dict, str]]:
         ("a negative tensor offset", {"offset": -256}, "offset"),
         ("not contiguous", {"stride": [2]}, "stride"),
         ("a negative device", {"device": -1}, "device"),
+        ("a GPU uuid that is not text", {"device_uuid": 3}, "device_uuid"),
+        ("a GPU uuid longer than any", {"device_uuid": "GPU-" + "0" * 300}, "device_uuid"),
         ("no memory handle", {"handle": b""}, "handle"),
         ("an event to wait on without its handle", {"event_handle": b""}, "event_handle"),
         ("an event handle of the wrong size", {"event_handle": b"e" * 8}, "event_handle"),
     ]
     return [(what, description(nbytes, own, **changes), field) for what, changes, field in cases]
+
+
+class VisibleGpus:
+    """torch.cuda as one process of a node with four GPUs sees it: ``visible`` lists the
+    node's GPUs it sees, in order (``CUDA_VISIBLE_DEVICES``), which are its ``cuda:0``,
+    ``cuda:1``, ...; each reports the same UUID (``get_device_properties(i).uuid``) in
+    every process, whatever its index there."""
+
+    NODE = tuple(uuid.UUID(int=0x1D_0000 + gpu) for gpu in range(4))
+
+    def __init__(self, monkeypatch, visible: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+        self.visible = visible
+        self.current = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(self.visible))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", self.properties)
+
+    def properties(self, device) -> SimpleNamespace:
+        index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
+        if not 0 <= index < len(self.visible):
+            raise AssertionError("Invalid device id")  # (what torch raises)
+        return SimpleNamespace(name="fake GPU", uuid=self.NODE[self.visible[index]])
+
+    @classmethod
+    def uuid(cls, gpu: int) -> str:
+        """What ``str()`` of the node's GPU ``gpu``'s UUID reads, in any process."""
+        return str(cls.NODE[gpu])
 
 
 def another_users(nbytes: int, files: RefCounters) -> dict:

@@ -4,12 +4,13 @@ torch records what would have been opened; tests/gpu checks the allocation bound
 
 import gc
 import os
+import types
 import weakref
 
 import pytest
 import torch
 
-from cuda_ipc_util import another_users, description, hostile, ref_counters
+from cuda_ipc_util import VisibleGpus, another_users, description, hostile, ref_counters
 from hicache import cuda_ipc
 from hicache import protocol as p
 from hicache.config import DaemonConfig
@@ -153,6 +154,7 @@ class Opened:
     def __init__(self, monkeypatch, allocation: tuple[int, int]) -> None:
         self.allocation = allocation
         self.tensors = []
+        self.devices = []
         self.asked = []
         monkeypatch.setattr(cuda_ipc, "rebuild_cuda_tensor", self.rebuild)
         monkeypatch.setattr(cuda_ipc, "allocation_range", self.allocation_range)
@@ -161,6 +163,7 @@ class Opened:
 
     def rebuild(self, cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size_bytes,
                 storage_offset_bytes, *rest):
+        self.devices.append(device)
         storage = torch.zeros(storage_size_bytes, dtype=torch.uint8)
         self.mapped = storage.data_ptr() - storage_offset_bytes
         tensor = storage.as_strided(size, stride, offset)
@@ -210,3 +213,61 @@ def test_a_description_is_parsed_into_its_fields():
     for bad in (None, [], {}, cuda | {"size": 4096}, cuda | {"offset": True}, cuda | {"extra": 1}):
         with pytest.raises(InvalidArgument):
             cuda_ipc.parse(bad)
+
+
+@pytest.mark.parametrize("kind", POOLS)
+def test_a_pool_is_opened_on_the_gpu_its_engine_names_whatever_its_index_here(daemon, opened, monkeypatch, kind):
+    """The common deployment: the engine runs with CUDA_VISIBLE_DEVICES=3 (its GPU is
+    its cuda:0) and the daemon, a sidecar for the node, sees every GPU (that one is its
+    cuda:3). The description names the GPU by UUID besides the engine's index, and the
+    daemon opens it on its own index of that GPU (before, on its cuda:0: another GPU)."""
+    make, nbytes = POOLS[kind]
+    gpus = VisibleGpus(monkeypatch)
+    with ref_counters() as files:
+        cuda = description(nbytes, files.file(), device=0, device_uuid=gpus.uuid(3))
+        refused(register(daemon, **make(cuda)), ErrorCode.INVALID_ARGUMENT, "cannot open the CUDA IPC handle")
+    assert [args[6] for args in opened] == [3]
+
+
+def test_an_opened_pools_allocation_is_asked_of_the_gpu_it_was_opened_on(monkeypatch):
+    with ref_counters() as files:
+        cuda = description(4096, files.file(), device=0, device_uuid=VisibleGpus.uuid(2))
+        stand_in = Opened(monkeypatch, (0, 4096 + 4608))
+        VisibleGpus(monkeypatch, visible=(1, 2))
+        cuda_ipc.open_tensor(cuda, 4096, uid=os.getuid())
+    assert stand_in.devices == [1] and stand_in.asked == [(stand_in.mapped, 1)]
+
+
+@pytest.mark.parametrize("kind", POOLS)
+def test_a_gpu_not_visible_to_the_daemon_is_refused_before_anything_is_opened(daemon, opened, monkeypatch, kind):
+    """The engine's GPU is outside the daemon's CUDA_VISIBLE_DEVICES: no index of the
+    daemon's is that GPU, and its cuda:0 (the engine's index) is another."""
+    make, nbytes = POOLS[kind]
+    gpus = VisibleGpus(monkeypatch, visible=(0, 1))
+    with ref_counters() as files:
+        cuda = description(nbytes, files.file(), device=0, device_uuid=gpus.uuid(3))
+        refused(register(daemon, **make(cuda)), ErrorCode.INVALID_ARGUMENT, f"GPU {gpus.uuid(3)} is not visible here")
+    assert not opened
+
+
+@pytest.mark.parametrize("kind", POOLS)
+def test_a_description_without_a_gpu_uuid_is_opened_on_its_index(daemon, opened, monkeypatch, kind):
+    """An engine older than the UUID: its index, as before (right where both processes
+    see the same GPUs)."""
+    make, nbytes = POOLS[kind]
+    VisibleGpus(monkeypatch)
+    with ref_counters() as files:
+        refused(register(daemon, **make(description(nbytes, files.file(), device=2))), ErrorCode.INVALID_ARGUMENT,
+                "cannot open the CUDA IPC handle")
+    assert [args[6] for args in opened] == [2]
+
+
+def test_an_exported_description_names_its_gpu_by_uuid(monkeypatch):
+    gpus = VisibleGpus(monkeypatch, visible=(3,))  # the engine's view: CUDA_VISIBLE_DEVICES=3
+    torchs = (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"h" * 64,
+              4608, 4096, False, b"/torch_1_2_3", 0, b"e" * 64, True)  # reduce_tensor's arguments of a cuda:0 tensor
+    monkeypatch.setattr(cuda_ipc, "reduce_tensor", lambda tensor: (cuda_ipc.rebuild_cuda_tensor, torchs))
+    exported = cuda_ipc.export_tensor(types.SimpleNamespace(is_cuda=True))
+    assert (exported["device"], exported["device_uuid"]) == (0, gpus.uuid(3))
+    assert p.as_dict(p.from_dict(p.CudaIpcMsg, exported)) == exported
+    assert cuda_ipc.parse(exported).device_uuid == gpus.uuid(3)

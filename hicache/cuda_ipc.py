@@ -25,6 +25,11 @@ untrusted input: the daemon checks them all before anything is opened
   needs, inside the storage.
 * ``event_handle``: a 64-byte ``cudaIpcEventHandle_t`` when ``event_sync_required``
   (torch reads 64 bytes of it).
+* ``device_uuid`` (optional, absent from older engines): the GPU's UUID. ``device`` is
+  the engine's index of it, and the daemon's may differ — an engine started with
+  ``CUDA_VISIBLE_DEVICES=3`` calls it ``cuda:0``, a daemon that sees every GPU of the
+  node ``cuda:3`` — so the handle is opened on the daemon's index of that UUID
+  (:func:`local_device`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ _FIELDS = (
     "size", "stride", "offset", "device", "handle", "storage_size_bytes", "storage_offset_bytes",
     "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required",
 )
+_OPTIONAL_FIELDS = ("device_uuid",)
 SHM_DIR = Path("/dev/shm")
 REF_COUNTERS = 10_000  # torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: the int64 counters of one file
 REF_COUNTER_FILE_BYTES = 64 + 8 * REF_COUNTERS  # at::RefcountedMapAllocator's header, then the counters
@@ -54,6 +60,28 @@ EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_HANDLE_BYTES = 4096  # a cudaIpcMemHandle_t is 64 bytes; torch's expandable-segment form more
 _REF_COUNTER_NAME = re.compile(rb"/[A-Za-z0-9._-]{1,255}")  # torch's: /torch_<pid>_<random>_<n>
 _I62 = 1 << 62  # sizes and offsets beyond this are nonsense (and would overflow int64 sums)
+MAX_UUID_CHARS = 64  # str() of a CUDA UUID: 36, or 40 as "GPU-<uuid>"
+
+
+def device_uuid(index: int) -> str:
+    """What names GPU ``index`` of this process in every process: its UUID, whatever
+    ``CUDA_VISIBLE_DEVICES`` makes its index."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_device(index: int, uuid: str | None) -> int:
+    """This process's index of the GPU another process calls ``index`` and names
+    ``uuid`` (:func:`device_uuid`). Without a UUID — a peer older than it — the index
+    is taken as it is, which is right only where both processes see the same GPUs.
+    Raises ``InvalidArgument`` for a GPU this process does not see."""
+    if uuid is None:
+        if not 0 <= index < torch.cuda.device_count():
+            raise InvalidArgument(f"no CUDA device {index} here")
+        return index
+    for here in range(torch.cuda.device_count()):
+        if device_uuid(here) == uuid:
+            return here
+    raise InvalidArgument(f"GPU {uuid} is not visible here")
 
 
 def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:
@@ -65,13 +93,13 @@ def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:
      ref_handle, ref_offset, event_handle, event_sync) = args
     values = (list(size), list(stride), offset, device, handle, storage_size, storage_offset,
               ref_handle, ref_offset, event_handle, event_sync)
-    return dict(zip(_FIELDS, values))
+    return dict(zip(_FIELDS, values)) | {"device_uuid": device_uuid(device)}
 
 
 _TYPES = {
     "size": list, "stride": list, "offset": int, "device": int, "handle": bytes, "storage_size_bytes": int,
     "storage_offset_bytes": int, "ref_counter_handle": bytes, "ref_counter_offset": int, "event_handle": bytes,
-    "event_sync_required": bool,
+    "event_sync_required": bool, "device_uuid": str,
 }
 
 
@@ -91,6 +119,7 @@ class CudaIpcHandle:
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
+    device_uuid: str | None = None
 
     @property
     def segment_id(self) -> tuple:
@@ -104,9 +133,12 @@ def _bad(what: str) -> InvalidArgument:
 
 def parse(description: Any) -> CudaIpcHandle:
     """Every field present, of its type, and sound on its own. Opens nothing."""
-    if not isinstance(description, dict) or set(description) != set(_FIELDS):
+    names = set(description) if isinstance(description, dict) else set()
+    if not set(_FIELDS) <= names <= {*_FIELDS, *_OPTIONAL_FIELDS}:
         raise _bad("not a mapping of exactly the fields of export_tensor()")
     for name, kind in _TYPES.items():
+        if name not in names:
+            continue
         value = description[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise _bad(f"{name} has type {type(value).__name__}")
@@ -115,7 +147,7 @@ def parse(description: Any) -> CudaIpcHandle:
             raise _bad(f"{name} must be one int (a flat buffer)")
     if description["stride"] != [1]:
         raise _bad(f"stride must be [1] (contiguous bytes), got {description['stride']}")
-    fields = {k: description[k] for k in _FIELDS if k not in ("size", "stride")}
+    fields = {k: description[k] for k in names - {"size", "stride"}}
     h = CudaIpcHandle(size=description["size"][0], **fields)
     for name in ("size", "offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset"):
         if not 0 <= getattr(h, name) < _I62:
@@ -127,6 +159,8 @@ def parse(description: Any) -> CudaIpcHandle:
     if h.offset + h.size > h.storage_size_bytes:
         raise _bad(f"offset {h.offset} + size {h.size} past the storage's {h.storage_size_bytes} bytes "
                    "(storage_size_bytes)")
+    if h.device_uuid is not None and not 0 < len(h.device_uuid) <= MAX_UUID_CHARS:
+        raise _bad(f"device_uuid must be 1 to {MAX_UUID_CHARS} characters, got {len(h.device_uuid)}")
     if not 0 < len(h.handle) <= MAX_HANDLE_BYTES:
         raise _bad(f"handle must be 1 to {MAX_HANDLE_BYTES} bytes, got {len(h.handle)}")
     if len(h.event_handle) not in (0, EVENT_HANDLE_BYTES) or (
@@ -180,21 +214,21 @@ def segment_id(description: dict[str, Any]) -> tuple:
 def open_tensor(description: dict[str, Any] | None, nbytes: int, *, uid: int) -> torch.Tensor:
     """Map a tensor exported by :func:`export_tensor` in a process of user ``uid`` (a
     flat uint8 tensor of at least ``nbytes`` bytes): :func:`checked` first, and once
-    opened, refused unless its storage lies inside the allocation the handle opened."""
+    opened, refused unless its storage lies inside the allocation the handle opened.
+    It is opened on this process's index of the engine's GPU (:func:`local_device`)."""
     h = checked(description, nbytes, uid=uid)
     if not torch.cuda.is_available():
         raise InvalidArgument("this daemon has no CUDA device: it cannot map a cuda_ipc pool")
-    if h.device >= torch.cuda.device_count():
-        raise InvalidArgument(f"no CUDA device {h.device} here")
+    device = local_device(h.device, h.device_uuid)
     try:
         tensor = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size([h.size]), (1,), h.offset, torch.storage.TypedStorage, torch.uint8, h.device,
+            torch.Tensor, torch.Size([h.size]), (1,), h.offset, torch.storage.TypedStorage, torch.uint8, device,
             h.handle, h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle,
             h.ref_counter_offset, h.event_handle, h.event_sync_required,
         )
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"cannot open the CUDA IPC handle: {exc}") from None
-    outside = _outside_allocation(tensor, h)
+    outside = _outside_allocation(tensor, h, device)
     if outside is not None:
         del tensor  # unmapped (and the engine's counter decremented) now, not whenever the traceback goes
         raise InvalidArgument(outside)
@@ -203,12 +237,12 @@ def open_tensor(description: dict[str, Any] | None, nbytes: int, *, uid: int) ->
     return tensor
 
 
-def _outside_allocation(tensor: torch.Tensor, h: CudaIpcHandle) -> str | None:
-    """Why the opened storage is not inside the allocation the handle mapped (the
-    driver's word, not the engine's), or ``None``."""
+def _outside_allocation(tensor: torch.Tensor, h: CudaIpcHandle, device: int) -> str | None:
+    """Why the opened storage is not inside the allocation the handle mapped on
+    ``device`` (the driver's word, not the engine's), or ``None``."""
     storage = tensor.untyped_storage()
     mapped = storage.data_ptr() - h.storage_offset_bytes  # where the handle's allocation was mapped
-    base, size = allocation_range(mapped, h.device)
+    base, size = allocation_range(mapped, device)
     if mapped < base or storage.data_ptr() + storage.nbytes() > base + size:
         return (f"bad CUDA IPC description: the storage (bytes {h.storage_offset_bytes} to "
                 f"{h.storage_offset_bytes + storage.nbytes()}: storage_offset_bytes, storage_size_bytes) lies "

@@ -115,6 +115,7 @@ class CudaIpcMsg(_Part):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
+    device_uuid: str | UnsetType = UNSET  # the GPU's UUID: ``device`` is the engine's index of it (older: absent)
 
 
 class PoolHandleMsg(_Part):

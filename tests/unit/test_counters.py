@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cuda_ipc_util import VisibleGpus
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket
 from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
 
@@ -254,10 +255,15 @@ class _FakeCuda:
     """torch.cuda's event contract on a machine without CUDA (c10/cuda/CUDAEvent.h): an
     event is created lazily, on the device of the stream it is first recorded on or, if
     ``ipc_handle()`` comes first, on the current device (``torch.cuda.device(...)`` at
-    construction does not bind it); recording it on another device's stream fails."""
+    construction does not bind it); recording it on another device's stream fails. Its
+    IPC handle names the node's GPU (``gpus``: the process's view of them), which every
+    process calls by its own index; opening one makes the index given current, which
+    fails for an index the process does not have."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: VisibleGpus | None = None) -> None:
         self.current = 0
+        self.gpus = gpus
+        self.opened: list[tuple[int, int]] = []  # (the index opened on, the node's GPU of the handle)
         fake = self
 
         class Event:
@@ -268,7 +274,17 @@ class _FakeCuda:
             def ipc_handle(self):
                 if self.device is None:
                     self.device = fake.current
-                return bytes([self.device]) * 64
+                return bytes([fake.node_gpu(self.device)]) * 64
+
+            @classmethod
+            def from_ipc_handle(cls, device, handle):
+                index = torch.device(device).index
+                if not 0 <= index < torch.cuda.device_count():
+                    raise RuntimeError("CUDA error: invalid device ordinal")
+                fake.opened.append((index, handle[0]))
+                event = cls(interprocess=True)
+                event.device = index
+                return event
 
             def record(self, stream):
                 if self.device is None:
@@ -278,6 +294,9 @@ class _FakeCuda:
                                        f"device index {stream.device}")
 
         self.Event = Event
+
+    def node_gpu(self, index: int) -> int:
+        return index if self.gpus is None else self.gpus.visible[index]
 
     def device(self, index):
         fake = self
@@ -312,5 +331,45 @@ def test_gpu_mode_events_belong_to_the_pools_device_whatever_the_current_device(
             counters.events.record(ticket, layer, stream)
             counters.complete_layer(ticket, layer)
         counters.finish(ticket)
+    finally:
+        counters.close()
+
+
+def test_gpu_mode_events_are_opened_on_the_engines_index_of_the_daemons_gpu(monkeypatch):
+    """The daemon sees every GPU of the node and the pool is on its cuda:3; the engine
+    runs with CUDA_VISIBLE_DEVICES=3, so that GPU is its cuda:0. The handle names the
+    GPU by UUID, and the engine opens the events on its own index of it (before, on its
+    cuda:3: a device it does not have)."""
+    gpus = VisibleGpus(monkeypatch)  # the daemon's view
+    fake = _FakeCuda(gpus)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "device", fake.device)
+    counters = LayerCounters(num_slots=2, num_layers=3, cuda_device=3)
+    try:
+        handle = CountersHandle.from_dict(counters.handle(b"t").to_dict())
+        assert (handle.device, handle.device_uuid) == (3, gpus.uuid(3))
+        gpus.visible = (3,)  # the engine's view
+        waiter = LayerWaiter(handle, counters.reader_fd())
+        assert fake.opened == [(0, 3)] * 6 and waiter.events.device == 0
+        waiter.close()
+        gpus.visible = (0, 1)  # an engine that does not see the daemon's GPU
+        with pytest.raises(InvalidArgument, match=f"GPU {gpus.uuid(3)} is not visible here"):
+            LayerWaiter(handle, counters.reader_fd())
+    finally:
+        counters.close()
+
+
+def test_gpu_mode_events_of_a_daemon_that_names_no_uuid_are_opened_on_its_index(monkeypatch):
+    """A daemon older than the UUID: its index, as before."""
+    gpus = VisibleGpus(monkeypatch)
+    fake = _FakeCuda(gpus)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    handle = CountersHandle.from_dict({"token": b"t", "num_slots": 1, "num_layers": 2,
+                                       "event_handles": [bytes([2]) * 64] * 2, "device": 2})
+    counters = LayerCounters(num_slots=1, num_layers=2)
+    try:
+        waiter = LayerWaiter(handle, counters.reader_fd())
+        assert handle.device_uuid is None and fake.opened == [(2, 2)] * 2 and waiter.events.device == 2
+        waiter.close()
     finally:
         counters.close()

@@ -7,7 +7,7 @@ import pytest
 from hicache import protocol as p
 from hicache.counters import CountersHandle
 from hicache.engine.kv_pool import export_kv_pool
-from hicache.errors import ErrorCode
+from hicache.errors import ErrorCode, InvalidArgument
 from hicache.pools import DeviceLayout, PoolHandle
 from hicache.spec import MAX_LAYERS, KVSpec, MHALayer, StateLayer
 from tiers_util import SPEC
@@ -101,6 +101,18 @@ def test_a_register_reply_carries_the_counters_handle():
     assert p.encode(typed) == p.encode(plain)
     reply = p.decode_reply(p.encode(plain))
     assert CountersHandle.from_dict(p.as_dict(reply.counters)) == handle
+
+
+def test_a_register_reply_names_the_gpu_of_the_counters_events():
+    """GPU mode: the daemon's index of the events' GPU, and its UUID for the engine,
+    whose index of that GPU may be another."""
+    handle = CountersHandle(b"c" * 16, 1, 2, (b"e" * 64, b"f" * 64), 3, writer_lock=True,
+                            device_uuid="GPU-6a1b7f2e-0000-4000-8000-000000000003")
+    reply = p.decode_reply(p.encode(p.RegisterReply(id=1, pool=2, counters=handle.to_dict(), page_size=4,
+                                                    num_pages=8)))
+    assert CountersHandle.from_dict(p.as_dict(reply.counters)) == handle
+    with pytest.raises(InvalidArgument):
+        CountersHandle.from_dict(handle.to_dict() | {"device_uuid": 3})
 
 
 @pytest.mark.parametrize("storage", [None, {"records": 3, "bytes": 300, "capacity_bytes": 1000, "map_size_bytes": 4096,

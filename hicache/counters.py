@@ -30,7 +30,9 @@ known to be over (:attr:`CountersHandle.writer_lock`: daemons that say so).
 
 GPU mode adds :class:`CudaLayerEvents`: an interprocess CUDA event per slot and layer,
 recorded on the daemon's copy stream after each layer and waited on by the engine's
-stream, with no CPU block. The shared ring still carries generations and failures, and
+stream, with no CPU block. The handles name the events' GPU by its UUID besides the
+daemon's index of it, since the engine's index of that GPU may be another
+(:func:`hicache.cuda_ipc.local_device`). The shared ring still carries generations and failures, and
 a layer's stamp there says that its event was recorded for this load (its copy is on
 the stream): the engine waits for that before its stream waits on the event.
 """
@@ -47,6 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from hicache.cuda_ipc import device_uuid, local_device
 from hicache.errors import InvalidArgument, LoadFailed, StaleTicket, WaitTimeout
 from hicache.shm import SharedBuffer
 
@@ -70,23 +73,29 @@ class CountersHandle:
     num_slots: int
     num_layers: int
     event_handles: tuple[bytes, ...] = ()  # slot-major, num_slots * num_layers (GPU mode)
-    device: int = -1
+    device: int = -1  # the daemon's index of the events' GPU
     writer_lock: bool = False  # the daemon holds the ring's flock while it may stamp it
+    device_uuid: str | None = None  # the events' GPU in every process (older daemons: none)
 
     @property
     def nbytes(self) -> int:
         return ring_bytes(self.num_slots, self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
+        uuid = {} if self.device_uuid is None else {"device_uuid": self.device_uuid}
         return {"token": self.token, "num_slots": self.num_slots, "num_layers": self.num_layers,
-                "event_handles": list(self.event_handles), "device": self.device, "writer_lock": self.writer_lock}
+                "event_handles": list(self.event_handles), "device": self.device, "writer_lock": self.writer_lock,
+                **uuid}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CountersHandle":
+        uuid = data.get("device_uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise InvalidArgument(f"bad counters handle: device_uuid has type {type(uuid).__name__}")
         try:
             return cls(bytes(data["token"]), int(data["num_slots"]), int(data["num_layers"]),
                        tuple(data.get("event_handles", ())), int(data.get("device", -1)),
-                       data.get("writer_lock") is True)
+                       data.get("writer_lock") is True, uuid)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad counters handle: {exc}") from None
 
@@ -131,7 +140,7 @@ class LayerCounters:
         if self.events is None:
             return CountersHandle(token, self.num_slots, self.num_layers, writer_lock=True)
         return CountersHandle(token, self.num_slots, self.num_layers, self.events.ipc_handles(), self.events.device,
-                              writer_lock=True)
+                              writer_lock=True, device_uuid=device_uuid(self.events.device))
 
     def reader_fd(self) -> int:
         """A read-only descriptor of the ring, for the engine (the caller hands it on)."""
@@ -288,10 +297,12 @@ class CudaLayerEvents:
 
     @classmethod
     def open(cls, handle: CountersHandle) -> "CudaLayerEvents":
-        device = torch.device("cuda", handle.device)
+        """The daemon's events, on this process's index of their GPU."""
+        index = local_device(handle.device, handle.device_uuid)
+        device = torch.device("cuda", index)
         flat = [torch.cuda.Event.from_ipc_handle(device, h) for h in handle.event_handles]
         layers = handle.num_layers
-        return cls([flat[s * layers : (s + 1) * layers] for s in range(handle.num_slots)], handle.device,
+        return cls([flat[s * layers : (s + 1) * layers] for s in range(handle.num_slots)], index,
                    tuple(handle.event_handles))
 
     def ipc_handles(self) -> tuple[bytes, ...]:

@@ -381,6 +381,7 @@ class CountersMsg(msgspec.Struct, kw_only=True, gc=False):
     event_handles: list[bytes] | UnsetType = UNSET
     device: int | UnsetType = UNSET
     writer_lock: bool | UnsetType = UNSET  # holds the ring's flock while it may stamp it (older: absent)
+    device_uuid: str | UnsetType = UNSET  # the events' GPU: ``device`` is the daemon's index of it (older: absent)
 
 
 class RegisterReply(_Reply, tag="register"):

@@ -317,7 +317,7 @@ def test_gpu_mode_events_belong_to_the_pools_device_whatever_the_current_device(
     engine. The daemon hands the handles out on its owner thread, whose current device
     is the first (before, the events were created lazily by that first ipc_handle(),
     on device 0, and every load of the pool failed at its first record)."""
-    fake = _FakeCuda()
+    fake = _FakeCuda(VisibleGpus(monkeypatch))
     monkeypatch.setattr(torch.cuda, "Event", fake.Event)
     monkeypatch.setattr(torch.cuda, "device", fake.device)
     counters = LayerCounters(num_slots=2, num_layers=3, cuda_device=1)

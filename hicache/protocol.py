@@ -369,6 +369,7 @@ class HelloReply(_Reply, tag="hello"):
     max_message_bytes: int = 0  # the largest request the daemon reads (0: not said)
     replace_sessions: bool = False  # honours Hello.replaces (likewise)
     copy_deadlines: bool = False  # honours LoadInto.copy_deadline_ns (likewise)
+    device_uuids: bool = False  # takes CudaIpcMsg.device_uuid (likewise)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -85,10 +85,12 @@ class _Refused(Exception):
 
 class FakeDaemon:
     def __init__(self, directory: Path, *, lease_s: float = 30.0, num_slots: int = 64,
-                 max_message_bytes: int = 0, replace_sessions: bool = False) -> None:
+                 max_message_bytes: int = 0, replace_sessions: bool = False, device_uuids: bool = False) -> None:
         """``max_message_bytes``: the limit its hello says (0: none said, as older daemons).
         ``replace_sessions``: its hello says it ends the session a hello names
-        (``Hello.replaces``; the fake only records it)."""
+        (``Hello.replaces``; the fake only records it). ``device_uuids``: its hello says
+        it takes a CUDA description's ``device_uuid`` (the fake registers no CUDA pool)."""
+        self.device_uuids = device_uuids
         self.path = Path(directory) / "fake.sock"
         self.endpoint = f"ipc://{self.path}"
         self.lease_s = lease_s
@@ -301,12 +303,14 @@ class FakeDaemon:
         self.sessions[session_id] = _Session(identity)
         return p.HelloReply(id=0, session=session_id, version=p.PROTOCOL_VERSION, daemon="fake",
                             lease_s=self.lease_s, fd_socket="", max_message_bytes=self.max_message_bytes,
-                            replace_sessions=self.replace_sessions)
+                            replace_sessions=self.replace_sessions, device_uuids=self.device_uuids)
 
     def _register(self, identity: bytes, m: p.Register) -> p.RegisterReply:
         session = self._session(identity, m.session, registered=False)
         spec = KVSpec.from_dict(p.as_dict(m.spec))
         (pool,) = m.pools
+        if pool.kind != "memfd":
+            raise _Refused(ErrorCode.INVALID_ARGUMENT, "the fake registers memfd pools only")
         offer = self.fds.take(pool.token)
         if offer is None:
             raise _Refused(ErrorCode.INVALID_ARGUMENT, "no descriptor offered under this token")

@@ -566,3 +566,29 @@ def test_a_load_still_copying_is_waited_on_its_ring_after_many_registrations(fak
             ring.complete_layer(ticket, layer)
     client.wait_layer([ticket], ring.num_layers - 1, timeout_s=0.0)
     assert client.wait_over([ticket], timeout_s=0.0) is True
+
+
+@pytest.mark.parametrize("takes_uuids", [False, True])
+def test_a_cuda_pools_gpu_uuid_goes_only_to_a_daemon_whose_hello_takes_it(tmp_path, engine, takes_uuids):
+    """A CUDA pool's description names its GPU by UUID (``device_uuid``), a field a
+    daemon older than it refuses (nested values take no unknown field): the client
+    sends it only to a daemon whose hello says ``device_uuids``; an older one opens the
+    pool at the engine's index, as before."""
+    from dataclasses import replace
+
+    from cuda_ipc_util import description
+    from hicache import protocol as p
+
+    fake = FakeDaemon(tmp_path, device_uuids=takes_uuids)
+    cuda = description(engine.exported.handle.nbytes, b"/hicache-test-ref", device_uuid="GPU-5d2c07a1")
+    handle = replace(engine.exported.handle, kind="cuda_ipc", cuda_ipc=cuda, fd=-1)
+    c = CacheClient(fake.endpoint, timeout_s=TIMEOUT_S, heartbeat=False)
+    try:
+        with pytest.raises(RemoteError, match="memfd pools only"):
+            c.register(SPEC, [handle])
+        sent = p.as_dict(fake.last("register").message.pools[0].cuda_ipc)
+        assert sent["device"] == 0 and sent.get("device_uuid") == ("GPU-5d2c07a1" if takes_uuids else None)
+    finally:
+        c.close()
+        fake.close()
+    assert fake.errors == []

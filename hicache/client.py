@@ -176,6 +176,16 @@ def _pages(data: bytes) -> PageIds:
     return np.frombuffer(data, PAGE_ID_DTYPE)  # dtype positional: keywords cost ~0.15 us
 
 
+
+def _for_daemon(data: dict[str, Any], uuids: bool) -> dict[str, Any]:
+    """A pool's (or buffer's) description as this daemon takes it: without the CUDA
+    description's ``device_uuid`` unless its hello says ``device_uuids`` (an older
+    daemon refuses the field, and opens the pool at the engine's index, as before)."""
+    cuda = data.get("cuda_ipc")
+    if cuda and not uuids and "device_uuid" in cuda:
+        data["cuda_ipc"] = {k: v for k, v in cuda.items() if k != "device_uuid"}
+    return data
+
 class CacheClient:
     """One engine's session with the hicache daemon.
 
@@ -431,10 +441,10 @@ class CacheClient:
             return str(fdpass.socket_path_for(self.endpoint[len("ipc://"):]))
         return hello.fd_socket
 
-    def _pool_messages(self, pools: list[PoolHandle], fd_socket: str) -> list[p.PoolHandleMsg]:
+    def _pool_messages(self, pools: list[PoolHandle], fd_socket: str, uuids: bool) -> list[p.PoolHandleMsg]:
         out = []
         for handle in pools:
-            data = handle.to_dict()
+            data = _for_daemon(handle.to_dict(), uuids)
             if handle.kind == "memfd":
                 if handle.fd < 0:
                     raise InvalidArgument("a memfd pool handle without its descriptor in this process")
@@ -442,10 +452,10 @@ class CacheClient:
             out.append(p.from_dict(p.PoolHandleMsg, data))
         return out
 
-    def _owned_message(self, pool: OwnedPoolHandle, fd_socket: str) -> p.OwnedPoolMsg:
+    def _owned_message(self, pool: OwnedPoolHandle, fd_socket: str, uuids: bool) -> p.OwnedPoolMsg:
         buffers = []
         for buffer in pool.buffers:
-            data = buffer.to_dict()
+            data = _for_daemon(buffer.to_dict(), uuids)
             if buffer.kind == "memfd":
                 if buffer.fd < 0:
                     raise InvalidArgument("a memfd buffer without its descriptor in this process")
@@ -454,7 +464,8 @@ class CacheClient:
         layout = pool.layout.to_dict()
         return p.from_dict(p.OwnedPoolMsg, {"layout": layout, "buffers": buffers, "name": pool.name})
 
-    def _register_call(self, registration, session: int, fd_socket: str, in_use: Sequence[int]) -> p.Reply:
+    def _register_call(self, registration, hello: p.HelloReply, fd_socket: str, in_use: Sequence[int]) -> p.Reply:
+        session = hello.session
         if isinstance(registration, str):
             return self._call(p.Attach(id=0, session=session, name=registration))
         spec, pools = registration
@@ -464,9 +475,9 @@ class CacheClient:
         return self._call(p.Register(
             id=0, session=session, spec=p.from_dict(p.KVSpecMsg, spec.to_dict()),
             fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint, spec.page_size),
-            pools=[] if owned else self._pool_messages(pools, fd_socket),
+            pools=[] if owned else self._pool_messages(pools, fd_socket, hello.device_uuids),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
-            owned=self._owned_message(pools, fd_socket) if owned else p.UNSET,
+            owned=self._owned_message(pools, fd_socket, hello.device_uuids) if owned else p.UNSET,
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
 
     def _open_session(self, in_use: Sequence[int]) -> None:
@@ -481,7 +492,7 @@ class CacheClient:
         self.max_message_bytes = hello.max_message_bytes
         fd_socket = self._fd_socket(hello)
         try:
-            reply = self._register_call(registration, hello.session, fd_socket, in_use)
+            reply = self._register_call(registration, hello, fd_socket, in_use)
         except RemoteError:
             try:  # the session said hello: end it now rather than let it lapse
                 self._call(p.Bye(id=0, session=hello.session), timeout_s=min(self.timeout_s, 1.0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -504,6 +505,19 @@ def _blocks_stored(router: Subscriber, daemon: Daemon, medium: str) -> dict[int,
     return out
 
 
+@contextmanager
+def _daemon_and_router(tmp_path, context):
+    """A daemon of ``tmp_path``'s state (in this process) and a router following it,
+    both closed at the end (the next daemon of the same state is a restart)."""
+    daemon = make_daemon(tmp_path)
+    router = Subscriber(context, daemon)
+    try:
+        yield daemon, router
+    finally:
+        router.close()
+        daemon.close()
+
+
 def test_blocks_a_restart_restores_are_announced_as_before_with_their_extra_keys(tmp_path):
     """Pages stored under an extra key (a cache salt, a LoRA name) and written to disk
     are announced after a restart — the disk tier rebuilt at the first registration —
@@ -512,9 +526,7 @@ def test_blocks_a_restart_restores_are_announced_as_before_with_their_extra_keys
     context = zmq.Context()
     engine = Engine(16)
     try:
-        daemon = make_daemon(tmp_path)
-        router = Subscriber(context, daemon)
-        try:
+        with _daemon_and_router(tmp_path, context) as (daemon, router):
             sid, _ = register(daemon, engine)
             daemon.poll()
             for tokens, extra_key in ((list(range(3 * PS)), "lora-a"), (list(range(500, 500 + 2 * PS)), "")):
@@ -525,22 +537,14 @@ def test_blocks_a_restart_restores_are_announced_as_before_with_their_extra_keys
             next(iter(daemon.managers.values())).flush()
             router.catch_up()
             before = _blocks_stored(router, daemon, "STORAGE")
-        finally:
-            router.close()
-            daemon.close()
         assert {extra for _, _, extra in before.values()} == {("lora-a",), None}
 
-        daemon = make_daemon(tmp_path)
-        router = Subscriber(context, daemon)
-        try:
+        with _daemon_and_router(tmp_path, context) as (daemon, router):
             register(daemon, engine)
             for _ in range(3):
                 daemon.poll()
             router.catch_up()
             assert _blocks_stored(router, daemon, "STORAGE") == before
-        finally:
-            router.close()
-            daemon.close()
     finally:
         context.destroy(linger=0)
         engine.close()
@@ -556,22 +560,15 @@ def test_a_router_replaying_from_its_last_seq_across_a_restart_is_told_to_clear_
     context = zmq.Context()
     engine = Engine(16)
     try:
-        daemon = make_daemon(tmp_path)
-        router = Subscriber(context, daemon)
-        try:
+        with _daemon_and_router(tmp_path, context) as (daemon, router):  # (the router is away after it)
             sid, pool_id = register(daemon, engine)
             _prefill(daemon, sid, list(range(2 * PS)))
             router.catch_up()
             topic = str(pool_id).encode()
             picture, last_seq = set(router.blocks[topic]), router.next_seq[topic] - 1
             assert ("GPU", next(iter(picture))[1]) in picture
-        finally:
-            router.close()  # (away from here on)
-            daemon.close()
 
-        daemon = make_daemon(tmp_path)
-        back = Subscriber(context, daemon)
-        try:
+        with _daemon_and_router(tmp_path, context) as (daemon, back):
             sid, pool_id = register(daemon, engine)
             assert str(pool_id).encode() == topic
             for i in range(4):  # (more batches than the old stream had)
@@ -582,9 +579,6 @@ def test_a_router_replaying_from_its_last_seq_across_a_restart_is_told_to_clear_
             for batch in batches:
                 apply(picture, batch)
             assert picture == residency(daemon, pool_id)
-        finally:
-            back.close()
-            daemon.close()
     finally:
         context.destroy(linger=0)
         engine.close()

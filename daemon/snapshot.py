@@ -25,8 +25,9 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
           closed_checkpoint_events: Mapping[str, int] | None = None) -> p.DaemonStats:
     """What ``stats`` answers. ``counts``: requests by (op, status). ``losses``: the
     loss counters' values (:meth:`hicache.metrics.Metrics.losses`; None: nothing counts
-    them, a daemon given :class:`~hicache.metrics.NullMetrics`), completed with the KV events' (``events``: their figures, None without
-    [events]) and the checkpoints' as :func:`occupancy` reports them to the metrics."""
+    them, a daemon given :class:`~hicache.metrics.NullMetrics`), completed with the KV
+    events' (``events``: their figures, None without [events]) and the checkpoints' as
+    :func:`occupancy` reports them to the metrics."""
     specs: dict[str, p.SpecStats] = {}
     for fingerprint, manager in managers.items():
         figures: p.SpecStats = {str(place): p.TierAccountMsg(**account._asdict())
@@ -37,6 +38,7 @@ def stats(*, uptime_s: float, sessions: int, draining: bool, counts: Counter, ma
     tenants = {tenant or "unattributed": {"host_pages": host, "disk_pages": disk}
                for tenant, (host, disk) in tenant_pages(managers.values()).items()}
     if losses is not None:
+        losses = dict(losses)  # (the caller's stays as it was)
         if events is not None:
             losses["kv_events_dropped"] = events["dropped"]
         checkpoints = checkpoint_events(managers.values(), closed_checkpoint_events)

@@ -137,7 +137,8 @@ def test_losses_in_stats_are_optional_both_ways():
     plain = {"version": "0.1.0", "uptime_s": 1.5, "sessions": 1, "draining": False, "requests": {"hello/OK": 1},
              "specs": {}}
     assert p.decode_reply(p.encode(p.StatsReply(id=3, stats=plain))).stats.losses is None
-    losses = {"pages_dropped": {"device": 0, "host": 3, "disk": 0}, "transfer_failed_pages": {"d2h": 0, "host_to_disk": 1},
+    losses = {"pages_dropped": {"device": 0, "host": 3, "disk": 0},
+              "transfer_failed_pages": {"d2h": 0, "host_to_disk": 1},
               "remote_put_skipped_pages": 2, "sessions_expired": 1, "checkpoints_lost": 0}
     sent = p.encode(p.StatsReply(id=3, stats={**plain, "losses": losses}))
     assert p.as_dict(p.decode_reply(sent).stats)["losses"] == losses

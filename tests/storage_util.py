@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
+from pathlib import Path
 
 from hicache.storage.base import StorageBackend
 
@@ -186,3 +189,29 @@ class InProcessMooncake:
 
     def close(self) -> int:
         return 0
+
+
+def bad_sector(monkeypatch, store, key):
+    """Every read of the slab bytes under ``key``'s record (as written now) fails with
+    EIO from here on, as over a bad sector, while the event returned is set (it is); the
+    bytes around it read as usual."""
+    from hicache.storage import lmdb_backend
+    from tiers_util import expected_page
+
+    store.flush()
+    pattern = expected_page(key)[:64]
+    (slab,) = [p for p in Path(store.path).glob("slab-*.bin") if pattern in p.read_bytes()]
+    bad = slab.read_bytes().index(pattern) + 10
+    inode = slab.stat().st_ino
+    real_preadv = os.preadv
+    failing = threading.Event()
+    failing.set()
+
+    def preadv(fd, buffers, offset):
+        length = sum(memoryview(b).nbytes for b in buffers)
+        if failing.is_set() and offset <= bad < offset + length and os.fstat(fd).st_ino == inode:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
+    return failing

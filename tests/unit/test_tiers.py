@@ -11,7 +11,7 @@ from hicache.errors import InvalidArgument
 from hicache.keys import namespace_id, page_keys
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import Place, Tier
-from storage_util import stored_run
+from storage_util import bad_sector, stored_run
 from tiers_util import SPEC, Engine, ManualWorkers, expected_page
 
 NS = namespace_id(SPEC.fingerprint, "tiers")
@@ -853,35 +853,6 @@ def test_a_disk_read_that_meets_an_eio_keeps_its_records_and_a_later_read_serves
     assert_on_disk(store, [toks])
     store.check_invariants()
     tm.close()
-
-
-def bad_sector(monkeypatch, store, key):
-    """Every read of the slab bytes under ``key``'s record (as written now) fails with
-    EIO from here on, as over a bad sector, while the event returned is set (it is); the
-    bytes around it read as usual."""
-    import errno
-    import os
-    from pathlib import Path
-
-    from hicache.storage import lmdb_backend
-
-    store.flush()
-    pattern = expected_page(key)[:64]
-    (slab,) = [p for p in Path(store.path).glob("slab-*.bin") if pattern in p.read_bytes()]
-    bad = slab.read_bytes().index(pattern) + 10
-    inode = slab.stat().st_ino
-    real_preadv = os.preadv
-    failing = threading.Event()
-    failing.set()
-
-    def preadv(fd, buffers, offset):
-        length = sum(memoryview(b).nbytes for b in buffers)
-        if failing.is_set() and offset <= bad < offset + length and os.fstat(fd).st_ino == inode:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(lmdb_backend.os, "preadv", preadv)
-    return failing
 
 
 def test_an_unreadable_record_cuts_the_load_there_and_every_record_stays(engine, store, monkeypatch):

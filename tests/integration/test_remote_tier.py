@@ -716,6 +716,40 @@ def test_a_write_back_whose_disk_read_fails_leaves_the_remote_tier_up(tmp_path):
         b.close()
 
 
+def test_a_write_back_puts_the_records_beside_one_on_a_bad_sector(tmp_path, monkeypatch):
+    """The third of the six records a write-back reads sits on a bad sector (EIO): the
+    five the store could read are put, the unreadable one alone is skipped (counted,
+    dropped from the cache: it was on this disk only), and no record stays on disk out
+    of the tree. Another node loads the pages before the gap from the remote tier."""
+    from hicache.keys import page_keys
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import InProcessMooncake, bad_sector
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, policy="write_back", retry_s=3600.0)
+    b = StandInNode(raw)
+    try:
+        tokens = list(range(100, 100 + 6 * PS))
+        _on_disk_only(a, [tokens])
+        bad_sector(monkeypatch, disk, page_keys(NS, tokens, PS)[2])
+        assert a.tm.evict(Tier.DISK, 6) == 6
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (5, 1)
+        assert len(raw.objects) == 5
+        assert a.metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": "disk"}) == 1
+        assert a.tm.remote.up
+        disk.flush()
+        assert not list(disk.iter_metadata())
+        hit, loaded = b.load(tokens)
+        assert hit.remote_pages == 2 and len(loaded.device_pages) == 2
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_store_that_hangs_with_write_backs_holding_half_the_disk_stops_no_disk_write(tmp_path):
     """The store hangs in a put (no answer, no error) while write-backs hold their half
     of the disk tier, and the tree's own pages fill the other half. A new page is still

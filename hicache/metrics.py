@@ -99,7 +99,8 @@ hicache_disk_bytes / _records / _capacity_bytes, hicache_lmdb_map_size_bytes (ga
 hicache_disk_corrupt_records_total              —
 hicache_disk_unreadable_pages_total             — (pages forgotten on disk because reads
                                                 of their records kept failing with an I/O
-                                                error: a bad sector; computed again)
+                                                error: a bad sector; computed again. A
+                                                write-back's read fails once: counted then)
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
 hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
                                                   restarting its stream with a snapshot)
@@ -202,7 +203,7 @@ class Metrics:
             registry=r)
         self.disk_unreadable_pages = Counter(
             "hicache_disk_unreadable_pages",
-            "Pages forgotten on disk because reads of their records kept failing with an I/O error", registry=r)
+            "Pages forgotten on disk because reads of their records failed with an I/O error", registry=r)
         self.sessions_ended = Counter("hicache_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
         self.auth_refusals = Counter("hicache_auth_refused", "Connections (or their messages) refused, by reason",
                                      ["reason"], registry=r)

@@ -24,8 +24,9 @@ and evicts on its own, so what this node could record would go stale. Instead:
   cache's dirty data: left uncounted, a disk write would overflow the store, which
   evicts its oldest records on its own — these — and they would reach neither tier): a
   disk write they are in the way of waits for their puts to end. A write-back whose
-  read of its records from the local disk fails is skipped and counted alike; it says
-  nothing of the remote tier, which stays up.
+  read of its records from the local disk fails is skipped and counted alike (only the
+  unreadable records where the store names them: the others are put); it says nothing
+  of the remote tier, which stays up.
 * **Lookups**: a match whose hit stops short of the request's whole pages asks the remote
   tier for the keys of the next pages (at most ``lookup_pages``; page keys are equal on
   every machine for the same namespace and tokens) — unless a lookup found nothing at
@@ -60,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.errors import HicacheError, InvalidArgument, ResidencyError
+from hicache.errors import HicacheError, InvalidArgument, RecordsUnreadable, ResidencyError
 from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId, chain_page_keys
 from hicache.tiers.core import Core
 from hicache.tiers.disk_writes import path_batch
@@ -420,22 +421,25 @@ class RemoteTier:
         core.inflight.add_detached(transfer)
 
         def work():
+            unreadable = None
             try:
                 tokens = storage.read_tokens(keys)
                 found = storage.get(keys, [staging[r] for r in rows], fingerprint=fingerprint)
+            except RecordsUnreadable as exc:  # (bad sectors: the store judged the other records)
+                found, unreadable = exc.found, exc
             except Exception as exc:  # (whatever the local store raises: told apart from the store's)
                 raise _DiskReadFailed(str(exc)) from exc
             keep = [i for i in range(total) if found[i] and tokens[i] is not None]
             if not keep:
-                return 0
+                return 0, unreadable
             pick = np.asarray(keep)
             batch = PageBatch(b"".join(keys[i] for i in keep),
                               b"".join(namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(parents[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(tokens[i] for i in keep), staging, rows[pick])
-            return store.put_batch(batch, fingerprint=fingerprint).result().written
+            return store.put_batch(batch, fingerprint=fingerprint).result().written, unreadable
 
-        def done(written, error):
+        def done(result, error):
             core.inflight.remove_detached(transfer)
             self._free_rows.extend(int(r) for r in rows)
             self.pending -= total
@@ -449,6 +453,11 @@ class RemoteTier:
                 self._failed("put", error)
                 self._skip_write_back(part)
             else:
+                written, unreadable = result
+                if unreadable is not None:  # (their records are deleted with the others': gone)
+                    logger.error("write-back: %d of its %d pages skipped: %s", len(unreadable.unreadable), total,
+                                 unreadable)
+                    core.metrics.disk_unreadable(len(unreadable.unreadable))
                 self._answered()
                 core.report(transfer, written)
                 self.counts["pages_put"] += written

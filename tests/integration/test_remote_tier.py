@@ -740,6 +740,7 @@ def test_a_write_back_puts_the_records_beside_one_on_a_bad_sector(tmp_path, monk
         assert (counts["pages_put"], counts["put_skipped"]) == (5, 1)
         assert len(raw.objects) == 5
         assert a.metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": "disk"}) == 1
+        assert a.metrics.registry.get_sample_value("hicache_disk_unreadable_pages_total") == 1
         assert a.tm.remote.up
         disk.flush()
         assert not list(disk.iter_metadata())

@@ -741,6 +741,28 @@ def test_after_a_rebind_every_stream_sends_a_batch_each_second_for_a_while(conte
         assert [events for _, events in _batches(stream)][-2:] == [[], []]
 
 
+def test_a_stream_idle_for_idle_beat_s_sends_an_empty_batch(context, tmp_path):
+    """A subscriber that reconnects (a restarted daemon, a rebind, its own network blip)
+    after the batches it missed sees the gap only at the stream's next batch; on a
+    stream that stays idle that never comes, and it keeps a picture of blocks long gone.
+    So a stream that sent nothing for ``idle_beat_s`` sends a batch with no event; one
+    that sent batches meanwhile sends no extra one."""
+    now = [0.0]
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", context=context, idle_beat_s=10.0,
+                        monotonic=lambda: now[0]) as publisher:
+        idle, busy = publisher.stream(b"idle"), publisher.stream(b"busy")
+        sent = {}
+        for step in range(1, 31):
+            now[0] = float(step)
+            busy.removed([step], MEDIUM_CPU)
+            sent[step] = publisher.publish()
+        assert [events for _, events in _batches(idle)] == [[], [], []]  # (at 10, 20, 30 s)
+        assert [step for step, count in sent.items() if count == 2] == [10, 20, 30]
+        assert [len(events) for _, events in _batches(busy)] == [1] * 30
+        seqs = [seq for seq, _ in _batches(idle)]
+        assert seqs == list(range(seqs[0], seqs[0] + 3))
+
+
 def test_vllms_one_frame_replay_after_a_restart_answers_from_the_first_pools_stream(context, tmp_path):
     """vLLM's replay request names no topic: the oldest stream answers. After a restart
     the oldest are the last run's topics being cleared, which no pool speaks on; the

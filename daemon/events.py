@@ -18,7 +18,9 @@ restarts (the daemon) :func:`seq_from_clock`, so that a subscriber sees a restar
 gap and its replay reaches back to the new stream's start. A daemon with a disk tier
 keeps a :class:`StreamLedger` beside it: its next run starts every stream past each seq
 this one sent even if the wall clock went back meanwhile, and ends, with
-``AllBlocksCleared``, each stream of this run that the next does not open again.
+``AllBlocksCleared``, each stream of this run that the next does not open again. A
+stream idle for :data:`IDLE_BEAT_S` sends a batch with no event, so that a subscriber
+that reconnected meanwhile sees its gap even on a stream that stays idle.
 
 A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
@@ -81,6 +83,7 @@ _MAX_REQUEST_BYTES = 64 * 1024  # a replay request is a topic and 8 bytes
 _NOBLOCK = int(zmq.NOBLOCK)
 LEFT_CLEAR_S = 60.0  # how long the streams a killed run left open are cleared again and again
 LEFT_RESEND_S = 1.0
+IDLE_BEAT_S = 10.0  # a stream that sent nothing for this long sends a batch with no event
 _REBIND_S = 2.0  # how long a rebind waits for the old listener to let its port go
 
 
@@ -371,7 +374,7 @@ class EventPublisher:
                  context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str], None] | None = None,
                  clock: Callable[[], float] = time.time, first_seq: Callable[[], int] = lambda: 0,
                  ledger: StreamLedger | None = None, left_clear_s: float = LEFT_CLEAR_S,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 idle_beat_s: float = IDLE_BEAT_S, monotonic: Callable[[], float] = time.monotonic) -> None:
         """``context``: the sockets' (the daemon's server's, whose ZAP handler admits
         the subscribers); ``secure(socket, endpoint)``: sets a socket's security options
         (CURVE, ZAP domain) before it binds ``endpoint``; ``clock``: the batches'
@@ -385,12 +388,20 @@ class EventPublisher:
         topic a pool took up sends a batch as often and for as long (with no event if
         it has none to send): a router that reconnects after that stream's first
         batches, still holding the last run's blocks, sees the gap and replays the
-        stream from its ``AllBlocksCleared``."""
+        stream from its ``AllBlocksCleared``. Past that, a stream that sent no batch for
+        ``idle_beat_s`` sends one with no event: a subscriber back later (or one that
+        lost its connection for a while) sees its gap within that time, even on a
+        stream that stays idle."""
+        if not idle_beat_s > 0:
+            raise InvalidArgument(f"idle_beat_s must be positive, got {idle_beat_s}")
         self._clock = clock
         self._monotonic = monotonic
         self._left: dict[bytes, float] = {}  # the last run's topics still being cleared -> until when
         self._nudging: dict[bytes, float] = {}  # streams sending a batch every second -> until when
         self._left_clear_s = left_clear_s
+        self._idle_beat_s = idle_beat_s
+        self._beat_next = monotonic() + idle_beat_s
+        self._beat_seqs: dict[bytes, int] = {}  # each stream's next seq at the last beat (see _beat)
         self._left_next = 0.0  # when they say it again
         self._first_seq = first_seq if ledger is None else ledger.first_seq
         self._ledger = ledger
@@ -470,6 +481,7 @@ class EventPublisher:
         if found is None:
             found = self._streams[key] = EventStream(key, data_parallel_rank, max_queue_events=self._max_queue_events,
                                                      buffer_steps=self._buffer_steps, first_seq=self._first_seq())
+            self._beat_seqs[key] = found.next_seq
             if self._ledger is not None:
                 self._ledger.opened(key, data_parallel_rank)
         elif found.data_parallel_rank != data_parallel_rank:
@@ -511,8 +523,11 @@ class EventPublisher:
         its stream resync."""
         if now is None:
             now = self._clock()
-        if (self._left or self._nudging) and self._monotonic() >= self._left_next:
+        beat = self._monotonic()
+        if (self._left or self._nudging) and beat >= self._left_next:
             self._clear_left()
+        if beat >= self._beat_next:
+            self._beat(beat)
         sent = 0
         for stream in self._streams.values():
             num_events = stream.num_pending
@@ -554,6 +569,18 @@ class EventPublisher:
                 del self._nudging[topic]
             else:
                 self._streams[topic].nudge()
+
+    def _beat(self, now: float) -> None:
+        """Each stream that sent no batch since the last beat (or its start) sends one
+        now, with no event if it has none (see :meth:`EventStream.nudge`)."""
+        self._beat_next = now + self._idle_beat_s
+        seqs = {}
+        for topic, stream in self._streams.items():
+            idle = self._beat_seqs.get(topic) == stream.next_seq
+            if idle:
+                stream.nudge()
+            seqs[topic] = stream.next_seq + idle  # (the nudged batch takes next_seq)
+        self._beat_seqs = seqs
 
     def end_left(self, topic: bytes | None = None) -> None:
         """The last run's stream of ``topic`` (None: each of them) ends now, unless a

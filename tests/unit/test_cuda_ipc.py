@@ -250,6 +250,17 @@ def test_a_gpu_not_visible_to_the_daemon_is_refused_before_anything_is_opened(da
     assert not opened
 
 
+@pytest.mark.parametrize("spelling", [str.upper, lambda text: "GPU-" + text, lambda text: text.replace("-", "")])
+def test_a_gpu_uuid_is_found_however_the_other_process_spells_it(monkeypatch, spelling):
+    """The engine's torch may print a GPU's UUID otherwise than the daemon's (upper
+    case, nvidia-smi's ``GPU-`` prefix, no dashes): the same GPU all the same. A UUID no
+    GPU here has stays refused."""
+    VisibleGpus(monkeypatch, visible=(2, 3))
+    assert cuda_ipc.local_device(0, spelling(VisibleGpus.uuid(3))) == 1
+    with pytest.raises(InvalidArgument, match="not visible here"):
+        cuda_ipc.local_device(0, spelling(VisibleGpus.uuid(0)))
+
+
 @pytest.mark.parametrize("kind", POOLS)
 def test_a_description_without_a_gpu_uuid_is_opened_on_its_index(daemon, opened, monkeypatch, kind):
     """An engine older than the UUID: its index, as before (right where both processes

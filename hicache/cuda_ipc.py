@@ -42,6 +42,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -78,10 +79,21 @@ def local_device(index: int, uuid: str | None) -> int:
         if not 0 <= index < torch.cuda.device_count():
             raise InvalidArgument(f"no CUDA device {index} here")
         return index
+    wanted = _same_gpu(uuid)
     for here in range(torch.cuda.device_count()):
-        if device_uuid(here) == uuid:
+        if _same_gpu(device_uuid(here)) == wanted:
             return here
     raise InvalidArgument(f"GPU {uuid} is not visible here")
+
+
+def _same_gpu(uuid: str) -> str:
+    """``uuid`` as every spelling of that GPU's UUID reads: the engine's torch may print
+    it otherwise than the daemon's (case, nvidia-smi's ``GPU-`` prefix, dashes)."""
+    text = uuid.strip().lower().removeprefix("gpu-")
+    try:
+        return str(UUID(text))
+    except ValueError:  # (not a UUID: compared as it is)
+        return text
 
 
 def export_tensor(tensor: torch.Tensor) -> dict[str, Any]:

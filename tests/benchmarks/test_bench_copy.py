@@ -1,0 +1,27 @@
+"""bench_copy's output contract (not its figures): a small run ends with one JSON object
+that has the bandwidth figures and the layer-wise load's time to first layer, each
+consistent with the others."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_copy.py"
+
+
+def test_a_small_run_prints_its_figures_as_json_last():
+    out = subprocess.run([sys.executable, str(BENCH), "--pages", "8", "--pool-pages", "16", "--repeat", "2", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    f = json.loads(out.stdout.strip().splitlines()[-1])
+    assert f["pages"] == 8 and f["bytes"] == 8 * f["page_bytes"]
+    for name in ("gather", "scatter", "layerwise_scatter", "gather_contiguous", "scatter_contiguous"):
+        assert f[f"{name}_gbps"] > 0 and f[f"{name}_ratio"] > 0, name
+    assert f["copy_gbps"] > 0
+    # The first layer lands no later than the last; both figures are of the same loads.
+    assert 0 < f["first_layer_ms"] <= f["all_layers_ms"]
+    assert f["whole_copy_ms"] > 0
+    assert math.isclose(f["first_layer_ratio"], f["first_layer_ms"] / f["whole_copy_ms"], rel_tol=1e-9)
+    assert math.isclose(f["all_layers_ratio"], f["all_layers_ms"] / f["whole_copy_ms"], rel_tol=1e-9)

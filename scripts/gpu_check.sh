@@ -8,7 +8,8 @@
 #     vLLM-shaped caches shared as the vLLM connector shares them (vllm_kv),
 #     store / load_into through a real daemon (tests/gpu too);
 #   - H2D / D2H bandwidth of the page kernels next to a plain pinned copy_ of the same
-#     bytes (benchmarks/bench_copy.py --device cuda).
+#     bytes, and a layer-wise load's time to first layer as an engine process sees it
+#     through the counters' CUDA events (benchmarks/bench_copy.py --device cuda).
 # Uses the machine's own torch / triton (a venv with --system-site-packages), installs
 # hicache itself without dependencies, so it needs no network. Packages the machine
 # lacks come as wheels in .whl/ (scripts/gpu_wheels.sh makes them where pip works).

@@ -685,6 +685,42 @@ def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_o
         assert daemon.stop() == 0
 
 
+def test_a_load_whose_counter_slot_went_to_a_later_load_before_the_worker_looked_reads_as_landed(tmp_path):
+    """vLLM's scheduler answers a step's loads before its worker waits on any of them:
+    with more loads than the pool has counter slots (one here), a load's slot has gone
+    to a later load by the time the worker looks. The load landed, and reads so —
+    before, its ticket read as stale and the connector reported its blocks as a failed
+    load, recomputed for nothing."""
+    daemon = DaemonProcess(tmp_path, tiers={"counter_slots": 1}, **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="w")
+    scheduler = CacheClient(daemon.endpoint)
+    flusher = admin(daemon.endpoint)
+    first, second = toks(100, 2), toks(300, 2)
+    try:
+        scheduler.attach("w")
+        worker.compute(first, [1, 2])
+        worker.compute(second, [3, 4])
+        assert worker.client.store(first, [1, 2]).num_cached == 2
+        assert worker.client.store(second, [3, 4]).num_cached == 2
+        worker.wipe([10, 11, 12, 13])
+        early = scheduler.load_into(scheduler.match(first).handle, [10, 11], locked=False)
+        flusher.flush()  # (its copies are over: its slot is free again)
+        late = scheduler.load_into(scheduler.match(second).handle, [12, 13], locked=False)
+        assert early.num_loaded_pages == late.num_loaded_pages == 2
+        assert [t.slot for t in early.wait] == [t.slot for t in late.wait]
+        flusher.flush()
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(early.wait + late.wait, layer, timeout_s=30)
+        assert worker.client.wait_over(early.wait, timeout_s=30)
+        worker.check(first, [10, 11])
+        worker.check(second, [12, 13])
+    finally:
+        flusher.close()
+        scheduler.close()
+        worker.close()
+        assert daemon.stop() == 0
+
+
 def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(daemon, monkeypatch):
     """A store carries when its engine stops waiting (the host's CLOCK_MONOTONIC): one
     the daemon gets after that is refused (``TIMEOUT``), nothing copied."""

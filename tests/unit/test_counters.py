@@ -84,6 +84,70 @@ def test_a_ticket_is_held_by_its_own_ring_only_and_only_while_its_load_has_the_s
         other.close()
 
 
+def test_a_load_whose_slot_moved_on_still_reads_as_landed_or_failed(ring):
+    """A waiter may look at a ticket only after its load ended and the slot went to a
+    later load (a vLLM step answers more loads than the ring has slots; the worker
+    waits after the daemon finished): the load is over, and the ring still says how it
+    ended — landed (every layer done) or failed — not that it is stale. A ticket older
+    than what the ring remembers, or of another ring, is still stale."""
+    counters, waiter = ring
+    landed = counters.begin()
+    for layer in range(3):
+        counters.complete_layer(landed, layer)
+    counters.finish(landed)
+    failed = counters.begin()
+    counters.complete_layer(failed, 0)
+    counters.fail(failed)
+    counters.finish(failed)
+    later = counters.begin(), counters.begin()
+    assert [t.slot for t in later] == [landed.slot, failed.slot]
+    assert not waiter.holds(landed) and not waiter.holds(failed)
+    assert [waiter.is_done(landed, layer) for layer in range(3)] == [True] * 3
+    waiter.wait_layer(landed, 2, timeout_s=0)
+    for layer in range(3):
+        with pytest.raises(LoadFailed):
+            waiter.is_done(failed, layer)
+    with pytest.raises(LoadFailed):
+        waiter.wait_layer(failed, 2, timeout_s=0)
+    assert not any(waiter.is_done(t, 0) for t in later)  # the later loads are their own
+    for t in later:
+        counters.fail(t)
+        counters.finish(t)
+    while True:  # a long way on: the ring has forgotten the first load
+        t = counters.begin()
+        counters.fail(t)
+        counters.finish(t)
+        try:
+            waiter.is_done(landed, 0)
+        except StaleTicket:
+            break
+        assert t.generation - landed.generation < 1000
+    other = LayerCounters(num_slots=2, num_layers=3)
+    try:
+        with pytest.raises(StaleTicket):
+            waiter.is_done(Ticket(0, other.begin().generation), 0)
+    finally:
+        other.close()
+
+
+def test_gpu_mode_a_landed_load_whose_slot_moved_on_waits_on_no_event(ring):
+    """The slot's events may be recorded for a later load by now: a load over reads
+    from the ring's record of its outcome, and the engine's stream waits on nothing
+    (its copies ran before the daemon gave the slot back)."""
+    counters, waiter = ring
+    waiter.events = events = _Events()
+    ticket = counters.begin()
+    for layer in range(3):
+        counters.complete_layer(ticket, layer)
+    counters.finish(ticket)
+    between = counters.begin()
+    later = counters.begin()
+    assert later.slot == ticket.slot and between.slot != ticket.slot
+    counters.complete_layer(later, 0)  # (its event for layer 0 recorded)
+    waiter.wait_layer(ticket, 0, timeout_s=0)
+    assert events.waited == []
+
+
 def test_a_stale_stamp_from_the_previous_load_is_not_done(ring):
     counters, waiter = ring
     first = counters.begin()

@@ -345,6 +345,40 @@ def test_a_step_waits_once_for_each_layer_of_its_loads(daemon):
         e.close()
 
 
+def test_a_load_whose_counter_slot_went_to_a_later_load_of_the_step_is_not_reported(tmp_path):
+    """A step answers more loads than the pool has counter slots (two here): by the time
+    the worker waits, the first load's slot holds the third's. The first landed, and is
+    not reported (before, its ticket read as stale: vLLM recomputed its blocks, and the
+    loads counted as failures)."""
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False},
+                      tiers={"counter_slots": 2}).start()
+    e = Engine(d.endpoint)
+    admin = CacheClient(d.endpoint, heartbeat=False)
+    try:
+        s = e.scheduler
+        prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
+        for i, p in enumerate(prompts):
+            r = request(f"a{i}", p)
+            e.prefill(r, [1 + 2 * i, 2 + 2 * i, 20], 7.0 + i)
+            e.finish(r, [1 + 2 * i, 2 + 2 * i, 20])
+        targets = [[10, 11], [12, 13], [14, 15]]
+        for i, p in enumerate(prompts):
+            r = request(f"b{i}", p)
+            s.on_new_request(r)
+            ext, _ = s.get_num_new_matched_tokens(r, 0)
+            s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
+            admin.flush()  # (its copies are over: its slot is free again)
+        loads = list(s._loads)
+        assert [load.num_loaded for load in loads] == [2, 2, 2]
+        assert loads[0].tickets[0][0] == loads[2].tickets[0][0]  # (the same slot)
+        assert not e.step(empty_output())
+        assert [e.values(t) for t in targets] == [[{7.0}] * 2, [{8.0}] * 2, [{9.0}] * 2]
+    finally:
+        admin.close()
+        e.close()
+        d.stop()
+
+
 def test_a_step_whose_attention_skipped_a_layer_waits_for_it_at_its_end(daemon):
     """A layer no attention call waited for (a forward that skips the hook) is waited
     for by ``wait_for_save``, once, before the step's stores and its output."""

@@ -751,21 +751,21 @@ class CacheClient:
     def _waiter_of(self, ticket: Ticket) -> LayerWaiter:
         """The ring ``ticket`` is on: the pool's now, or — a load answered before the
         pool was registered again — the ring before that still gives the ticket's load
-        its slot: the daemon may still be copying that load into the engine's blocks
-        (its old pool retires once its transfers end), and says on that ring when it
-        has landed or failed. Rings count from random starts, so a ticket is held by
-        its own ring only. One no ring holds: the current ring's (which says stale) —
-        its load is over, since a ring is unmapped only once its daemon let go of it
-        (:meth:`_drop_retired`).
+        its slot, or remembers how it ended: the daemon may still be copying that load
+        into the engine's blocks (its old pool retires once its transfers end), and
+        says on that ring when it has landed or failed. Rings count from random starts,
+        so a ticket is known to its own ring only. One no ring knows: the current
+        ring's (which says stale) — its load is over, since a ring is unmapped only
+        once its daemon let go of it (:meth:`_drop_retired`).
         A ring of a daemon that died never moves again: its loads read as not landed
         until their waits time out, never as done."""
         waiter = self.waiter
         if waiter is None:
             raise StaleTicket(f"ticket {ticket}: no pool is registered")
-        if waiter.holds(ticket):
+        if waiter.knows(ticket):
             return waiter
         for old in reversed(self._retired):
-            if old.holds(ticket):
+            if old.knows(ticket):
                 return old
         return waiter
 

@@ -8,10 +8,20 @@ stamps each layer when it is complete. The ring lives in a sealed memfd segment
 
     slot s:  [ generation | stamp L0 | stamp L1 | ... | stamp L(n-1) ]
 
+    log:     [ outcome of generation g at g % log_words ] x log_words
+
 ``stamp == generation`` means done, ``stamp == -generation`` failed; any other value is
 from an older load that used the slot. Generations never repeat, so a waiter can never
 mistake an earlier (or a later) load's progress for its own: when the slot has moved on
-to another generation it raises :class:`StaleTicket` instead of returning early. Nor do
+to another generation, the load is over, and the log after the slots says how it ended —
+``+generation`` every layer landed, ``-generation`` not — written by ``finish`` before
+the slot can go to another load. A waiter reads the slot's generation first and the log
+after (a store the daemon made before the one it sees is visible to it), so it finds
+the outcome of any of the last ``log_words`` loads to end: ``LOG_WORDS_PER_SLOT`` times as
+many as there are slots. (Before, a ticket whose slot had moved on read as stale: vLLM's
+scheduler answers a step's loads before its worker waits on any, and where one step
+had more loads than the ring has slots, the connector reported landed loads as failed.)
+A ticket older than that — or of another ring — raises :class:`StaleTicket`. Nor do
 they repeat across rings: each ring counts from a random start, so that a ticket of a
 ring that is gone — a daemon that restarted, a pool registered again — is stale on the
 ring its engine waits on now (where every ring counted from 1, a new daemon's first
@@ -34,7 +44,8 @@ stream, with no CPU block. The handles name the events' GPU by its UUID besides 
 daemon's index of it, since the engine's index of that GPU may be another
 (:func:`hicache.cuda_ipc.local_device`). The shared ring still carries generations and failures, and
 a layer's stamp there says that its event was recorded for this load (its copy is on
-the stream): the engine waits for that before its stream waits on the event.
+the stream): the engine waits for that before its stream waits on the event. A load found in the log
+needs no event wait: the daemon ends a load only once its copies have run.
 """
 
 from __future__ import annotations
@@ -56,6 +67,9 @@ from hicache.shm import SharedBuffer
 
 _GENERATION_BITS = 52
 _PROBE_WRITER_S = 0.01  # how often a waiter looks whether the ring's daemon is gone
+LOG_WORDS_PER_SLOT = 16  # outcomes of loads that ended a ring remembers, per slot
+
+_PENDING, _LANDED, _OVER = range(3)  # a layer: not yet; landed; landed, and its load ended
 
 
 class Ticket(NamedTuple):
@@ -76,16 +90,20 @@ class CountersHandle:
     device: int = -1  # the daemon's index of the events' GPU
     writer_lock: bool = False  # the daemon holds the ring's flock while it may stamp it
     device_uuid: str | None = None  # the events' GPU in every process (older daemons: none)
+    # The outcome log's words after the slots (older daemons: none). An older client maps
+    # the slots only (ring_bytes without it), and reads them as before.
+    log_words: int = 0
 
     @property
     def nbytes(self) -> int:
-        return ring_bytes(self.num_slots, self.num_layers)
+        return ring_bytes(self.num_slots, self.num_layers, self.log_words)
 
     def to_dict(self) -> dict[str, Any]:
         uuid = {} if self.device_uuid is None else {"device_uuid": self.device_uuid}
+        log = {"log_words": self.log_words} if self.log_words else {}
         return {"token": self.token, "num_slots": self.num_slots, "num_layers": self.num_layers,
                 "event_handles": list(self.event_handles), "device": self.device, "writer_lock": self.writer_lock,
-                **uuid}
+                **uuid, **log}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CountersHandle":
@@ -93,20 +111,27 @@ class CountersHandle:
         if uuid is not None and not isinstance(uuid, str):
             raise InvalidArgument(f"bad counters handle: device_uuid has type {type(uuid).__name__}")
         try:
-            return cls(bytes(data["token"]), int(data["num_slots"]), int(data["num_layers"]),
-                       tuple(data.get("event_handles", ())), int(data.get("device", -1)),
-                       data.get("writer_lock") is True, uuid)
+            handle = cls(bytes(data["token"]), int(data["num_slots"]), int(data["num_layers"]),
+                         tuple(data.get("event_handles", ())), int(data.get("device", -1)),
+                         data.get("writer_lock") is True, uuid, int(data.get("log_words", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad counters handle: {exc}") from None
+        if handle.log_words < 0:
+            raise InvalidArgument(f"bad counters handle: log_words {handle.log_words}")
+        return handle
 
 
-def ring_bytes(num_slots: int, num_layers: int) -> int:
-    """Bytes of a ring: one generation word and one stamp per layer, per slot."""
-    return num_slots * (1 + num_layers) * 8
+def ring_bytes(num_slots: int, num_layers: int, log_words: int = 0) -> int:
+    """Bytes of a ring: one generation word and one stamp per layer, per slot; then the
+    outcome log's words."""
+    return (num_slots * (1 + num_layers) + log_words) * 8
 
 
-def _ring(buffer: np.ndarray, num_slots: int, num_layers: int) -> np.ndarray:
-    return buffer.view(np.int64).reshape(num_slots, 1 + num_layers)
+def _ring(buffer: np.ndarray, num_slots: int, num_layers: int, log_words: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The slots (``num_slots`` x ``1 + num_layers`` words) and the outcome log."""
+    words = buffer.view(np.int64)
+    end = num_slots * (1 + num_layers)
+    return words[:end].reshape(num_slots, 1 + num_layers), words[end : end + log_words]
 
 
 class LayerCounters:
@@ -122,12 +147,13 @@ class LayerCounters:
             raise InvalidArgument("a counters ring needs at least one slot and one layer")
         self.num_slots = num_slots
         self.num_layers = num_layers
-        self.shared = SharedBuffer.create(ring_bytes(num_slots, num_layers), name="hicache-layers",
+        self.log_words = LOG_WORDS_PER_SLOT * num_slots
+        self.shared = SharedBuffer.create(ring_bytes(num_slots, num_layers, self.log_words), name="hicache-layers",
                                           others_read_only=True)
         # Held until the ring is closed or the process ends (see the module doc); the
         # descriptors handed to engines are their own (reader_fd), never this one.
         fcntl.flock(self.shared.fd, fcntl.LOCK_SH)
-        self._ring = _ring(self.shared.array, num_slots, num_layers)
+        self._ring, self._log = _ring(self.shared.array, num_slots, num_layers, self.log_words)
         self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)
         self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
         # (52 random bits: a stale ticket matches a live one by chance with odds of one in
@@ -138,9 +164,10 @@ class LayerCounters:
     def handle(self, token: bytes = b"") -> CountersHandle:
         """The engine's handle, with the token its reader descriptor was published under."""
         if self.events is None:
-            return CountersHandle(token, self.num_slots, self.num_layers, writer_lock=True)
+            return CountersHandle(token, self.num_slots, self.num_layers, writer_lock=True, log_words=self.log_words)
         return CountersHandle(token, self.num_slots, self.num_layers, self.events.ipc_handles(), self.events.device,
-                              writer_lock=True, device_uuid=device_uuid(self.events.device))
+                              writer_lock=True, device_uuid=device_uuid(self.events.device),
+                              log_words=self.log_words)
 
     def reader_fd(self) -> int:
         """A read-only descriptor of the ring, for the engine (the caller hands it on)."""
@@ -178,11 +205,14 @@ class LayerCounters:
             self._stamp(ticket.slot, 1 + layer, -ticket.generation)
 
     def finish(self, ticket: Ticket) -> None:
-        """Give the slot back; every layer must be complete or failed."""
+        """Give the slot back; every layer must be complete or failed. The load's outcome
+        goes to the log first: a waiter that finds the slot moved on reads it there."""
         self._check(ticket)
         stamps = self._words[ticket.slot, 1:]
         if not np.all(np.abs(stamps) == ticket.generation):
             raise InvalidArgument(f"ticket {ticket} still has layers in flight")
+        landed = bool(np.all(stamps == ticket.generation))
+        self._log[ticket.generation % self.log_words] = ticket.generation if landed else -ticket.generation
         self._free.append(ticket.slot)
 
     def _stamp(self, slot: int, word: int, value: int) -> None:
@@ -194,7 +224,7 @@ class LayerCounters:
             raise InvalidArgument(f"{ticket} is not a live ticket of this ring")
 
     def close(self) -> None:
-        self._ring = None  # type: ignore[assignment]
+        self._ring = self._log = None  # type: ignore[assignment]
         self.shared.close()
 
 
@@ -205,7 +235,7 @@ class LayerWaiter:
     def __init__(self, handle: CountersHandle, fd: int) -> None:
         self.handle = handle
         self._shared = SharedBuffer.attach(fd, handle.nbytes, writable=False, keep_fd=handle.writer_lock)
-        self._words = _ring(self._shared.array, handle.num_slots, handle.num_layers)
+        self._words, self._log = _ring(self._shared.array, handle.num_slots, handle.num_layers, handle.log_words)
         self.events = CudaLayerEvents.open(handle) if handle.event_handles else None
 
     def holds(self, ticket: Ticket) -> bool:
@@ -213,21 +243,51 @@ class LayerWaiter:
         ring, or of a load whose slot has moved on since, is not)?"""
         return 0 <= ticket.slot < self.handle.num_slots and int(self._words[ticket.slot, 0]) == ticket.generation
 
+    def knows(self, ticket: Ticket) -> bool:
+        """Is ``ticket`` a load of this ring that it can tell about: the one that has its
+        slot now, or one that ended whose outcome its log still has?"""
+        return self.holds(ticket) or self._outcome(ticket) is not None
+
     def is_done(self, ticket: Ticket, layer: int) -> bool:
-        """Non-blocking: has ``layer`` of the ticket's load completed?"""
+        """Non-blocking: has ``layer`` of the ticket's load completed? A load whose slot
+        has moved on is over: done if every layer landed, else :class:`LoadFailed` —
+        :class:`StaleTicket` once the ring no longer remembers it."""
+        return self._state(ticket, layer) != _PENDING
+
+    def _state(self, ticket: Ticket, layer: int) -> int:
         if not 0 <= ticket.slot < self.handle.num_slots or not 0 <= layer < self.handle.num_layers:
             raise InvalidArgument(f"bad ticket {ticket} or layer {layer}")
         if int(self._words[ticket.slot, 0]) != ticket.generation:
-            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
+            return self._ended(ticket)
         stamp = int(self._words[ticket.slot, 1 + layer])
         if stamp == ticket.generation:
-            return True
+            return _LANDED
         if stamp == -ticket.generation:
             raise LoadFailed(f"layer {layer} of load {ticket} failed")
         # Not done: unless the slot was reused between the two reads above.
         if int(self._words[ticket.slot, 0]) != ticket.generation:
-            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}")
-        return False
+            return self._ended(ticket)
+        return _PENDING
+
+    def _ended(self, ticket: Ticket) -> int:
+        """The slot has moved on from the ticket's load: how it ended, from the log
+        (read after the slot's word: ``finish`` wrote it before the slot went on)."""
+        landed = self._outcome(ticket)
+        if landed is None:
+            raise StaleTicket(f"slot {ticket.slot} has moved on from generation {ticket.generation}, "
+                              "which the ring no longer remembers")
+        if not landed:
+            raise LoadFailed(f"load {ticket} failed")
+        return _OVER
+
+    def _outcome(self, ticket: Ticket) -> bool | None:
+        """Did the ticket's load land (every layer), per the log; ``None`` if the log has
+        no word of it: still in its slot, too old, or not a load of this ring."""
+        log, generation = self._log, ticket.generation
+        if not len(log) or generation <= 0:
+            return None
+        word = int(log[generation % len(log)])
+        return True if word == generation else False if word == -generation else None
 
     def wait_layer(self, ticket: Ticket, layer: int, *, timeout_s: float | None = None,
                    stream: Any = None) -> None:
@@ -236,12 +296,14 @@ class LayerWaiter:
         daemon's stream, which the daemon does before it answers, so this finds it at
         once — then make ``stream`` wait on the event, without blocking the CPU. An
         event waited on before it was recorded for this load would hold its previous
-        record (or none): the stream would not wait for this load's copy at all."""
+        record (or none): the stream would not wait for this load's copy at all. A
+        load that has ended (its slot moved on) is waited on no event: its copies have
+        run, and the slot's events may be a later load's by now."""
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         probe_at = now + _PROBE_WRITER_S
         pause = 0.0
-        while not self.is_done(ticket, layer):
+        while (state := self._state(ticket, layer)) == _PENDING:
             now = time.monotonic()
             if now >= probe_at:
                 probe_at = now + _PROBE_WRITER_S
@@ -253,7 +315,7 @@ class LayerWaiter:
             # Spin briefly, then back off up to 50 us: layers land every few hundred us.
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 5e-5)
-        if self.events is not None:
+        if self.events is not None and state == _LANDED:
             self.events.wait(ticket, layer, stream)
 
     def writer_gone(self) -> bool:
@@ -271,7 +333,7 @@ class LayerWaiter:
         return True
 
     def close(self) -> None:
-        self._words = None  # type: ignore[assignment]
+        self._words = self._log = None  # type: ignore[assignment]
         self._shared.close()
 
 

@@ -383,6 +383,7 @@ class CountersMsg(msgspec.Struct, kw_only=True, gc=False):
     device: int | UnsetType = UNSET
     writer_lock: bool | UnsetType = UNSET  # holds the ring's flock while it may stamp it (older: absent)
     device_uuid: str | UnsetType = UNSET  # the events' GPU: ``device`` is the daemon's index of it (older: absent)
+    log_words: int | UnsetType = UNSET  # the outcome log's words after the slots (older: absent, no log)
 
 
 class RegisterReply(_Reply, tag="register"):

@@ -103,6 +103,21 @@ def test_a_register_reply_carries_the_counters_handle():
     assert CountersHandle.from_dict(p.as_dict(reply.counters)) == handle
 
 
+def test_a_register_reply_says_how_long_the_counters_outcome_log_is():
+    """The log after the ring's slots (what a waiter reads a load whose slot moved on
+    from): said in the handle, so that a client maps it; a client older than it maps
+    the slots only. A handle without it (an older daemon's) has none."""
+    handle = CountersHandle(b"c" * 16, 4, 3, writer_lock=True, log_words=64)
+    reply = p.decode_reply(p.encode(p.RegisterReply(id=1, pool=2, counters=p.from_dict(p.CountersMsg, handle.to_dict()),
+                                                    page_size=4, num_pages=8)))
+    assert CountersHandle.from_dict(p.as_dict(reply.counters)) == handle
+    assert handle.nbytes == (4 * (1 + 3) + 64) * 8
+    older = {k: v for k, v in handle.to_dict().items() if k != "log_words"}
+    assert CountersHandle.from_dict(older).log_words == 0
+    with pytest.raises(InvalidArgument):
+        CountersHandle.from_dict(handle.to_dict() | {"log_words": -1})
+
+
 def test_a_register_reply_names_the_gpu_of_the_counters_events():
     """GPU mode: the daemon's index of the events' GPU, and its UUID for the engine,
     whose index of that GPU may be another."""

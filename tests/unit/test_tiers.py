@@ -1631,7 +1631,7 @@ def test_flush_reports_progress_while_writes_wait_and_durability_at_the_end(tmp_
         engine.close()
 
 
-def owned_tm(host_pages: int):
+def owned_tm(host_pages: int, **manager_args):
     """A tier manager with one engine-owned pool of 8 blocks (vLLM's CPU layout) as pool
     0, and its namespace."""
     import torch
@@ -1641,7 +1641,7 @@ def owned_tm(host_pages: int):
 
     layout = layer_major(8)
     buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
-    tm = TierManager(OWNED_SPEC, host_pages=host_pages)
+    tm = TierManager(OWNED_SPEC, host_pages=host_pages, **manager_args)
     ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
     tm.add_namespace(ns)
     tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
@@ -1801,6 +1801,72 @@ def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monk
         tm.poll()
     tm.check_invariants()
     engine.check(NS, other, tm.match(NS, other, 0).match.device_pages)
+
+
+def no_counter_slot_tokens(metrics) -> float:
+    return metrics.registry.get_sample_value("hicache_missed_tokens_total", {"reason": "no_counter_slot"})
+
+
+def test_a_load_with_every_counter_slot_in_use_loads_nothing_and_is_counted(engine, monkeypatch):
+    """A pool's loads in flight at once are bounded by its counter slots: one more
+    loads nothing (its pages are recomputed). The operator sees why —
+    ``hicache_missed_tokens_total{reason="no_counter_slot"}`` — instead of a
+    ``load_short`` with no reason."""
+    from hicache.metrics import Metrics
+
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    metrics = Metrics()
+    tm, _ = make_tm(engine, host_pages=8, metrics=metrics, counter_slots=1)
+    workers = tm.workers
+    toks = tokens(100, 4)
+    prefill(tm, engine, toks)
+    workers.run("copy")  # the write-through backup
+    tm.poll()
+    tm.evict(Tier.DEVICE, 16, 0)
+    upper = tm.match(NS, toks[: 2 * PS], 0).match.node
+    tm.lock(upper, 0)
+    first = tm.load(upper, 0).result()
+    lower = tm.match(NS, toks, 0).match.node
+    tm.lock(lower, 0)
+    second = tm.load(lower, 0).result()  # the first holds the only slot
+    assert first.num_loaded_pages == 2 and second.num_loaded_pages == 0 and len(second.device_pages) == 2
+    assert no_counter_slot_tokens(metrics) == 2 * PS
+    workers.run("copy")
+    tm.poll()
+    tm.check_invariants()
+    tm.unlock(lower, 0)
+    tm.unlock(upper, 0)
+    tm.close()
+
+
+def test_an_owned_load_into_with_every_counter_slot_in_use_loads_nothing_and_is_counted(monkeypatch):
+    """The same for an engine-owned pool's ``load_into`` (a vLLM step that starts more
+    loads than the pool has counter slots)."""
+    from hicache.metrics import Metrics
+    from owned_util import OWNED_SPEC
+
+    monkeypatch.setattr(manager_module, "Workers", ManualWorkers)
+    metrics = Metrics()
+    tm, ns = owned_tm(host_pages=8, metrics=metrics, config=TierConfig(counter_slots=1))
+    workers = tm.workers
+    try:
+        toks = list(range(7, 7 + 3 * OWNED_SPEC.page_size))
+        stored = tm.store(ns, toks, 0, [1, 2, 3])
+        workers.run("copy")
+        tm.poll()
+        assert stored.result().num_cached == 3
+        node = tm.match(ns, toks, 0).match.node
+        tm.lock(node, 0)
+        first = tm.load_into(node, 0, [4, 5, 6]).result()
+        second = tm.load_into(node, 0, [7]).result()  # the first holds the only slot
+        assert first.num_loaded == 3 and (second.num_loaded, second.wait) == (0, ())
+        assert no_counter_slot_tokens(metrics) == OWNED_SPEC.page_size
+        workers.run("copy")
+        tm.poll()
+        tm.unlock(node, 0)
+        tm.check_invariants()
+    finally:
+        tm.close()
 
 
 def test_an_owned_store_keeps_the_host_prefix_it_continues():

@@ -29,7 +29,10 @@ hicache_missed_tokens_total                     reason (never_stored, evicted_de
                                                 load_failed, unreadable_record: a disk
                                                 record no read could get (I/O errors
                                                 at every try), no_room: cached, but no
-                                                room to load it now)
+                                                room to load it now, no_counter_slot:
+                                                cached, but every counter slot of the
+                                                pool held a load in flight — raise
+                                                [tiers] counter_slots)
 hicache_load_short_tokens_total                 — (tokens a match reported on host / disk
                                                 that the load could not bring)
 hicache_transfer_bytes_total                    direction (d2h, h2d, host_to_disk,
@@ -148,7 +151,7 @@ REMOTE_OPS = ("lookup", "get", "put")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",
-                "corrupt_record", "load_failed", "unreadable_record", "no_room")
+                "corrupt_record", "load_failed", "unreadable_record", "no_room", "no_counter_slot")
 SESSION_END_REASONS = ("bye", "lease_expired", "replaced", "shutdown", "pool_gone", "revoked")
 AUTH_REFUSALS = ("unknown_key", "unknown_user", "revoked", "events", "shed")
 QUOTAS = ("locks", "requests", "host_pages", "disk_pages", "sessions")

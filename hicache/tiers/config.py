@@ -26,7 +26,11 @@ class TierConfig:
     prefetch_policy: str = "best_effort"
     prefetch_timeout_s: float = 0.05
     prefetch_min_pages: int = 1
-    counter_slots: int = 64  # concurrent loads per pool
+    # Loads in flight at once per pool; one more loads nothing (missed: no_counter_slot).
+    # A vLLM step starts a load per request with a hit, up to max_num_seqs of them (256
+    # by default on most GPUs and the CPU). Cost per pool: a ring of
+    # slots * (1 + 16 + layers) * 8 bytes and, on a GPU, slots * layers CUDA events.
+    counter_slots: int = 256
     eviction: str = "lru"
     copy_threads: int = 2  # CPU copy threads inside a transfer (each takes 8 MiB or more of it)
     io_threads: int = 2  # storage readers

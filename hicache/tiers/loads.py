@@ -298,8 +298,9 @@ class Loads:
             pool.allocator.free(pending.pages[used:])
         ticket = pool.counters.begin() if to_load else None
         if ticket is None:
-            if to_load:
+            if to_load:  # (every counter slot holds a load in flight)
                 pool.allocator.free(pending.pages[:used])
+                core.metrics.missed("no_counter_slot", used * core.spec.page_size)
             tree.unlock(hold, pool.pool_id)
             pending.future.set_result(self._device_only(pool, path[:first], hold, pending.wanted))
             return

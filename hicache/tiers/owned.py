@@ -259,6 +259,8 @@ class OwnedTransfers:
             used -= len(entries.pop().dst)
         ticket = pool.counters.begin() if entries else None
         if ticket is None:  # nothing on host, or no free counter slot: nothing loads
+            if entries:
+                core.metrics.missed("no_counter_slot", used * core.spec.page_size)
             tree.unlock(hold, pool.pool_id)
             self._short(len(blocks), 0)
             future.set_result(LoadedInto(0, ()))

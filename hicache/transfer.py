@@ -2,8 +2,9 @@
 
 :class:`PageMover` precomputes the copy-kernel segment tables of a (device pool, host
 pool) pair once — all layers device -> host, each layer host -> device, state slots
-both ways — and runs them with :func:`hicache.kernels.page_copy.copy_pages` (Triton on
-CUDA, the torch path on the CPU, spread over ``workers`` threads when given). Page ids
+both ways; for a CPU pool, each layer's views of the two buffers too — and runs them
+with :func:`hicache.kernels.page_copy.copy_pages` (Triton on CUDA, the torch path on
+the CPU, spread over ``workers`` threads when given). Page ids
 are checked on the host before they go to the device, so no call synchronises. Calls
 are synchronous on the CPU and enqueue on the current stream on CUDA; a layer-wise load
 calls ``on_layer(i)`` right after layer *i*'s copies are done (CPU) or enqueued (CUDA),
@@ -22,7 +23,7 @@ import torch
 
 from hicache.errors import InvalidArgument, SpecMismatch
 from hicache.kernels.copy_plan import CpuCopyWorkers, check_page_ids
-from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
+from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, ReferencePlan, copy_pages, page_runs
 from hicache.pools import (
     DevicePool,
     HostPool,
@@ -90,6 +91,11 @@ class PageMover:
         restore = self._backup.reversed()
         self._restore = restore
         self._restore_layer = {layer: restore.select(r) for layer, r in layer_segment_ranges(layout).items()}
+        # A CPU pool's layer copies take the reference path: its views of the two
+        # buffers, per layer, are built here once rather than for every layer of a load.
+        self._layer_plans = None if device_pool.device.type != "cpu" else {
+            layer: ReferencePlan(host_pool.pages, device_pool.buffer, segments)
+            for layer, segments in self._restore_layer.items()}
         self._states = state_segments(layout, device_pool.rank) if layout.state_regions else None
         self._device_states = device_state_segments(layout) if layout.state_regions else None
         self.num_layers = device_pool.spec.num_layers
@@ -141,15 +147,36 @@ class PageMover:
 
     def _load_layers(self, host_ids: torch.Tensor, device_ids: torch.Tensor,
                      on_layer: Callable[[int], None] | None, proceed: Callable[[], None] | None) -> None:
+        copy_layer = self._layer_copy(host_ids, device_ids)
         for layer in range(self.num_layers):
             if proceed is not None:
                 proceed()
+            copy_layer(layer)
+            if on_layer is not None:
+                on_layer(layer)
+
+    def _layer_copy(self, host_ids: torch.Tensor, device_ids: torch.Tensor) -> Callable[[int], None]:
+        """One layer's copy of these (checked) pages. On the CPU the pages' runs are
+        found once for all the layers, and each layer only moves them: per layer, a
+        load does nothing but copy (a 32-layer load redid each layer's runs and views)."""
+        if self._layer_plans is not None:
+            plans = self._layer_plans
+            runs = page_runs(host_ids, device_ids)
+
+            def move(layer: int) -> None:
+                plan = plans.get(layer)
+                if plan is not None:
+                    plan.move(runs)
+
+            return move
+
+        def enqueue(layer: int) -> None:
             segments = self._restore_layer.get(layer)
             if segments is not None:
                 copy_pages(self.host_pool.pages, self.device_pool.buffer, host_ids, device_ids, segments,
                            max_programs=self.max_programs, check=False)
-            if on_layer is not None:
-                on_layer(layer)
+
+        return enqueue
 
     def load_all(self, host_pages: PageList, device_pages: PageList) -> None:
         """Host -> device, every layer in one copy (no per-layer completion)."""

@@ -147,27 +147,37 @@ def copy_pages_reference(
     threads each copying whole pages beat one copy split by torch's intra-op threads."""
     if _check_args(src, dst, src_pages, dst_pages, segments, check) == 0:
         return
-    runs = _runs(src_pages.tolist(), dst_pages.tolist())
-    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
-    # One [count, pages, nbytes] view per group and side; each run is a slice of it.
-    views = [(_group_view(src, g.count, g.src_offset, g.src_step, g.src_stride, g.nbytes, on_cpu),
-              _group_view(dst, g.count, g.dst_offset, g.dst_step, g.dst_stride, g.nbytes, on_cpu))
-             for g in segments.groups]
+    runs = page_runs(src_pages, dst_pages)
+    plan = ReferencePlan(src, dst, segments)
+    parts = 1 if workers is None or not plan.on_cpu else workers.parts(
+        sum(r[2] for r in runs) * segments.bytes_per_pair, len(runs))
+    if parts < 2:
+        plan.move(runs)
+    else:
+        workers.run(plan.move, _split(runs, parts))
 
-    def move(batch: list[tuple[int, int, int]]) -> None:
-        for src_view, dst_view in views:
-            for s0, d0, length in batch:
-                if on_cpu:
+
+class ReferencePlan:
+    """What the reference path needs of one (``src``, ``dst``, segments) triple that no
+    page list changes: one ``[count, pages, nbytes]`` view per group and side, each run
+    of pages a slice of it. A layer-wise load builds one per layer once per pool pair
+    (:class:`hicache.transfer.PageMover`) and moves the same runs through each, instead
+    of rebuilding views and runs for every layer."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, segments: Segments) -> None:
+        self.on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+        self._views = [(_group_view(src, g.count, g.src_offset, g.src_step, g.src_stride, g.nbytes, self.on_cpu),
+                        _group_view(dst, g.count, g.dst_offset, g.dst_step, g.dst_stride, g.nbytes, self.on_cpu))
+                       for g in segments.groups]
+
+    def move(self, runs: list[tuple[int, int, int]]) -> None:
+        """Copy ``runs`` (:func:`page_runs`, unchecked: the caller checked the ids)."""
+        for src_view, dst_view in self._views:
+            for s0, d0, length in runs:
+                if self.on_cpu:
                     np.copyto(dst_view[:, d0 : d0 + length], src_view[:, s0 : s0 + length])
                 else:
                     dst_view[:, d0 : d0 + length].copy_(src_view[:, s0 : s0 + length])
-
-    parts = 1 if workers is None or not on_cpu else workers.parts(
-        sum(r[2] for r in runs) * segments.bytes_per_pair, len(runs))
-    if parts < 2:
-        move(runs)
-    else:
-        workers.run(move, _split(runs, parts))
 
 
 def copy_pages(
@@ -216,9 +226,10 @@ def _group_view(buf: torch.Tensor, count: int, offset: int, step: int, stride: i
     return view.numpy() if as_numpy else view
 
 
-def _runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, int, int]]:
     """Runs where both page lists step by +1, at most RUN_CAP_PAGES long:
     (first src, first dst, length)."""
+    src_pages, dst_pages = src_pages.tolist(), dst_pages.tolist()
     runs = []
     i = 0
     n = len(src_pages)

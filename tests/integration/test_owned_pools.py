@@ -721,6 +721,52 @@ def test_a_load_whose_counter_slot_went_to_a_later_load_before_the_worker_looked
         assert daemon.stop() == 0
 
 
+def test_a_landed_load_whose_slot_moved_on_reads_as_landed_from_a_retired_ring(tmp_path):
+    """A pool of one counter slot: a load lands and a later one takes its slot, then the
+    worker registers the pool again (the daemon stalled past its timeout). The first
+    load's ticket is known to the retired ring alone, by its log of ended loads: it
+    reads as landed there — not as the new ring's stale ticket, a failed load that the
+    connector would make vLLM recompute."""
+    daemon = DaemonProcess(tmp_path, server={"lease_s": 60.0}, tiers={"counter_slots": 1},
+                           **sections(tmp_path)).start()
+    worker = OwnedEngine(daemon.endpoint, layer_major(NUM_BLOCKS), name="w", heartbeat=False)
+    scheduler = CacheClient(daemon.endpoint, heartbeat=False)
+    flusher = admin(daemon.endpoint)
+    first, second = toks(100, 2), toks(300, 2)
+    try:
+        scheduler.attach("w")
+        worker.compute(first, [1, 2])
+        worker.compute(second, [3, 4])
+        assert worker.client.store(first, [1, 2]).num_cached == 2
+        assert worker.client.store(second, [3, 4]).num_cached == 2
+        worker.wipe([10, 11, 12, 13])
+        early = scheduler.load_into(scheduler.match(first).handle, [10, 11], locked=False)
+        flusher.flush()
+        late = scheduler.load_into(scheduler.match(second).handle, [12, 13], locked=False)
+        flusher.flush()
+        assert [t.slot for t in early.wait] == [t.slot for t in late.wait]
+        old_ring = worker.client.waiter
+        assert not any(old_ring.holds(t) for t in early.wait)
+        worker.client.timeout_s = 0.3  # (this call's only)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            assert worker.client.match(first).handle is None and worker.client.degraded
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        worker.client.timeout_s = 5.0
+        assert worker.client.revive() and worker.client.waiter is not old_ring
+        assert not any(worker.client.waiter.knows(t) for t in early.wait)
+        for layer in range(OWNED_SPEC.num_layers):
+            worker.client.wait_layer(early.wait, layer, timeout_s=30)
+        assert worker.client.wait_over(early.wait, timeout_s=30)
+        worker.check(first, [10, 11])
+    finally:
+        flusher.close()
+        scheduler.close()
+        worker.close()
+        assert daemon.stop() == 0
+
+
 def test_a_store_that_arrives_after_its_deadline_is_refused_and_caches_nothing(daemon, monkeypatch):
     """A store carries when its engine stops waiting (the host's CLOCK_MONOTONIC): one
     the daemon gets after that is refused (``TIMEOUT``), nothing copied."""

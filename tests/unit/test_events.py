@@ -763,6 +763,36 @@ def test_a_stream_idle_for_idle_beat_s_sends_an_empty_batch(context, tmp_path):
         assert seqs == list(range(seqs[0], seqs[0] + 3))
 
 
+def test_a_long_idle_stream_keeps_its_batches_with_events_for_replay(context, tmp_path):
+    """An idle stream's beats (a batch with no event every idle_beat_s) must not push
+    the batches that say something out of its replay ring: a router that joins a day
+    later replays them to learn what the daemon holds. A run of batches with no event
+    is kept as its last (they all say nothing); a replay asked from inside the run gets
+    that one."""
+    now = [0.0]
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", replay_endpoint=f"ipc://{tmp_path / 'r'}", buffer_steps=4,
+                        idle_beat_s=10.0, context=context, monotonic=lambda: now[0]) as publisher:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint)
+        stream = publisher.stream(b"a")
+        for i in range(3):
+            stream.stored([i], None, [i] * 2, 2, MEDIUM_CPU)
+            publisher.publish()
+        now[0] = 10.0
+        assert publisher.publish() == 0  # (it sent batches since it opened)
+        for step in range(2, 12):  # (ten beats: more than the ring holds)
+            now[0] = step * 10.0
+            assert publisher.publish() == 1
+        assert stream.next_seq == 13
+        replies = ask(publisher, dealer, b"a", seq8(0))
+        batches = [(int.from_bytes(r[2], "big"), decode(r[3]).events) for r in replies[:-1]]
+        assert [seq for seq, _ in batches] == [0, 1, 2, 12]
+        assert [[e.block_hashes for e in events] for _, events in batches] == [[[0]], [[1]], [[2]], []]
+        assert [int.from_bytes(r[2], "big") for r in ask(publisher, dealer, b"a", seq8(5))[:-1]] == [12]
+        assert ask(publisher, dealer, b"a", seq8(13)) == [[b"", b"", END_SEQ, b""]]
+        dealer.close(linger=0)
+
+
 def test_vllms_one_frame_replay_after_a_restart_answers_from_the_first_pools_stream(context, tmp_path):
     """vLLM's replay request names no topic: the oldest stream answers. After a restart
     the oldest are the last run's topics being cleared, which no pool speaks on; the

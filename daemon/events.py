@@ -20,12 +20,15 @@ keeps a :class:`StreamLedger` beside it: its next run starts every stream past e
 this one sent even if the wall clock went back meanwhile, and ends, with
 ``AllBlocksCleared``, each stream of this run that the next does not open again. A
 stream idle for :data:`IDLE_BEAT_S` sends a batch with no event, so that a subscriber
-that reconnected meanwhile sees its gap even on a stream that stays idle.
+that reconnected meanwhile sees its gap even on a stream that stays idle; the replay
+ring keeps only the last of consecutive batches with no event, so that the beats of a
+long-idle stream never push the batches with events out of it.
 
 A subscriber that missed batches (it joined late, or saw a gap in ``seq``) asks the
 replay ROUTER for every batch from a ``seq`` on: ``[start_seq8]`` (vLLM's request: the
 first pool's stream) or ``[topic, start_seq8]``, and gets ``[b"", topic, seq8, payload]`` for
-each batch still in the stream's ring, then the end marker ``[b"", b"", -1 as 8 bytes,
+each batch still in the stream's ring (of a run of batches with no event, the last
+alone), then the end marker ``[b"", b"", -1 as 8 bytes,
 b""]``. Every request gets its end marker, in the order asked: a reply that fills the
 client's queue goes on as the client reads (the owner's next turns), up to
 :data:`MAX_REPLIES_WAITING` replies per client — a request beyond those gets nothing.
@@ -49,10 +52,12 @@ import json
 import logging
 import os
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +271,7 @@ class EventStream:
         self._nudged = False  # the next batch goes out though it holds no event (see nudge)
         self._pending: list[msgspec.Raw] = []
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ring_ends_empty = False  # its last batch holds no event (see take_batch)
 
     @property
     def num_pending(self) -> int:
@@ -321,7 +327,11 @@ class EventStream:
 
     def take_batch(self, now: float) -> tuple[int, bytes] | None:
         """Everything queued as one batch stamped ``now``: ``(seq, payload)``, kept in the
-        ring; ``None`` when nothing is queued. O(encoded bytes)."""
+        ring; ``None`` when nothing is queued. A batch with no event (a nudge) takes the
+        place of one just before it with none either: an idle stream's beats would
+        otherwise push the batches that say something out of the ring within
+        ``buffer_steps`` beats, and a replay of a run of empty batches says nothing
+        that its last does not (a replay skips their seqs). O(encoded bytes)."""
         if not self._pending and not self._clear_first and not self._nudged:
             return None
         self._nudged = False
@@ -332,21 +342,26 @@ class EventStream:
         seq = self.next_seq
         self.next_seq += 1
         payload = _ENCODER.encode((float(now), events, self.data_parallel_rank))
+        if not events and self._ring_ends_empty:
+            self._ring.pop()
         self._ring.append((seq, payload))
+        self._ring_ends_empty = not events
         return seq, payload
 
     def replay(self, start_seq: int) -> list[tuple[int, bytes]]:
         """The batches in the ring from ``start_seq`` on (from the oldest kept, if older)."""
-        if not self._ring:
-            return []
-        return list(islice(self._ring, max(0, start_seq - self._ring[0][0]), None))
+        return list(islice(self._ring, self._index(start_seq), None))
 
     def iter_replay(self, start_seq: int) -> Iterator[tuple[int, bytes]]:
         """:meth:`replay`, lazily (the ring must not change meanwhile): a reply that
         stops after a few batches does not copy the ring's references first."""
-        if self._ring:
-            for i in range(max(0, start_seq - self._ring[0][0]), len(self._ring)):
-                yield self._ring[i]
+        for i in range(self._index(start_seq), len(self._ring)):
+            yield self._ring[i]
+
+    def _index(self, start_seq: int) -> int:
+        """Where the ring's first batch from ``start_seq`` on is (its seqs ascend, with
+        gaps where empty batches gave way). O(log buffer_steps) lookups."""
+        return bisect_left(self._ring, start_seq, key=itemgetter(0))
 
 
 def _bind_again(sock: zmq.Socket, endpoint: str) -> None:

@@ -738,7 +738,9 @@ def test_after_a_rebind_every_stream_sends_a_batch_each_second_for_a_while(conte
             now[0] = step * 1.0
             sent.append(publisher.publish())
         assert sent == [1, 1, 0, 0]  # (at 1 s and 2 s; the while is over at 2.5 s)
-        assert [events for _, events in _batches(stream)][-2:] == [[], []]
+        (removed_seq, removed), (last_seq, last) = _batches(stream)[-2:]
+        assert [e.block_hashes for e in removed] == [[2]]
+        assert (last_seq, last) == (removed_seq + 2, [])  # (two with no event: the ring keeps the last)
 
 
 def test_a_stream_idle_for_idle_beat_s_sends_an_empty_batch(context, tmp_path):
@@ -756,11 +758,10 @@ def test_a_stream_idle_for_idle_beat_s_sends_an_empty_batch(context, tmp_path):
             now[0] = float(step)
             busy.removed([step], MEDIUM_CPU)
             sent[step] = publisher.publish()
-        assert [events for _, events in _batches(idle)] == [[], [], []]  # (at 10, 20, 30 s)
+        assert (idle.batches_sent, idle.next_seq) == (3, 3)  # (at 10, 20, 30 s)
+        assert _batches(idle) == [(2, [])]  # (the ring keeps the last batch of a run with no event)
         assert [step for step, count in sent.items() if count == 2] == [10, 20, 30]
         assert [len(events) for _, events in _batches(busy)] == [1] * 30
-        seqs = [seq for seq, _ in _batches(idle)]
-        assert seqs == list(range(seqs[0], seqs[0] + 3))
 
 
 def test_a_long_idle_stream_keeps_its_batches_with_events_for_replay(context, tmp_path):

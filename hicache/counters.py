@@ -156,8 +156,10 @@ class LayerCounters:
         self._ring, self._log = _ring(self.shared.array, num_slots, num_layers, self.log_words)
         self._words = np.zeros((num_slots, 1 + num_layers), dtype=np.int64)
         self._free = deque(range(num_slots))  # FIFO: a freed slot is reused as late as possible
-        # (52 random bits: a stale ticket matches a live one by chance with odds of one in
-        # ~10^15 per load; generations stay far below int64's end, negated as failures)
+        # (52 random bits: another ring's ticket matches a live slot by chance with odds of
+        # one in ~10^15 per lookup, and one of the log's 16 x num_slots words with odds of
+        # ~num_slots x 10^-14 — 10^-12 at 256 slots; generations stay far below int64's
+        # end, negated as failures)
         self._next_generation = 1 + secrets.randbits(_GENERATION_BITS)
         self.events = CudaLayerEvents.create(num_slots, num_layers, cuda_device) if cuda_device is not None else None
 

@@ -20,12 +20,20 @@ whole-load ``copy_`` of the same bytes host -> device (the ``copy_`` floor above
 an engine loading without per-layer completion waits for before it computes anything;
 ideally the first layer takes ``1 / num_layers`` of that.
 
+Engine-owned pool: the same pages between the host pool and a pool the engine
+allocated in its own layout, as vLLM's connector registers one (vLLM's GPU layout: one
+allocation per layer, each block of it one run of that layer's K and V), moved by a
+:class:`~hicache.foreign.ForeignMover` over the same copy threads: a layer-wise load of
+the random pages into random blocks (``load_into``) and a store of the same blocks
+(every layer, block -> host page), against the same ``copy_`` floor.
+
     python benchmarks/bench_copy.py [--pages 256] [--json]
 
 With ``--json`` the last line is one JSON object: ``gather_gbps``, ``scatter_gbps``,
 ``copy_gbps``, ``gather_ratio``, ``scatter_ratio``, the layer-wise and contiguous
-variants, and ``first_layer_ms``, ``all_layers_ms``, ``whole_copy_ms`` with
-``first_layer_ratio`` and ``all_layers_ratio`` (each over ``whole_copy_ms``).
+variants, ``foreign_layerwise_scatter_gbps`` / ``_ratio`` and ``foreign_gather_gbps`` /
+``_ratio`` (the engine-owned pool), and ``first_layer_ms``, ``all_layers_ms``,
+``whole_copy_ms`` with ``first_layer_ratio`` and ``all_layers_ratio`` (each over ``whole_copy_ms``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 
 from hicache.counters import CountersHandle, LayerWaiter, Ticket
 from hicache.engine.kv_pool import export_kv_pool
+from hicache.foreign import Allocation, ForeignLayout, ForeignMover, ForeignPool
 from hicache.jobs import Completions, Workers
 from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pools import DevicePool, HostPool
@@ -187,6 +196,14 @@ class LayerwiseLoads:
         self.workers.close()
 
 
+def per_layer_layout(spec: KVSpec, num_blocks: int) -> ForeignLayout:
+    """vLLM's layout on a GPU: one ``KVCacheTensor`` per layer, its blocks one after the
+    other, each block one run of the layer's K and V (``[B, 2, N, H, hd]``)."""
+    block_bytes = spec.page_bytes(0)
+    return ForeignLayout(spec, num_blocks, block_bytes, tuple(
+        Allocation(num_blocks * block_bytes, (layer,), 0, block_bytes) for layer in range(spec.num_layers)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", type=int, default=256, help="pages moved per copy")
@@ -199,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages > args.pool_pages:
         parser.error("--pages must not exceed --pool-pages")
 
-    spec = KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, model="bench")
+    # (named for the engine-owned pool, whose spec must name its layout: one spec, so
+    # that both pools share the host pool)
+    spec = KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, model="bench",
+                      layout="bench/per-layer")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -208,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     workers = None if cuda else CpuCopyWorkers(args.copy_threads)
     mover = PageMover(exported.pool, host, workers=workers)
     loads = LayerwiseLoads(spec, exported.pool, host, workers)
+    owned_layout = per_layer_layout(spec, args.pool_pages + 1)  # (block 0 is the engine's null block)
+    owned = [torch.randint(0, 256, (a.size,), dtype=torch.uint8, device=device) for a in owned_layout.allocations]
+    foreign = ForeignMover(ForeignPool(owned_layout, owned, [None] * len(owned)), host, workers=workers)
     exported.pool.buffer.random_(0, 256)
     host.pages.random_(0, 256)
 
@@ -231,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "gather_contiguous": lambda: mover.backup(dev_run, host_run),
         "scatter_contiguous": lambda: mover.load_all(host_run, dev_run),
         "layerwise_load": lambda: loads.load(host_random, dev_random),
+        "foreign_layerwise_scatter": lambda: foreign.load(host_random, dev_random),
+        "foreign_gather": lambda: foreign.backup(dev_random, host_random),
     }, args.repeat, sync)
     copy_d2h = timings.pop("copy_d2h")
     copy_h2d = timings.pop("copy_h2d")
@@ -252,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         floors = {"gather": copy_s, "scatter": copy_s}
     for name, seconds in timings.items():
         figures[f"{name}_gbps"] = nbytes / seconds / 1e9
-        floor = floors["gather" if name.startswith("gather") else "scatter"]
+        floor = floors["gather" if "gather" in name else "scatter"]
         figures[f"{name}_ratio"] = floor / seconds
     figures["first_layer_ms"] = first_layer * 1e3
     figures["all_layers_ms"] = all_layers * 1e3

@@ -17,7 +17,8 @@ def test_a_small_run_prints_its_figures_as_json_last():
     assert out.returncode == 0, out.stderr
     f = json.loads(out.stdout.strip().splitlines()[-1])
     assert f["pages"] == 8 and f["bytes"] == 8 * f["page_bytes"]
-    for name in ("gather", "scatter", "layerwise_scatter", "gather_contiguous", "scatter_contiguous"):
+    for name in ("gather", "scatter", "layerwise_scatter", "gather_contiguous", "scatter_contiguous",
+                 "foreign_layerwise_scatter", "foreign_gather"):
         assert f[f"{name}_gbps"] > 0 and f[f"{name}_ratio"] > 0, name
     assert f["copy_gbps"] > 0
     # The first layer lands no later than the last; both figures are of the same loads.

@@ -36,10 +36,10 @@ import torch
 
 from hicache.errors import InvalidArgument, SpecMismatch
 from hicache.kernels.copy_plan import CpuCopyWorkers, Segments, check_page_ids
-from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, copy_pages
+from hicache.kernels.page_copy import DEFAULT_MAX_PROGRAMS, ReferencePlan, copy_pages, page_runs
 from hicache.pools import MAX_POOL_PAGES, HostPool
 from hicache.spec import KVSpec
-from hicache.transfer import ids_on, spread_layers
+from hicache.transfer import ids_on, planned_layers, spread_layers
 
 MAX_ALLOCATIONS = 1024
 MAX_NAME = 256  # characters of a pool's name
@@ -276,6 +276,17 @@ class ForeignMover:
         self._backup = [layout.allocation_segments(a) for a in range(len(layout.allocations))]
         self._restore_layer = {layer: (a, seg.reversed()) for layer in layout.where
                                for a, seg in (layout.layer_segments(layer),)}
+        # On the CPU the copies take the reference path: its views of the host pool and
+        # of each allocation — per layer for a load, all of them for a store — are built
+        # here once, not for every layer of every copy. A pool's allocations stay where
+        # they are while it is registered (an engine that registers again gets a new
+        # pool, and a new mover).
+        self._layer_plans = self._backup_plan = None
+        if pool.device.type == "cpu":
+            self._layer_plans = {layer: ReferencePlan([(host_pool.pages, pool.buffers[a], segments)])
+                                 for layer, (a, segments) in self._restore_layer.items()}
+            self._backup_plan = ReferencePlan([(buffer, host_pool.pages, segments)
+                                               for buffer, segments in zip(pool.buffers, self._backup)])
 
     @property
     def bytes_per_page(self) -> int:
@@ -286,26 +297,37 @@ class ForeignMover:
         return ids
 
     def _run(self, src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-             segments: Segments, *, check: bool = True, spread: bool = True) -> None:
+             segments: Segments, plan: ReferencePlan | None, *, check: bool = True, spread: bool = True) -> None:
         if check:
             check_page_ids(src_ids, dst_ids, segments, src.numel(), dst.numel())
+        workers = self.workers if spread else None
+        if plan is not None:
+            plan.run(page_runs(src_ids, dst_ids), workers)
+            return
         src_ids, dst_ids = ids_on(self.pool.device, src_ids), ids_on(self.pool.device, dst_ids)
-        copy_pages(src, dst, src_ids, dst_ids, segments, max_programs=self.max_programs,
-                   workers=self.workers if spread else None, check=False)
+        copy_pages(src, dst, src_ids, dst_ids, segments, max_programs=self.max_programs, workers=workers,
+                   check=False)
 
     def backup(self, blocks, host_pages) -> None:
-        """Engine blocks -> host pages, every layer: ``host_pages[i]`` receives ``blocks[i]``."""
+        """Engine blocks -> host pages, every layer: ``host_pages[i]`` receives ``blocks[i]``.
+        On the CPU the pages' runs are found once and move through every allocation."""
         src, dst = self._ids(blocks), self._ids(host_pages)
         for a, segments in enumerate(self._backup):
-            self._run(self.pool.buffers[a], self.host_pool.pages, src, dst, segments)
+            check_page_ids(src, dst, segments, self.pool.buffers[a].numel(), self.host_pool.pages.numel())
+        if self._backup_plan is not None:
+            self._backup_plan.run(page_runs(src, dst), self.workers)
+            return
+        for a, segments in enumerate(self._backup):
+            self._run(self.pool.buffers[a], self.host_pool.pages, src, dst, segments, None, check=False)
 
     def has_layer(self, layer: int) -> bool:
         return layer in self._restore_layer
 
     def load_layer(self, host_pages, blocks, layer: int, *, check: bool = True, spread: bool = True) -> None:
         a, segments = self._restore_layer[layer]
+        plan = self._layer_plans[layer] if self._layer_plans is not None else None
         self._run(self.host_pool.pages, self.pool.buffers[a], self._ids(host_pages), self._ids(blocks), segments,
-                  check=check, spread=spread)
+                  plan, check=check, spread=spread)
 
     def load(self, host_pages, blocks, *, on_layer: Callable[[int], None] | None = None,
              proceed: Callable[[], None] | None = None) -> None:
@@ -324,11 +346,23 @@ class ForeignMover:
 
     def _layers(self, src: torch.Tensor, dst: torch.Tensor, on_layer: Callable[[int], None] | None,
                 proceed: Callable[[], None] | None) -> None:
+        copy_layer = self._layer_copy(src, dst)
         for layer in range(self.num_layers):
             if proceed is not None:
                 proceed()
+            copy_layer(layer)
+            if on_layer is not None:
+                on_layer(layer)
+
+    def _layer_copy(self, src: torch.Tensor, dst: torch.Tensor) -> Callable[[int], None]:
+        """One layer's copy of these (checked) pages: on the CPU through the layer's
+        plan, the pages' runs found once for all the layers."""
+        if self._layer_plans is not None:
+            return planned_layers(self._layer_plans, src, dst)
+
+        def enqueue(layer: int) -> None:
             if layer in self._restore_layer:
                 # (already on a worker thread: no nested hand-off to the same threads)
                 self.load_layer(src, dst, layer, check=False, spread=False)
-            if on_layer is not None:
-                on_layer(layer)
+
+        return enqueue

@@ -17,7 +17,7 @@ that, on any thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -71,6 +71,21 @@ def spread_layers(workers: CpuCopyWorkers, num_layers: int, num_pages: int, page
     workers.run(lambda part: run(part[0], part[1], layer_done), [(bounds[i], bounds[i + 1]) for i in range(parts)])
 
 
+def planned_layers(plans: Mapping[int, ReferencePlan], src_ids: torch.Tensor,
+                   dst_ids: torch.Tensor) -> Callable[[int], None]:
+    """One layer's copy of these (checked) pages through its plan (none: nothing to
+    copy). The pages' runs are found here, once for all the layers: per layer, a load
+    does nothing but copy."""
+    runs = page_runs(src_ids, dst_ids)
+
+    def move(layer: int) -> None:
+        plan = plans.get(layer)
+        if plan is not None:
+            plan.move(runs)
+
+    return move
+
+
 class PageMover:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, workers: CpuCopyWorkers | None = None) -> None:
@@ -94,7 +109,7 @@ class PageMover:
         # A CPU pool's layer copies take the reference path: its views of the two
         # buffers, per layer, are built here once rather than for every layer of a load.
         self._layer_plans = None if device_pool.device.type != "cpu" else {
-            layer: ReferencePlan(host_pool.pages, device_pool.buffer, segments)
+            layer: ReferencePlan([(host_pool.pages, device_pool.buffer, segments)])
             for layer, segments in self._restore_layer.items()}
         self._states = state_segments(layout, device_pool.rank) if layout.state_regions else None
         self._device_states = device_state_segments(layout) if layout.state_regions else None
@@ -160,15 +175,7 @@ class PageMover:
         found once for all the layers, and each layer only moves them: per layer, a
         load does nothing but copy (a 32-layer load redid each layer's runs and views)."""
         if self._layer_plans is not None:
-            plans = self._layer_plans
-            runs = page_runs(host_ids, device_ids)
-
-            def move(layer: int) -> None:
-                plan = plans.get(layer)
-                if plan is not None:
-                    plan.move(runs)
-
-            return move
+            return planned_layers(self._layer_plans, host_ids, device_ids)
 
         def enqueue(layer: int) -> None:
             segments = self._restore_layer.get(layer)

@@ -30,6 +30,7 @@ Triton when either buffer is on a CUDA device, the reference otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -147,28 +148,34 @@ def copy_pages_reference(
     threads each copying whole pages beat one copy split by torch's intra-op threads."""
     if _check_args(src, dst, src_pages, dst_pages, segments, check) == 0:
         return
-    runs = page_runs(src_pages, dst_pages)
-    plan = ReferencePlan(src, dst, segments)
-    parts = 1 if workers is None or not plan.on_cpu else workers.parts(
-        sum(r[2] for r in runs) * segments.bytes_per_pair, len(runs))
-    if parts < 2:
-        plan.move(runs)
-    else:
-        workers.run(plan.move, _split(runs, parts))
+    ReferencePlan([(src, dst, segments)]).run(page_runs(src_pages, dst_pages), workers)
 
 
 class ReferencePlan:
-    """What the reference path needs of one (``src``, ``dst``, segments) triple that no
-    page list changes: one ``[count, pages, nbytes]`` view per group and side, each run
-    of pages a slice of it. A layer-wise load builds one per layer once per pool pair
-    (:class:`hicache.transfer.PageMover`) and moves the same runs through each, instead
+    """What the reference path needs of one or more (``src``, ``dst``, segments) triples
+    that no page list changes: one ``[count, pages, nbytes]`` view per group and side,
+    each run of pages a slice of it; the same runs move through every triple in turn (an
+    engine-owned pool's store: one triple per allocation). A layer-wise load builds one
+    per layer once per pool pair (:class:`hicache.transfer.PageMover`,
+    :class:`hicache.foreign.ForeignMover`) and moves the same runs through each, instead
     of rebuilding views and runs for every layer."""
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, segments: Segments) -> None:
-        self.on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, Segments]]) -> None:
+        self.on_cpu = all(src.device.type == "cpu" and dst.device.type == "cpu" for src, dst, _ in parts)
+        self.bytes_per_pair = sum(segments.bytes_per_pair for _, _, segments in parts)
         self._views = [(_group_view(src, g.count, g.src_offset, g.src_step, g.src_stride, g.nbytes, self.on_cpu),
                         _group_view(dst, g.count, g.dst_offset, g.dst_step, g.dst_stride, g.nbytes, self.on_cpu))
-                       for g in segments.groups]
+                       for src, dst, segments in parts for g in segments.groups]
+
+    def run(self, runs: list[tuple[int, int, int]], workers: CpuCopyWorkers | None = None) -> None:
+        """Copy ``runs`` (:func:`page_runs`, unchecked), on the CPU spread over
+        ``workers``' threads where each gets enough bytes to be worth a hand-off."""
+        parts = 1 if workers is None or not self.on_cpu else workers.parts(
+            sum(r[2] for r in runs) * self.bytes_per_pair, len(runs))
+        if parts < 2:
+            self.move(runs)
+        else:
+            workers.run(self.move, _split(runs, parts))
 
     def move(self, runs: list[tuple[int, int, int]]) -> None:
         """Copy ``runs`` (:func:`page_runs`, unchecked: the caller checked the ids)."""

@@ -35,6 +35,15 @@ def split_layout(num_blocks: int, spec: KVSpec = OWNED_SPEC) -> ForeignLayout:
     ))
 
 
+def per_layer(num_blocks: int, spec: KVSpec = OWNED_SPEC) -> ForeignLayout:
+    """vLLM's layout on a GPU: one allocation per layer (here each at an offset of its
+    own, with a gap after every block)."""
+    bb = spec.page_bytes(0)
+    return ForeignLayout(spec, num_blocks, bb, tuple(
+        Allocation(32 * layer + num_blocks * (bb + 16), (layer,), 0, bb + 16, 32 * layer)
+        for layer in range(spec.num_layers)))
+
+
 def content(tokens, page: int, layer: int, nbytes: int = BLOCK_BYTES) -> np.ndarray:
     """The bytes an engine computes for ``page`` of ``layer`` after ``tokens``' prefix."""
     prefix = np.asarray(tokens[: (page + 1) * OWNED_SPEC.page_size], dtype=np.int32).tobytes()

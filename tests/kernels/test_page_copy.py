@@ -11,7 +11,7 @@ import torch
 
 from hicache.errors import InvalidArgument
 from hicache.kernels.copy_plan import CpuCopyWorkers, Segments
-from hicache.kernels.page_copy import copy_pages, copy_pages_reference, copy_pages_triton
+from hicache.kernels.page_copy import ReferencePlan, copy_pages, copy_pages_reference, copy_pages_triton, page_runs
 from hicache.pools import DeviceLayout, DevicePool, HostPool, layer_segment_ranges, page_segments, state_segments
 from hicache.spec import KVSpec, MHALayer, MLALayer, StateLayer
 
@@ -267,6 +267,30 @@ def test_the_reference_spread_over_threads_writes_what_the_oracle_says(min_bytes
         assert batches == ([3] if min_bytes == 1 else [])
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("min_bytes", [1, 1 << 30])
+def test_a_plan_of_several_buffers_moves_the_same_runs_through_each(min_bytes):
+    """One plan over three source buffers (an engine-owned pool's allocations, with
+    their own offsets and strides) into one destination: each buffer's segments written
+    as by a copy of that buffer alone, the runs found once and spread over threads or
+    not; a second move of other runs through the same plan writes those too."""
+    parts = [(random_bytes(900, seed=20), Segments((0,), (40,), (0,), (96,), (24,))),
+             (random_bytes(1200, seed=21), Segments((8, 32), (56, 56), (24, 48), (96, 96), (24, 24))),
+             (random_bytes(700, seed=22), Segments((3,), (30,), (72,), (96,), (24,)))]
+    dst = torch.full((96 * 12,), POISON, dtype=torch.uint8)
+    plan = ReferencePlan([(src, dst, segments) for src, segments in parts])
+    expected = dst.clone()
+    workers = CpuCopyWorkers(2, min_bytes_per_thread=min_bytes)
+    try:
+        for src_pages, dst_pages in (([3, 4, 5, 11, 0, 7], [2, 3, 4, 5, 9, 0]), ([20, 1], [11, 6])):
+            plan.run(page_runs(torch.tensor(src_pages), torch.tensor(dst_pages)), workers)
+            for src, segments in parts:
+                expected = torch.from_numpy(oracle(src, expected, src_pages, dst_pages, segments))
+            assert torch.equal(dst, expected)
+    finally:
+        workers.close()
+    assert plan.bytes_per_pair == 96 and plan.on_cpu
 
 
 def test_segments_whose_offsets_step_backwards_on_one_side():

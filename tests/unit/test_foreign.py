@@ -11,7 +11,7 @@ from hicache.keys import namespace_id
 from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pools import HostPool
 from hicache.tree import HiRadixTree, Tier
-from owned_util import BLOCK_BYTES, OWNED_SPEC, layer_major, split_layout
+from owned_util import BLOCK_BYTES, OWNED_SPEC, layer_major, per_layer, split_layout
 from tree_util import evict
 
 NS = namespace_id(b"model-fp")
@@ -98,7 +98,7 @@ def test_a_layer_major_layout_maps_each_block_to_its_layers_run_of_a_host_page()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("make", [layer_major, split_layout])
+@pytest.mark.parametrize("make", [layer_major, split_layout, per_layer])
 @pytest.mark.parametrize("min_bytes", [1, 1 << 30], ids=["spread", "one-thread"])
 def test_mover_round_trip_is_byte_exact_and_reports_every_layer_in_order(threads, make, min_bytes):
     layout = make(12)

@@ -144,3 +144,69 @@ def test_a_layout_checks_what_it_describes():
         ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb - 1, (0, 1, 2), 4 * bb, bb),))
     ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb, (0, 1, 2), 4 * bb, bb),))  # exactly fits
     ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(12 * bb, (0, 1, 2), bb, 3 * bb),))  # block-major
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 9, 17])
+@pytest.mark.parametrize("make", [layer_major, per_layer])
+def test_a_layer_wise_load_whose_copy_fails_reports_only_what_landed_and_ends_after_every_thread(make, fail_at,
+                                                                                               monkeypatch):
+    """Three copy threads; the ``fail_at``-th strided copy raises. The load raises only
+    once no thread copies any more (its caller then fails the ticket's other layers, and
+    the engine may reuse the blocks), and every layer it reported had landed on every
+    thread: a layer a thread never finished is never reported."""
+    import threading
+
+    from hicache.kernels import page_copy
+
+    layout = make(12)
+    buffers = [torch.randint(0, 256, (a.size,), dtype=torch.uint8) for a in layout.allocations]
+    host = HostPool(OWNED_SPEC, 8, pinned=False)
+    host.pages.copy_(torch.randint(0, 256, (host.pages.numel(),), dtype=torch.uint8))
+    workers = CpuCopyWorkers(3, min_bytes_per_thread=1)
+    mover = ForeignMover(ForeignPool(layout, buffers, [None] * len(buffers)), host, workers=workers)
+    pages, blocks = [0, 5, 2, 7, 3, 4], [9, 2, 4, 6, 1, 10]
+    copyto = np.copyto
+    lock = threading.Lock()
+    calls, active = [0], [0]
+
+    def failing_copyto(dst, src):
+        with lock:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("copy failed")
+            active[0] += 1
+        try:
+            copyto(dst, src)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    def block(layer, b):
+        a, i = layout.where[layer]
+        alloc = layout.allocations[a]
+        start = alloc.layer_offset(i) + b * alloc.block_stride
+        return buffers[a][start : start + BLOCK_BYTES]
+
+    def expected(layer, h):
+        start = h * OWNED_SPEC.host_page_bytes + layout.host_offset[layer]
+        return host.pages[start : start + BLOCK_BYTES]
+
+    reported = []
+
+    def on_layer(layer):
+        for h, b in zip(pages, blocks):
+            assert torch.equal(block(layer, b), expected(layer, h)), f"layer {layer} reported, block {b} not landed"
+        reported.append(layer)
+
+    monkeypatch.setattr(page_copy.np, "copyto", failing_copyto)
+    try:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            mover.load(pages, blocks, on_layer=on_layer)
+        assert active[0] == 0  # no copy of the load runs once it has raised
+        ended_at = calls[0]
+        workers.close()
+        assert calls[0] == ended_at  # nor starts after
+        assert reported == list(range(len(reported))) and len(reported) < OWNED_SPEC.num_layers
+    finally:
+        workers.close()
+        host.close()

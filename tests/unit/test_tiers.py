@@ -1674,6 +1674,84 @@ def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
         tm.close()
 
 
+@pytest.mark.parametrize("fail_at", [1, 3, 6])
+def test_an_owned_store_or_load_into_whose_copy_fails_on_one_thread_leaves_no_half_copied_page(fail_at,
+                                                                                             monkeypatch):
+    """Three copy threads, each given a share (the blocks out of order: one strided copy
+    a page); the ``fail_at``-th strided copy raises. A store caches none of its pages (some were not copied) and gives its host pages
+    back; a load_into stamps complete only the layers that landed on every thread, the
+    others failed, and the pages stay cached for a later load."""
+    import torch
+
+    from hicache.errors import LoadFailed
+    from hicache.kernels import page_copy
+    from hicache.kernels.copy_plan import CpuCopyWorkers
+    from owned_util import OWNED_SPEC
+
+    monkeypatch.setattr(manager_module, "CpuCopyWorkers", lambda n: CpuCopyWorkers(n, min_bytes_per_thread=1))
+    tm, ns = owned_tm(host_pages=8, config=TierConfig(copy_threads=3))
+    copyto = np.copyto
+    lock = threading.Lock()
+    calls = [0]
+
+    def failing_copyto(dst, src):
+        with lock:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("copy failed")
+        copyto(dst, src)
+
+    try:
+        toks = list(range(7, 7 + 6 * OWNED_SPEC.page_size))
+        pool = tm.pools.get(0)
+        blocks = pool.movers[0].pool.buffers[0].view(OWNED_SPEC.num_layers, 8, -1)
+        blocks[:] = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)  # block b holds b
+        order = [6, 4, 2, 1, 3, 5]
+        free = tm.host_alloc.num_free
+        monkeypatch.setattr(page_copy.np, "copyto", failing_copyto)
+        stored = tm.wait(tm.store(ns, toks, 0, order))
+        tm.flush()
+        tm.check_invariants()
+        assert (stored.num_copied, stored.num_cached) == (0, 0)
+        assert tm.tree.match(ns, toks, 0, touch=False).num_host_pages == 0 and tm.host_alloc.num_free == free
+        monkeypatch.setattr(page_copy.np, "copyto", copyto)
+        assert tm.wait(tm.store(ns, toks, 0, order)).num_cached == 6
+        counters = pool.counters
+        stamp = counters.complete_layer
+        landed = []
+
+        def stamped(ticket, layer):
+            assert bool((blocks[layer, 1:7] == torch.arange(1, 7, dtype=torch.uint8).view(6, 1)).all()), layer
+            stamp(ticket, layer)
+            landed.append(layer)
+
+        counters.complete_layer = stamped
+        blocks[:] = 0
+        node = tm.match(ns, toks, 0).match.node
+        tm.lock(node, 0)
+        calls[0] = 0
+        monkeypatch.setattr(page_copy.np, "copyto", failing_copyto)
+        loaded = tm.wait(tm.load_into(node, 0, order))
+        tm.flush()
+        (ticket,) = loaded.wait
+        waiter = counters.waiter()
+        try:
+            for layer in range(OWNED_SPEC.num_layers):
+                if layer in landed:
+                    assert waiter.is_done(ticket, layer)
+                else:
+                    with pytest.raises(LoadFailed):
+                        waiter.is_done(ticket, layer)
+        finally:
+            waiter.close()
+        assert landed == list(range(len(landed))) and len(landed) < OWNED_SPEC.num_layers
+        tm.unlock(node, 0)
+        tm.check_invariants()
+        assert tm.tree.match(ns, toks, 0, touch=False).num_host_pages == 6
+    finally:
+        tm.close()
+
+
 def test_an_owned_load_into_starts_no_layer_after_its_engine_stopped_waiting_for_the_layers():
     """``copy_expired()`` says the engine no longer waits for the layers (it reports the
     blocks as failed loads and, once the load is over, may hand them to another

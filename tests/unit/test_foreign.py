@@ -136,6 +136,33 @@ def test_mover_round_trip_is_byte_exact_and_reports_every_layer_in_order(threads
         host.close()
 
 
+@pytest.mark.parametrize("spare", [0, BLOCK_BYTES], ids=["exact", "spare-block"])
+def test_a_mover_refuses_block_ids_past_the_pools_blocks_where_its_buffers_have_the_bytes(spare):
+    """In a layer-major allocation, block ``num_blocks`` of one layer is block 0 of the
+    next; with spare bytes at the allocation's end (its size is the engine's to say), it
+    lies inside the buffer for every layer. It is no block of the pool either way: a
+    store from it and a load into it, whole or one layer, are refused, nothing copied."""
+    bb, layers = BLOCK_BYTES, tuple(range(OWNED_SPEC.num_layers))
+    layout = ForeignLayout(OWNED_SPEC, 4, bb, (Allocation(len(layers) * 4 * bb + spare, layers, 4 * bb, bb),))
+    buffers = [torch.randint(0, 256, (a.size,), dtype=torch.uint8) for a in layout.allocations]
+    host = HostPool(OWNED_SPEC, 4, pinned=False)
+    host.pages.copy_(torch.randint(0, 256, (host.pages.numel(),), dtype=torch.uint8))
+    mover = ForeignMover(ForeignPool(layout, buffers, [None] * len(buffers)), host)
+    try:
+        pool_before, host_before = buffers[0].clone(), host.pages.clone()
+        with pytest.raises(InvalidArgument, match=r"page 4\b"):
+            mover.backup([4], [1])
+        with pytest.raises(InvalidArgument, match=r"page 4\b"):
+            mover.load([1], [4])
+        with pytest.raises(InvalidArgument, match=r"page 4\b"):
+            mover.load_layer([1], [4], 0)
+        assert torch.equal(buffers[0], pool_before) and torch.equal(host.pages, host_before)
+        mover.load_layer([1], [3], 0)  # (the last block is one)
+        assert not torch.equal(buffers[0], pool_before)
+    finally:
+        host.close()
+
+
 def test_a_layout_checks_what_it_describes():
     bb = BLOCK_BYTES
     with pytest.raises(InvalidArgument, match="overlap"):

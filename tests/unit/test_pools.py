@@ -151,6 +151,31 @@ def test_page_mover_round_trip_in_process(min_bytes):
     exported.close()
 
 
+def test_a_page_mover_refuses_page_ids_past_the_pools_pages():
+    """A device pool's regions start 256-byte aligned: past its last page (``num_pages``)
+    lie a region's padding, then the next region's pages — inside the buffer, outside
+    the pool's pages. A load into them, a backup from them, whole or one layer, is
+    refused, nothing copied."""
+    exported = export_kv_pool(SPEC, num_pages=6)
+    host = HostPool(SPEC, 4, pinned=False)
+    mover = PageMover(exported.pool, host)
+    try:
+        buf = exported.pool.buffer
+        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+        host.pages.copy_(torch.randint(0, 256, (host.pages.numel(),), dtype=torch.uint8))
+        pool_before, host_before = buf.clone(), host.pages.clone()
+        for call in (lambda: mover.load([1], [7]), lambda: mover.load_all([1], [7]),
+                     lambda: mover.load_layer([1], [8], 0), lambda: mover.backup([7], [1])):
+            with pytest.raises(InvalidArgument, match=r"page [78]\b"):
+                call()
+        assert torch.equal(buf, pool_before) and torch.equal(host.pages, host_before)
+        mover.load_layer([1], [6], 0)  # (the last page is one)
+        assert not torch.equal(buf, pool_before)
+    finally:
+        host.close()
+        exported.close()
+
+
 def test_pinning_a_host_pool_reports_progress_chunk_by_chunk(monkeypatch):
     """Pinned host pools are registered with CUDA in chunks, reporting the bytes done
     after each (a daemon feeds its watchdog from it); a failed chunk unpins the rest.

@@ -297,9 +297,8 @@ class ForeignMover:
         return ids
 
     def _run(self, src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-             segments: Segments, plan: ReferencePlan | None, *, check: bool = True, spread: bool = True) -> None:
-        if check:
-            check_page_ids(src_ids, dst_ids, segments, src.numel(), dst.numel())
+             segments: Segments, plan: ReferencePlan | None, *, spread: bool = True) -> None:
+        """Copy ``src_ids`` -> ``dst_ids`` (the caller checked them)."""
         workers = self.workers if spread else None
         if plan is not None:
             plan.run(page_runs(src_ids, dst_ids), workers)
@@ -313,12 +312,13 @@ class ForeignMover:
         On the CPU the pages' runs are found once and move through every allocation."""
         src, dst = self._ids(blocks), self._ids(host_pages)
         for a, segments in enumerate(self._backup):
-            check_page_ids(src, dst, segments, self.pool.buffers[a].numel(), self.host_pool.pages.numel())
+            check_page_ids(src, dst, segments, self.pool.buffers[a].numel(), self.host_pool.pages.numel(),
+                           num_src_pages=self.pool.layout.num_blocks, num_dst_pages=self.host_pool.num_pages)
         if self._backup_plan is not None:
             self._backup_plan.run(page_runs(src, dst), self.workers)
             return
         for a, segments in enumerate(self._backup):
-            self._run(self.pool.buffers[a], self.host_pool.pages, src, dst, segments, None, check=False)
+            self._run(self.pool.buffers[a], self.host_pool.pages, src, dst, segments, None)
 
     def has_layer(self, layer: int) -> bool:
         return layer in self._restore_layer
@@ -326,8 +326,11 @@ class ForeignMover:
     def load_layer(self, host_pages, blocks, layer: int, *, check: bool = True, spread: bool = True) -> None:
         a, segments = self._restore_layer[layer]
         plan = self._layer_plans[layer] if self._layer_plans is not None else None
-        self._run(self.host_pool.pages, self.pool.buffers[a], self._ids(host_pages), self._ids(blocks), segments,
-                  plan, check=check, spread=spread)
+        src, dst = self._ids(host_pages), self._ids(blocks)
+        if check:  # (against the pool's blocks too: past a layer's last lies the next layer's first)
+            check_page_ids(src, dst, segments, self.host_pool.pages.numel(), self.pool.buffers[a].numel(),
+                           num_src_pages=self.host_pool.num_pages, num_dst_pages=self.pool.layout.num_blocks)
+        self._run(self.host_pool.pages, self.pool.buffers[a], src, dst, segments, plan, spread=spread)
 
     def load(self, host_pages, blocks, *, on_layer: Callable[[int], None] | None = None,
              proceed: Callable[[], None] | None = None) -> None:
@@ -337,7 +340,8 @@ class ForeignMover:
         pages through every layer (as :class:`PageMover` does)."""
         src, dst = self._ids(host_pages), self._ids(blocks)
         for a, segments in enumerate(self._backup):  # every layer's pages checked once, up front
-            check_page_ids(src, dst, segments.reversed(), self.host_pool.pages.numel(), self.pool.buffers[a].numel())
+            check_page_ids(src, dst, segments.reversed(), self.host_pool.pages.numel(), self.pool.buffers[a].numel(),
+                           num_src_pages=self.host_pool.num_pages, num_dst_pages=self.pool.layout.num_blocks)
         if self.workers is None or self.pool.device.type != "cpu" or len(src) < 2:
             self._layers(src, dst, on_layer, proceed)
             return

@@ -114,6 +114,10 @@ class PageMover:
         self._states = state_segments(layout, device_pool.rank) if layout.state_regions else None
         self._device_states = device_state_segments(layout) if layout.state_regions else None
         self.num_layers = device_pool.spec.num_layers
+        # The ids each buffer holds, which a copy's ids are checked against besides its
+        # bytes: past a region's last page lie its padding and the next region.
+        self._num_device_pages = layout.num_pages + 1  # (page 0: padding)
+        self._num_device_slots = layout.num_state_slots + layout.checkpoint_slots + 1  # (slot 0: padding)
 
     @property
     def bytes_per_page(self) -> int:
@@ -123,16 +127,19 @@ class PageMover:
     def _ids(self, pages: PageList) -> torch.Tensor:
         return ids_on(self.device_pool.device, pages)
 
-    def _copy(self, src, dst, src_pages, dst_pages, segments) -> None:
-        src_ids, dst_ids = self._checked(src_pages, dst_pages, src, dst, segments)
+    def _copy(self, src, dst, src_pages, dst_pages, segments, num_src: int, num_dst: int) -> None:
+        src_ids, dst_ids = self._checked(src_pages, dst_pages, src, dst, segments, num_src, num_dst)
         copy_pages(src, dst, src_ids, dst_ids, segments, max_programs=self.max_programs,
                    workers=self.workers, check=False)
 
-    def _checked(self, src_pages, dst_pages, src, dst, segments) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check page ids on the host (no device sync), then move them to the device."""
+    def _checked(self, src_pages, dst_pages, src, dst, segments, num_src: int,
+                 num_dst: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check page ids on the host (no device sync) against the ``num_src`` /
+        ``num_dst`` ids of the two buffers, then move them to the device."""
         host_src = torch.as_tensor(src_pages, dtype=torch.int64).reshape(-1).cpu()
         host_dst = torch.as_tensor(dst_pages, dtype=torch.int64).reshape(-1).cpu()
-        check_page_ids(host_src, host_dst, segments, src.numel(), dst.numel())
+        check_page_ids(host_src, host_dst, segments, src.numel(), dst.numel(), num_src_pages=num_src,
+                       num_dst_pages=num_dst)
         return self._ids(host_src), self._ids(host_dst)
 
     def backup(self, device_pages: PageList, host_pages: PageList, *, without_swa: bool = False,
@@ -141,7 +148,8 @@ class PageMover:
         (``without_swa``: all but the SWA layers' segments; ``only_swa``: those only)."""
         segments = self._backup_kept if without_swa else self._backup_swa if only_swa else self._backup
         if segments is not None:
-            self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, segments)
+            self._copy(self.device_pool.buffer, self.host_pool.pages, device_pages, host_pages, segments,
+                       self._num_device_pages, self.host_pool.num_pages)
 
     def load(self, host_pages: PageList, device_pages: PageList, *,
              on_layer: Callable[[int], None] | None = None,
@@ -153,7 +161,8 @@ class PageMover:
         With CPU ``workers``, the pages are spread over them (:func:`spread_layers`).
         """
         host_ids, device_ids = self._checked(host_pages, device_pages, self.host_pool.pages,
-                                             self.device_pool.buffer, self._restore)
+                                             self.device_pool.buffer, self._restore, self.host_pool.num_pages,
+                                             self._num_device_pages)
         if self.workers is None or self.device_pool.device.type != "cpu" or len(host_ids) < 2:
             self._load_layers(host_ids, device_ids, on_layer, proceed)
             return
@@ -187,7 +196,8 @@ class PageMover:
 
     def load_all(self, host_pages: PageList, device_pages: PageList) -> None:
         """Host -> device, every layer in one copy (no per-layer completion)."""
-        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, self._restore)
+        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, self._restore,
+                   self.host_pool.num_pages, self._num_device_pages)
 
     def has_layer(self, layer: int) -> bool:
         """Does ``layer`` have per-token KV to move?"""
@@ -197,22 +207,25 @@ class PageMover:
         segments = self._restore_layer.get(layer)
         if segments is None:
             raise InvalidArgument(f"layer {layer} has no per-token KV")
-        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, segments)
+        self._copy(self.host_pool.pages, self.device_pool.buffer, host_pages, device_pages, segments,
+                   self.host_pool.num_pages, self._num_device_pages)
 
     def backup_states(self, device_slots: PageList, host_slots: PageList) -> None:
         """Recurrent-state slots, device -> host (every state layer)."""
-        self._copy(self.device_pool.buffer, self.host_pool.states, device_slots, host_slots, self._state_segments())
+        self._copy(self.device_pool.buffer, self.host_pool.states, device_slots, host_slots, self._state_segments(),
+                   self._num_device_slots, self.host_pool.num_state_slots)
 
     def load_states(self, host_slots: PageList, device_slots: PageList) -> None:
         self._copy(self.host_pool.states, self.device_pool.buffer, host_slots, device_slots,
-                   self._state_segments().reversed())
+                   self._state_segments().reversed(), self.host_pool.num_state_slots, self._num_device_slots)
 
     def copy_states(self, src_slots: PageList, dst_slots: PageList) -> None:
         """Recurrent-state slots to other slots of the same pool (every state layer)."""
         if self._device_states is None:
             raise InvalidArgument("this pool has no state layers")
         buffer = self.device_pool.buffer
-        self._copy(buffer, buffer, src_slots, dst_slots, self._device_states)
+        self._copy(buffer, buffer, src_slots, dst_slots, self._device_states, self._num_device_slots,
+                   self._num_device_slots)
 
     def _state_segments(self):
         if self._states is None or not self.host_pool.num_state_slots:

@@ -132,11 +132,16 @@ class Segments:
 
 
 def check_page_ids(
-    src_pages: torch.Tensor, dst_pages: torch.Tensor, segments: Segments, src_bytes: int, dst_bytes: int
+    src_pages: torch.Tensor, dst_pages: torch.Tensor, segments: Segments, src_bytes: int, dst_bytes: int,
+    *, num_src_pages: int | None = None, num_dst_pages: int | None = None,
 ) -> int:
-    """Validate a copy's page lists against buffers of ``src_bytes`` / ``dst_bytes``;
-    returns the number of pairs. Synchronises when the ids are on a device, so hot
-    paths check host-side lists first and pass ``check=False`` to the kernels."""
+    """Validate a copy's page lists against buffers of ``src_bytes`` / ``dst_bytes``
+    and, where given, against the ``num_src_pages`` / ``num_dst_pages`` ids (from 0)
+    that a buffer's owner holds: a mover's buffers may have bytes past their last page
+    (alignment padding, the next layer's blocks, an engine's spare bytes), which the
+    byte check alone lets an id reach. Returns the number of pairs. Synchronises when
+    the ids are on a device, so hot paths check host-side lists first and pass
+    ``check=False`` to the kernels."""
     if src_pages.dim() != 1 or dst_pages.dim() != 1 or len(src_pages) != len(dst_pages):
         raise InvalidArgument(
             f"page lists must be 1-D and of equal length, got {tuple(src_pages.shape)} and {tuple(dst_pages.shape)}"
@@ -148,13 +153,15 @@ def check_page_ids(
         return num_pairs
     if len(torch.unique(dst_pages)) != num_pairs:
         raise InvalidArgument("a destination page appears twice in one copy")
-    for name, nbytes, pages, offsets, strides in (
-        ("source", src_bytes, src_pages, segments.src_offset, segments.src_stride),
-        ("destination", dst_bytes, dst_pages, segments.dst_offset, segments.dst_stride),
+    for name, nbytes, num_pages, pages, offsets, strides in (
+        ("source", src_bytes, num_src_pages, src_pages, segments.src_offset, segments.src_stride),
+        ("destination", dst_bytes, num_dst_pages, dst_pages, segments.dst_offset, segments.dst_stride),
     ):
         lo, hi = int(pages.min()), int(pages.max())
         if lo < 0:
             raise InvalidArgument(f"negative {name} page id {lo}")
+        if num_pages is not None and hi >= num_pages:
+            raise InvalidArgument(f"{name} page {hi} is past the buffer's pages (ids 0 .. {num_pages - 1})")
         end = max(hi * s + o + n for s, o, n in zip(strides, offsets, segments.nbytes))
         if end > nbytes:
             raise InvalidArgument(f"{name} page {hi} reaches byte {end}, past the buffer's {nbytes}")

@@ -1631,18 +1631,19 @@ def test_flush_reports_progress_while_writes_wait_and_durability_at_the_end(tmp_
         engine.close()
 
 
-def owned_tm(host_pages: int, **manager_args):
+def owned_tm(host_pages: int, spec=None, **manager_args):
     """A tier manager with one engine-owned pool of 8 blocks (vLLM's CPU layout) as pool
-    0, and its namespace."""
+    0, and its namespace (``spec``: OWNED_SPEC's unless given)."""
     import torch
 
     from hicache.foreign import ForeignPool
     from owned_util import OWNED_SPEC, layer_major
 
-    layout = layer_major(8)
+    spec = spec or OWNED_SPEC
+    layout = layer_major(8, spec)
     buffers = [torch.zeros(a.size, dtype=torch.uint8) for a in layout.allocations]
-    tm = TierManager(OWNED_SPEC, host_pages=host_pages, **manager_args)
-    ns = namespace_id(OWNED_SPEC.fingerprint, "owned")
+    tm = TierManager(spec, host_pages=host_pages, **manager_args)
+    ns = namespace_id(spec.fingerprint, "owned")
     tm.add_namespace(ns)
     tm.register_owned_pool(0, ForeignPool(layout, buffers, [None] * len(buffers)))
     return tm, ns
@@ -1807,6 +1808,115 @@ def test_an_owned_load_into_starts_no_layer_after_its_engine_stopped_waiting_for
         assert bool((blocks[:, 4:7] == 1).all())
         tm.unlock(node, 0)
         tm.check_invariants()
+    finally:
+        tm.close()
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_an_owned_load_into_over_three_copy_threads_starts_no_layer_on_any_after_its_deadline(k, monkeypatch):
+    """Three copy threads each copy a share of the blocks through every layer; the
+    engine stops waiting as layer ``k`` lands (stamped by the last thread to finish it).
+    Each thread asks before each layer and starts none once told: no thread copies a
+    layer after the one it had been cleared for, so with the threads abreast (here none
+    starts a layer before the one before it has landed) nothing after layer ``k + 1``
+    is copied. The load's other layers are stamped failed only once no thread copies
+    any more (the engine then may reuse the blocks)."""
+    import torch
+
+    from hicache.errors import LoadFailed
+    from hicache.kernels import page_copy
+    from hicache.kernels.copy_plan import CpuCopyWorkers
+    from hicache.spec import KVSpec
+
+    spec = KVSpec.mha(num_layers=6, num_kv_heads=2, head_dim=16, page_size=8, dtype="bfloat16",
+                      model="test/owned-six", layout="test/opaque-blocks")
+    monkeypatch.setattr(manager_module, "CpuCopyWorkers", lambda n: CpuCopyWorkers(n, min_bytes_per_thread=1))
+    tm, ns = owned_tm(host_pages=8, spec=spec, config=TierConfig(copy_threads=3))
+    try:
+        toks = list(range(7, 7 + 6 * spec.page_size))
+        pool = tm.pools.get(0)
+        buffer = pool.movers[0].pool.buffers[0]
+        blocks = buffer.view(spec.num_layers, 8, -1)
+        blocks[:] = 1  # the engine's KV of ``toks`` in blocks 1-6
+        assert tm.wait(tm.store(ns, toks, 0, [1, 2, 3, 4, 5, 6])).num_cached == 6
+        blocks[:] = 2  # what the blocks hold before the load
+        layer_bytes = blocks[0].numel()
+        counters = pool.counters
+        stamp, fail = counters.complete_layer, counters.fail
+        changed = threading.Condition()
+        events, landed, active = [], [], [0]
+
+        def stamped(ticket, layer):
+            stamp(ticket, layer)
+            with changed:
+                landed.append(layer)
+                changed.notify_all()
+
+        def failed(ticket):
+            with changed:
+                events.append(("fail", active[0]))
+            fail(ticket)
+
+        def expired():
+            with changed:
+                late = k in landed
+                events.append(("asked", threading.get_ident(), late))
+            return late
+
+        copyto = np.copyto
+
+        def layer_copy(dst, src):
+            layer = (dst.__array_interface__["data"][0] - buffer.data_ptr()) // layer_bytes
+            with changed:
+                # (the threads abreast; past the deadline, nothing to wait for: a layer
+                # started then must show, not hang)
+                changed.wait_for(lambda: layer == 0 or layer - 1 in landed or k in landed)
+                events.append(("copy", threading.get_ident(), layer))
+                active[0] += 1
+            try:
+                copyto(dst, src)
+            finally:
+                with changed:
+                    active[0] -= 1
+
+        counters.complete_layer, counters.fail = stamped, failed
+        node = tm.match(ns, toks, 0).match.node
+        tm.lock(node, 0)
+        monkeypatch.setattr(page_copy.np, "copyto", layer_copy)
+        loaded = tm.wait(tm.load_into(node, 0, [6, 5, 4, 3, 2, 1], copy_expired=expired))
+        tm.flush()
+        monkeypatch.setattr(page_copy.np, "copyto", copyto)
+        copies = [e for e in events if e[0] == "copy"]
+        threads = {e[1] for e in copies}
+        assert len(threads) == 3
+        assert landed == list(range(k + 1))
+        for thread in threads:  # a layer copied for each clearance, none after the refusal
+            mine = [e for e in events if e[0] != "fail" and e[1] == thread]
+            answers = [e[2] for e in mine if e[0] == "asked"]
+            cleared = answers.count(False)  # (all of them: a thread cleared for the last layer is refused none)
+            assert answers == [False] * cleared + [True] * (cleared < spec.num_layers)
+            assert k + 1 <= cleared <= k + 2
+            assert {e[2] for e in mine if e[0] == "copy"} == set(range(cleared))
+            assert mine[-1][0] == "asked" or cleared == spec.num_layers
+        assert max(e[2] for e in copies) <= k + 1
+        fails = [i for i, e in enumerate(events) if e[0] == "fail"]
+        assert fails and all(events[i][1] == 0 for i in fails) and fails[0] > events.index(copies[-1])
+        assert bool((blocks[: k + 1, 1:7] == 1).all())
+        assert bool((blocks[k + 2 :] == 2).all())
+        (ticket,) = loaded.wait
+        waiter = counters.waiter()
+        try:
+            for layer in range(spec.num_layers):
+                if layer <= k:
+                    assert waiter.is_done(ticket, layer)
+                else:
+                    with pytest.raises(LoadFailed):
+                        waiter.is_done(ticket, layer)
+        finally:
+            waiter.close()
+        tm.unlock(node, 0)
+        tm.check_invariants()
+        assert tm.tree.match(ns, toks, 0, touch=False).num_host_pages == 6
     finally:
         tm.close()
 

@@ -5,6 +5,8 @@ or errors mid-call) use the in-process stand-in, :class:`storage_util.InProcessM
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -749,6 +751,40 @@ def test_a_write_back_puts_the_records_beside_one_on_a_bad_sector(tmp_path, monk
     finally:
         a.close()
         b.close()
+
+
+def test_a_write_back_whose_put_fails_still_counts_and_logs_its_record_on_a_bad_sector(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """The third of the six records a write-back reads sits on a bad sector, and the
+    store fails the put of the other five. All six are skipped (their records deleted),
+    and the unreadable one is still told apart as the disk's fault: counted in
+    hicache_disk_unreadable_pages_total and logged, as when the put succeeds."""
+    from hicache.keys import page_keys
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from storage_util import InProcessMooncake, bad_sector
+
+    raw = InProcessMooncake()
+    raw.batch_put_from_multi_buffers = lambda names, all_ptrs, all_sizes: [-900] * len(names)  # (RPC failed)
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, policy="write_back", retry_s=3600.0)
+    try:
+        tokens = list(range(100, 100 + 6 * PS))
+        _on_disk_only(a, [tokens])
+        bad_sector(monkeypatch, disk, page_keys(NS, tokens, PS)[2])
+        caplog.set_level(logging.ERROR, logger="hicache.tiers.remote")
+        assert a.tm.evict(Tier.DISK, 6) == 6
+        a.tm.flush()
+        a.tm.check_invariants()
+        counts = a.tm.remote.counts
+        assert (counts["pages_put"], counts["put_skipped"]) == (0, 6)
+        assert not raw.objects and not a.tm.remote.up
+        assert a.metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": "disk"}) == 6
+        assert a.metrics.registry.get_sample_value("hicache_disk_unreadable_pages_total") == 1
+        assert [r for r in caplog.records if r.levelno == logging.ERROR and "1 of its 6 pages" in r.getMessage()]
+        disk.flush()
+        assert not list(disk.iter_metadata())
+    finally:
+        a.close()
 
 
 def test_a_store_that_hangs_with_write_backs_holding_half_the_disk_stops_no_disk_write(tmp_path):

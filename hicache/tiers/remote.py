@@ -419,25 +419,28 @@ class RemoteTier:
         store, fingerprint = self.store, core.spec.fingerprint
         transfer = Transfer(Kind.REMOTE_WRITE, None, [], None)  # (detached: its pages left the tree)
         core.inflight.add_detached(transfer)
+        # What the read found unreadable: told whatever the put does after (done() runs
+        # once work() has returned or raised).
+        unreadable: list[RecordsUnreadable] = []
 
         def work():
-            unreadable = None
             try:
                 tokens = storage.read_tokens(keys)
                 found = storage.get(keys, [staging[r] for r in rows], fingerprint=fingerprint)
             except RecordsUnreadable as exc:  # (bad sectors: the store judged the other records)
-                found, unreadable = exc.found, exc
+                found = exc.found
+                unreadable.append(exc)
             except Exception as exc:  # (whatever the local store raises: told apart from the store's)
                 raise _DiskReadFailed(str(exc)) from exc
             keep = [i for i in range(total) if found[i] and tokens[i] is not None]
             if not keep:
-                return 0, unreadable
+                return 0
             pick = np.asarray(keep)
             batch = PageBatch(b"".join(keys[i] for i in keep),
                               b"".join(namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(parents[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(tokens[i] for i in keep), staging, rows[pick])
-            return store.put_batch(batch, fingerprint=fingerprint).result().written, unreadable
+            return store.put_batch(batch, fingerprint=fingerprint).result().written
 
         def done(result, error):
             core.inflight.remove_detached(transfer)
@@ -445,6 +448,9 @@ class RemoteTier:
             self.pending -= total
             self._writing.remove(part)
             part.delete_records()
+            for exc in unreadable:  # (their records are deleted with the others': gone, put or not)
+                logger.error("write-back: %d of its %d pages skipped: %s", len(exc.unreadable), total, exc)
+                core.metrics.disk_unreadable(len(exc.unreadable))
             if isinstance(error, _DiskReadFailed):  # (the store was not asked: it is not down)
                 logger.error("write-back of %d pages skipped: reading their records from disk failed: %s", total,
                              error.__cause__)
@@ -453,11 +459,7 @@ class RemoteTier:
                 self._failed("put", error)
                 self._skip_write_back(part)
             else:
-                written, unreadable = result
-                if unreadable is not None:  # (their records are deleted with the others': gone)
-                    logger.error("write-back: %d of its %d pages skipped: %s", len(unreadable.unreadable), total,
-                                 unreadable)
-                    core.metrics.disk_unreadable(len(unreadable.unreadable))
+                written = result
                 self._answered()
                 core.report(transfer, written)
                 self.counts["pages_put"] += written

@@ -685,6 +685,26 @@ def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_o
         assert daemon.stop() == 0
 
 
+def _two_loads_on_one_slot(worker, scheduler, flusher, first, second):
+    """``first`` and ``second`` stored by ``worker`` (blocks 1-2, 3-4), then loaded by
+    ``scheduler`` into blocks 10-11 and 12-13 one after the other on a pool of one
+    counter slot: the second load takes the first's slot once that has landed. Both
+    loads over when it returns; their answers returned."""
+    scheduler.attach("w")
+    worker.compute(first, [1, 2])
+    worker.compute(second, [3, 4])
+    assert worker.client.store(first, [1, 2]).num_cached == 2
+    assert worker.client.store(second, [3, 4]).num_cached == 2
+    worker.wipe([10, 11, 12, 13])
+    early = scheduler.load_into(scheduler.match(first).handle, [10, 11], locked=False)
+    flusher.flush()  # (its copies are over: its slot is free again)
+    late = scheduler.load_into(scheduler.match(second).handle, [12, 13], locked=False)
+    assert early.num_loaded_pages == late.num_loaded_pages == 2
+    assert [t.slot for t in early.wait] == [t.slot for t in late.wait]
+    flusher.flush()
+    return early, late
+
+
 def test_a_load_whose_counter_slot_went_to_a_later_load_before_the_worker_looked_reads_as_landed(tmp_path):
     """vLLM's scheduler answers a step's loads before its worker waits on any of them:
     with more loads than the pool has counter slots (one here), a load's slot has gone
@@ -697,18 +717,7 @@ def test_a_load_whose_counter_slot_went_to_a_later_load_before_the_worker_looked
     flusher = admin(daemon.endpoint)
     first, second = toks(100, 2), toks(300, 2)
     try:
-        scheduler.attach("w")
-        worker.compute(first, [1, 2])
-        worker.compute(second, [3, 4])
-        assert worker.client.store(first, [1, 2]).num_cached == 2
-        assert worker.client.store(second, [3, 4]).num_cached == 2
-        worker.wipe([10, 11, 12, 13])
-        early = scheduler.load_into(scheduler.match(first).handle, [10, 11], locked=False)
-        flusher.flush()  # (its copies are over: its slot is free again)
-        late = scheduler.load_into(scheduler.match(second).handle, [12, 13], locked=False)
-        assert early.num_loaded_pages == late.num_loaded_pages == 2
-        assert [t.slot for t in early.wait] == [t.slot for t in late.wait]
-        flusher.flush()
+        early, late = _two_loads_on_one_slot(worker, scheduler, flusher, first, second)
         for layer in range(OWNED_SPEC.num_layers):
             worker.client.wait_layer(early.wait + late.wait, layer, timeout_s=30)
         assert worker.client.wait_over(early.wait, timeout_s=30)
@@ -734,17 +743,7 @@ def test_a_landed_load_whose_slot_moved_on_reads_as_landed_from_a_retired_ring(t
     flusher = admin(daemon.endpoint)
     first, second = toks(100, 2), toks(300, 2)
     try:
-        scheduler.attach("w")
-        worker.compute(first, [1, 2])
-        worker.compute(second, [3, 4])
-        assert worker.client.store(first, [1, 2]).num_cached == 2
-        assert worker.client.store(second, [3, 4]).num_cached == 2
-        worker.wipe([10, 11, 12, 13])
-        early = scheduler.load_into(scheduler.match(first).handle, [10, 11], locked=False)
-        flusher.flush()
-        late = scheduler.load_into(scheduler.match(second).handle, [12, 13], locked=False)
-        flusher.flush()
-        assert [t.slot for t in early.wait] == [t.slot for t in late.wait]
+        early, _ = _two_loads_on_one_slot(worker, scheduler, flusher, first, second)
         old_ring = worker.client.waiter
         assert not any(old_ring.holds(t) for t in early.wait)
         worker.client.timeout_s = 0.3  # (this call's only)

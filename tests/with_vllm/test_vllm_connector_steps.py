@@ -272,7 +272,8 @@ def test_with_a_draft_model_a_failed_load_is_not_stored_as_the_prompts_kv(small_
 def three_loads_in_one_step(e, admin):
     """Three requests stored (blocks 1-2, 3-4, 5-6: values 7, 8, 9); three more of the
     same prompts hit them, and the scheduler starts their loads into blocks 10-11,
-    12-13, 14-15, all of which land. Returns the loads and their target blocks."""
+    12-13, 14-15, each landed before the next starts (on a pool of two counter slots
+    the third takes the first's). Returns the loads and their target blocks."""
     s = e.scheduler
     prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
     for i, p in enumerate(prompts):
@@ -286,9 +287,9 @@ def three_loads_in_one_step(e, admin):
         ext, _ = s.get_num_new_matched_tokens(r, 0)
         assert ext == 2 * BS
         s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
+        admin.flush()  # (its copies are over: its slot is free again)
     loads = list(s._loads)
     assert all(load.copies_end_ns is not None for load in loads)
-    admin.flush()  # (every copy landed)
     return loads, targets
 
 
@@ -355,20 +356,7 @@ def test_a_load_whose_counter_slot_went_to_a_later_load_of_the_step_is_not_repor
     e = Engine(d.endpoint)
     admin = CacheClient(d.endpoint, heartbeat=False)
     try:
-        s = e.scheduler
-        prompts = [list(range(1000 * i, 1000 * i + 2 * BS + 1)) for i in (1, 2, 3)]
-        for i, p in enumerate(prompts):
-            r = request(f"a{i}", p)
-            e.prefill(r, [1 + 2 * i, 2 + 2 * i, 20], 7.0 + i)
-            e.finish(r, [1 + 2 * i, 2 + 2 * i, 20])
-        targets = [[10, 11], [12, 13], [14, 15]]
-        for i, p in enumerate(prompts):
-            r = request(f"b{i}", p)
-            s.on_new_request(r)
-            ext, _ = s.get_num_new_matched_tokens(r, 0)
-            s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
-            admin.flush()  # (its copies are over: its slot is free again)
-        loads = list(s._loads)
+        loads, targets = three_loads_in_one_step(e, admin)
         assert [load.num_loaded for load in loads] == [2, 2, 2]
         assert loads[0].tickets[0][0] == loads[2].tickets[0][0]  # (the same slot)
         assert not e.step(empty_output())

@@ -1675,6 +1675,24 @@ def test_an_owned_store_whose_engine_stopped_waiting_caches_nothing():
         tm.close()
 
 
+def assert_layers_landed(counters, loaded, num_layers: int, landed) -> None:
+    """The load ``loaded`` (one ticket) reads as landed at the layers of ``landed`` and
+    failed at every other, on ``counters``' ring."""
+    from hicache.errors import LoadFailed
+
+    (ticket,) = loaded.wait
+    waiter = counters.waiter()
+    try:
+        for layer in range(num_layers):
+            if layer in landed:
+                assert waiter.is_done(ticket, layer)
+            else:
+                with pytest.raises(LoadFailed):
+                    waiter.is_done(ticket, layer)
+    finally:
+        waiter.close()
+
+
 @pytest.mark.parametrize("fail_at", [1, 3, 6])
 def test_an_owned_store_or_load_into_whose_copy_fails_on_one_thread_leaves_no_half_copied_page(fail_at,
                                                                                              monkeypatch):
@@ -1684,7 +1702,6 @@ def test_an_owned_store_or_load_into_whose_copy_fails_on_one_thread_leaves_no_ha
     others failed, and the pages stay cached for a later load."""
     import torch
 
-    from hicache.errors import LoadFailed
     from hicache.kernels import page_copy
     from hicache.kernels.copy_plan import CpuCopyWorkers
     from owned_util import OWNED_SPEC
@@ -1734,17 +1751,7 @@ def test_an_owned_store_or_load_into_whose_copy_fails_on_one_thread_leaves_no_ha
         monkeypatch.setattr(page_copy.np, "copyto", failing_copyto)
         loaded = tm.wait(tm.load_into(node, 0, order))
         tm.flush()
-        (ticket,) = loaded.wait
-        waiter = counters.waiter()
-        try:
-            for layer in range(OWNED_SPEC.num_layers):
-                if layer in landed:
-                    assert waiter.is_done(ticket, layer)
-                else:
-                    with pytest.raises(LoadFailed):
-                        waiter.is_done(ticket, layer)
-        finally:
-            waiter.close()
+        assert_layers_landed(counters, loaded, OWNED_SPEC.num_layers, landed)
         assert landed == list(range(len(landed))) and len(landed) < OWNED_SPEC.num_layers
         tm.unlock(node, 0)
         tm.check_invariants()
@@ -1823,7 +1830,6 @@ def test_an_owned_load_into_over_three_copy_threads_starts_no_layer_on_any_after
     any more (the engine then may reuse the blocks)."""
     import torch
 
-    from hicache.errors import LoadFailed
     from hicache.kernels import page_copy
     from hicache.kernels.copy_plan import CpuCopyWorkers
     from hicache.spec import KVSpec
@@ -1903,17 +1909,7 @@ def test_an_owned_load_into_over_three_copy_threads_starts_no_layer_on_any_after
         assert fails and all(events[i][1] == 0 for i in fails) and fails[0] > events.index(copies[-1])
         assert bool((blocks[: k + 1, 1:7] == 1).all())
         assert bool((blocks[k + 2 :] == 2).all())
-        (ticket,) = loaded.wait
-        waiter = counters.waiter()
-        try:
-            for layer in range(spec.num_layers):
-                if layer <= k:
-                    assert waiter.is_done(ticket, layer)
-                else:
-                    with pytest.raises(LoadFailed):
-                        waiter.is_done(ticket, layer)
-        finally:
-            waiter.close()
+        assert_layers_landed(counters, loaded, spec.num_layers, range(k + 1))
         tm.unlock(node, 0)
         tm.check_invariants()
         assert tm.tree.match(ns, toks, 0, touch=False).num_host_pages == 6

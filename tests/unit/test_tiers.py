@@ -1949,6 +1949,15 @@ def test_an_insert_cuts_its_path_at_its_ends_copying_each_page_a_few_times(ends,
         engine.close()
 
 
+def on_host_only_by_hand(tm, engine, toks):
+    """Prefill ``toks`` on a manager whose workers run by hand (``ManualWorkers``), run
+    its write-through backup and push its pages off the device: on host only."""
+    prefill(tm, engine, toks)
+    tm.workers.run("copy")  # the write-through backup
+    tm.poll()
+    tm.evict(Tier.DEVICE, 16, 0)
+
+
 def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monkeypatch):
     """Two loads in flight, the second below the first: when the first fails, the pages
     the second is still copying into must not go to another request before it lands."""
@@ -1956,10 +1965,7 @@ def test_a_failed_load_frees_no_page_that_a_later_load_still_writes(engine, monk
     tm, handle = make_tm(engine, host_pages=8)
     workers = tm.workers
     toks = tokens(100, 4)
-    prefill(tm, engine, toks)
-    workers.run("copy")  # the write-through backup
-    tm.poll()
-    tm.evict(Tier.DEVICE, 16, 0)
+    on_host_only_by_hand(tm, engine, toks)
     assert tm.tree.sizes(Tier.HOST).cached == 4 and tm.tree.sizes(Tier.DEVICE, 0).cached == 0
     upper = tm.match(NS, toks[: 2 * PS], 0).match.node
     tm.lock(upper, 0)
@@ -2003,10 +2009,7 @@ def test_a_load_with_every_counter_slot_in_use_loads_nothing_and_is_counted(engi
     tm, _ = make_tm(engine, host_pages=8, metrics=metrics, counter_slots=1)
     workers = tm.workers
     toks = tokens(100, 4)
-    prefill(tm, engine, toks)
-    workers.run("copy")  # the write-through backup
-    tm.poll()
-    tm.evict(Tier.DEVICE, 16, 0)
+    on_host_only_by_hand(tm, engine, toks)
     upper = tm.match(NS, toks[: 2 * PS], 0).match.node
     tm.lock(upper, 0)
     first = tm.load(upper, 0).result()

@@ -625,6 +625,22 @@ def test_a_load_ticket_from_before_a_daemon_restart_reads_only_what_its_own_daem
             assert daemon.stop() == 0
 
 
+def _registered_again(daemon, worker, tokens):
+    """The daemon stalls (stopped) past the worker's timeout: the worker's match of
+    ``tokens`` gives up (degraded), and once the daemon answers again the worker
+    registers its pool again — a new pool with a new counter ring. Returns the old ring."""
+    old_ring = worker.client.waiter
+    worker.client.timeout_s = 0.3  # (this call's only)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        assert worker.client.match(tokens).handle is None and worker.client.degraded
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    worker.client.timeout_s = 5.0
+    assert worker.client.revive() and worker.client.waiter is not old_ring
+    return old_ring
+
+
 def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_own_ring(tmp_path):
     """The daemon stalls (stopped here) past the worker's timeout, so the worker
     registers its pool again once it answers — a new pool with a new counter ring —
@@ -645,16 +661,9 @@ def test_a_load_answered_before_its_pool_was_registered_again_is_waited_on_its_o
         worker.wipe([5, 6])
         before = scheduler.load_into(scheduler.match(seq).handle, [5, 6], locked=False)
         assert before.num_loaded_pages == 2
-        old_session, old_ring = worker.client.session_id, worker.client.waiter
-        worker.client.timeout_s = 0.3  # (this call's only)
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
-        try:
-            assert worker.client.match(seq).handle is None and worker.client.degraded
-        finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-        worker.client.timeout_s = 5.0
-        assert worker.client.revive()
-        assert worker.client.session_id != old_session and worker.client.waiter is not old_ring
+        old_session = worker.client.session_id
+        old_ring = _registered_again(daemon, worker, seq)
+        assert worker.client.session_id != old_session
         assert not any(worker.client.waiter.holds(t) for t in before.wait)
         assert worker.client.wait_over(before.wait, timeout_s=30)
         for layer in range(OWNED_SPEC.num_layers):
@@ -744,16 +753,8 @@ def test_a_landed_load_whose_slot_moved_on_reads_as_landed_from_a_retired_ring(t
     first, second = toks(100, 2), toks(300, 2)
     try:
         early, _ = _two_loads_on_one_slot(worker, scheduler, flusher, first, second)
-        old_ring = worker.client.waiter
-        assert not any(old_ring.holds(t) for t in early.wait)
-        worker.client.timeout_s = 0.3  # (this call's only)
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
-        try:
-            assert worker.client.match(first).handle is None and worker.client.degraded
-        finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-        worker.client.timeout_s = 5.0
-        assert worker.client.revive() and worker.client.waiter is not old_ring
+        assert not any(worker.client.waiter.holds(t) for t in early.wait)
+        _registered_again(daemon, worker, first)
         assert not any(worker.client.waiter.knows(t) for t in early.wait)
         for layer in range(OWNED_SPEC.num_layers):
             worker.client.wait_layer(early.wait, layer, timeout_s=30)

@@ -29,8 +29,18 @@ from pathlib import Path
 
 def write_model(directory: Path, *, hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
                 layers: int = 2, intermediate: int = 256, vocab: int = 1024, max_positions: int = 4096) -> Path:
-    """A small Llama ``config.json`` (weights come from vLLM's dummy loader, which uses
-    a fixed seed: every engine gets the same weights)."""
+    """A small Llama: ``config.json`` and ``model.safetensors`` with random weights from a
+    fixed seed (every engine gets the same weights).
+
+    Not vLLM's dummy loader: its weights are uniform in ±1e-3, so small that every
+    logprob is -ln(vocab) to seven digits and the greedy tokens depend on the last prompt
+    token alone — a prompt whose earlier KV was garbage generated the same tokens and
+    logprobs, and no comparison with a run without hicache could catch a wrong load.
+    Here each projection has unit gain (std 1/sqrt(fan-in)) and the embeddings unit
+    scale, so the logprobs of every position depend on every earlier token's KV."""
+    import torch
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
@@ -40,6 +50,26 @@ def write_model(directory: Path, *, hidden: int = 128, heads: int = 4, kv_heads:
         "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
         "hidden_act": "silu",
     }
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(rows: int, cols: int, std: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=generator) * std).to(torch.bfloat16)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(hidden, dtype=torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": weight(vocab, hidden, 1.0), "model.norm.weight": ones(),
+               "lm_head.weight": weight(vocab, hidden, hidden ** -0.5)}
+    for i in range(layers):
+        shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+                  "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+                  "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+                  "mlp.down_proj": (hidden, intermediate)}
+        for name, (rows, cols) in shapes.items():
+            tensors[f"model.layers.{i}.{name}.weight"] = weight(rows, cols, cols ** -0.5)
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = ones()
+        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = ones()
+    save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -60,7 +90,7 @@ def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine_args = dict(model=job["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    engine_args = dict(model=job["model_dir"], skip_tokenizer_init=True, enforce_eager=True,
                        block_size=32, max_model_len=job.get("max_model_len", 1024), enable_prefix_caching=True,
                        dtype="bfloat16", disable_log_stats=False, seed=0)
     engine_args.update(job.get("engine", {}))

@@ -137,21 +137,42 @@ def assert_same_outputs(result: dict, baseline: dict) -> None:
             assert r["logprobs"] == want[r["prompt"]]["logprobs"], r["prompt"]
 
 
+def with_token_changed(prompt: list[int], place: int) -> list[int]:
+    changed = list(prompt)
+    changed[place] = changed[place] % 997 + 3  # (another id in the prompts' range 3..999)
+    return changed
+
+
 @pytest.fixture(scope="module")
 def baseline(model, tmp_path_factory) -> dict:
     """Every prompt, without hicache, in one engine (vLLM's own prefix cache emptied
-    before each prompt: cold prefills)."""
+    before each prompt: cold prefills); then prompt 0 with one token changed in its
+    first block (prompt 5) and in its fourth (prompt 6), for
+    :func:`test_the_outputs_compared_depend_on_the_kv_of_every_block`."""
     tmp = tmp_path_factory.mktemp("baseline")
-    return run(tmp, "baseline", job(tmp, "baseline", model, None, [[i] for i in range(5)], multiprocessing=False,
-                                    reset_prefix_cache=True))
+    zero = prompts()[0]
+    probes = prompts() + [with_token_changed(zero, 0), with_token_changed(zero, 3 * BLOCK + 5)]
+    return run(tmp, "baseline", job(tmp, "baseline", model, None, [[i] for i in range(7)], multiprocessing=False,
+                                    reset_prefix_cache=True, prompts=probes))
+
+
+def test_the_outputs_compared_depend_on_the_kv_of_every_block(baseline):
+    """The comparisons with the baseline can fail: one token changed early in the prompt
+    (so that its KV, and every later position's, differs) changes the logprobs of what
+    the model generates. (With vLLM's dummy weights it did not: see ``write_model``.)"""
+    results = by_prompt(baseline)
+    for probe in (5, 6):
+        assert results[probe]["logprobs"][0] != results[0]["logprobs"][0], probe
 
 
 def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_restart(tmp_path, model, baseline):
     daemon = Daemon(tmp_path / "d").start()
     try:
-        # Engine A computes every prompt and stores their whole pages.
-        a = run(tmp_path, "a", job(tmp_path, "a", model, daemon.endpoint, [[0, 1, 2, 3, 4]]))
-        assert_same_outputs(a, baseline)
+        # Engine A computes every prompt in one batch and stores their whole pages. (Its
+        # own outputs are not compared: vLLM's outputs of a step with several requests
+        # differ from a prompt run alone in the last bits of a logprob; the KV it stores
+        # does not, so that the solo runs below equal the baseline bit for bit.)
+        run(tmp_path, "a", job(tmp_path, "a", model, daemon.endpoint, [[0, 1, 2, 3, 4]]))
         host_before = daemon.metric("hicache_matched_tokens_total", tier="host")
         # Engine B, a new process with its own prefix cache empty: each prompt alone, so
         # every cached token comes from hicache.
@@ -264,18 +285,23 @@ def test_requests_complete_while_the_daemon_is_down_and_hit_again_when_it_return
     daemon = Daemon(tmp_path / "d").start()
     gate = tmp_path / "gate"
     gate.mkdir()
+    # (one prompt a batch: a batch of several differs from the baseline in the last bits)
     proc, out = start_engine(tmp_path, "e", job(
-        tmp_path, "e", model, daemon.endpoint, [[0, 3], [1, 4], [2]], multiprocessing=True,
+        tmp_path, "e", model, daemon.endpoint, [[0], [3], [1], [4], [2]], multiprocessing=True,
         reset_prefix_cache=True, gate_dir=str(gate)))
+
+    def batches(*steps: int) -> None:
+        for step in steps:
+            (gate / f"go-{step}").write_text("")
+            _wait_file(gate / f"done-{step}", proc)
+
     try:
-        (gate / "go-0").write_text("")  # up: computes and stores prompts 0 and 3
-        _wait_file(gate / "done-0", proc)
+        batches(0, 1)  # up: computes and stores prompts 0 and 3
         daemon.stop()
-        (gate / "go-1").write_text("")  # down: misses, but the requests complete
-        _wait_file(gate / "done-1", proc)
+        batches(2, 3)  # down: prompts 1 and 4 miss, but the requests complete
         daemon.start()
         time.sleep(3.0)  # (the engine's clients find the daemon back within a second or two)
-        (gate / "go-2").write_text("")  # back: prompt 2 shares the prefix prompt 0 stored (on disk now)
+        (gate / "go-4").write_text("")  # back: prompt 2 shares the prefix prompt 0 stored (on disk now)
         result = finish(proc, out)
     finally:
         if proc.poll() is None:
@@ -283,9 +309,9 @@ def test_requests_complete_while_the_daemon_is_down_and_hit_again_when_it_return
         if daemon.process.proc is not None:
             daemon.stop()
     assert_same_outputs(result, baseline)
-    down = {r["prompt"]: r["num_cached_tokens"] for r in result["batches"][1]["requests"]}
+    down = {r["prompt"]: r["num_cached_tokens"] for batch in result["batches"][2:4] for r in batch["requests"]}
     assert down == {1: 0, 4: 0}
-    back = result["batches"][2]["requests"][0]
+    back = result["batches"][4]["requests"][0]
     assert back["num_cached_tokens"] >= 192  # the shared 200-token prefix: six whole blocks
 
 
@@ -322,8 +348,8 @@ def test_engines_over_curve_hit_their_own_tenant_only(tmp_path, model, baseline)
         return {"extra_config": {"hicache.server_key": keys["server"]["public"], "hicache.key_file": keys[who]["secret"]}}
 
     try:
-        x = run(tmp_path, "x", job(tmp_path, "x", model, endpoint, [[0, 1, 2, 3, 4]], **curve("x")))
-        assert_same_outputs(x, baseline)
+        # (X's batch of five is not compared: see the first test)
+        run(tmp_path, "x", job(tmp_path, "x", model, endpoint, [[0, 1, 2, 3, 4]], **curve("x")))
         y = run(tmp_path, "y", job(tmp_path, "y", model, endpoint, [[i] for i in range(5)], multiprocessing=False,
                                    reset_prefix_cache=True, **curve("y")))
         assert_same_outputs(y, baseline)

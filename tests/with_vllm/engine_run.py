@@ -87,6 +87,7 @@ def main(job_path: str, out_path: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job.get("multiprocessing", True) else "0"
+    os.environ.update(job.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -108,7 +109,9 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(**engine_args)
     max_tokens = job["max_tokens"]
     per_batch = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(job["batches"])
-    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=job.get("logprobs", 2), detokenize=False)
+    # (ignore_eos: every request generates its max_tokens; the random weights may pick the EOS id)
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=job.get("logprobs", 2), detokenize=False,
+                             ignore_eos=True)
               for n in per_batch]
     out = {"engine_start_s": time.monotonic() - started, "batches": [], "pid": os.getpid()}
     gate = Path(job["gate_dir"]) if job.get("gate_dir") else None

@@ -9,8 +9,8 @@ Use it with::
 or ``LLM(..., kv_transfer_config=KVTransferConfig(...))`` with the same fields. Extra
 config keys (all optional): ``hicache.endpoint`` (default: the daemon's default socket),
 ``hicache.timeout_s`` (1.0: how long a call waits for a daemon that may be gone),
-``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, then as long again for its layers), ``hicache.pool_name`` (default ``vllm-<engine_id>``:
-what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
+``hicache.load_timeout_s`` (5.0: a ``load_into`` that reads disk, then as long again for its layers), ``hicache.pool_name`` (default ``vllm``; the pool is
+``<pool_name>-<engine_id>``, under TP ``...-tp<rank>``: what the scheduler attaches by), ``hicache.recompute_on_load_error`` (true: sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``, so that a short load is recomputed, never a
 failed request), ``hicache.server_key`` / ``hicache.key_file`` (CURVE: the daemon's
 public key or its ``.key`` file, and this engine's ``.key_secret``; default
@@ -59,6 +59,14 @@ How the two sides work (they are separate processes):
   its blocks recomputed, and the daemon writes nothing of it later); the tickets travel
   to the worker in the connector metadata, and the loaded pages count as stored (a step
   stores only what hicache lacks).
+
+Tensor parallelism: each TP rank's worker registers a pool of its own,
+``<pool_name>-<engine_id>-tp<rank>``, whose spec names the rank's shard (ranks never
+share pages); the scheduler attaches to all of them (:class:`RankClients`), matches on
+each — a prefix is a hit as far as every rank holds it — and loads on every rank what
+the rank that holds least brought. A load's tickets travel per rank; a worker waits on
+its own rank's, and reports what any rank failed to bring once its own copies into
+those blocks are over. (Pipeline parallelism: not yet — the connector turns itself off.)
 
 The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks on: the
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
@@ -119,14 +127,24 @@ _RETRY_ATTACH_S = 1.0
 @dataclass
 class LoadMeta:
     """One request's load, started by the scheduler: ``blocks`` should receive KV; the
-    first ``num_loaded`` do, layer by layer, under ``tickets``; no layer starts copying
-    after ``copies_end_ns`` (``None``: the daemon does not say)."""
+    first ``num_loaded`` do on every TP rank, layer by layer. Per rank (index: the TP
+    rank; a rank past the end had no load started): its load's ``tickets``, and when
+    the daemon starts no more of its copies (``copies_end_ns``; ``None``: it does not
+    say). A rank's load may bring more than ``num_loaded`` pages: the blocks past it
+    are reported all the same (every rank recomputes them), once that rank's copies
+    into them are over."""
 
     req_id: str
     blocks: list[int]
     num_loaded: int
-    tickets: list[tuple[int, int]]
-    copies_end_ns: int | None = None
+    tickets: list[list[tuple[int, int]]] = field(default_factory=list)
+    copies_end_ns: list[int | None] = field(default_factory=list)
+
+    def of_rank(self, rank: int) -> tuple[list[tuple[int, int]], int | None]:
+        """``rank``'s tickets and copies' end (none: nothing was copied for it)."""
+        if rank >= len(self.tickets):
+            return [], None
+        return self.tickets[rank], self.copies_end_ns[rank]
 
 
 @dataclass
@@ -245,6 +263,76 @@ def model_identity(config: "VllmConfig") -> str:
     return f"{model.model}@{model.revision or ''}#{digest}"
 
 
+def tp_shard(config: "VllmConfig") -> tuple[int, int]:
+    """(this process's TP rank, the TP size). vLLM numbers a worker's global rank
+    (``parallel_config.rank``, set before the connector is made) data-parallel rank,
+    pipeline stage, TP rank, most significant first; with one stage the TP rank is the
+    rank modulo the TP size. (The scheduler is rank 0: it speaks for every rank.)"""
+    parallel = config.parallel_config
+    size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    return int(getattr(parallel, "rank", 0) or 0) % size, size
+
+
+class RankClients:
+    """The scheduler's clients, one per TP rank, each attached to that rank's pool.
+
+    Each rank's worker caches its own shard of every page in a pool of its own (the
+    shard is in the spec: ranks never share pages), so a prefix is hicache's only as
+    far as every rank holds it: a match is the shortest of the ranks' matches, and a
+    load brings to every rank what the rank that holds least brought. The ranks'
+    pools age alike (every match, load and store touches each of them), but one may
+    have evicted a page another keeps; the shorter match wins."""
+
+    def __init__(self, clients: list[CacheClient], names: list[str]) -> None:
+        self.clients, self.names = clients, names
+        self._attached = [False] * len(clients)
+
+    def attach(self) -> None:
+        """Attach every rank's client not attached yet (a retry starts where the last
+        attempt stopped: the workers register their pools one by one)."""
+        for i, (client, name) in enumerate(zip(self.clients, self.names)):
+            if not self._attached[i]:
+                client.attach(name)
+                self._attached[i] = True
+
+    def match(self, tokens: list[int], extra_key: str) -> tuple[list[Any], int]:
+        """Every rank's handle and the pages all of them can load (0 and no handles: a
+        miss on some rank)."""
+        handles, pages = [], 0
+        for i, client in enumerate(self.clients):
+            m = client.match(tokens, extra_key)
+            n = m.num_device_pages + m.num_host_pages + m.num_disk_pages
+            if m.handle is None or not n:
+                return [], 0
+            handles.append(m.handle)
+            pages = n if i == 0 else min(pages, n)
+        return handles, pages
+
+    def load_into(self, handles: list[Any], load: LoadMeta, first: int) -> None:
+        """Start every rank's ``load_into`` ``load.blocks`` (no rank more than the ranks
+        before it brought); fills in ``load``. A rank whose load fails stops the rest:
+        the ranks before it keep their tickets, so that their workers wait until
+        their copies are over before they report the blocks."""
+        n = len(load.blocks)
+        for client, handle in zip(self.clients, handles):
+            if not n:
+                break
+            try:  # (unlocked: one round trip; what was evicted since the match loads short)
+                done = client.load_into(handle, load.blocks[:n], first, locked=False)
+            except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
+                logger.info("hicache: load for %s failed: %s", load.req_id, exc)
+                n = 0
+                break
+            n = min(n, done.num_loaded_pages)
+            load.tickets.append([tuple(t) for t in done.wait])
+            load.copies_end_ns.append(done.copies_end_ns)
+        load.num_loaded = n
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
 def _unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
     """Why hicache cannot hold this KV cache (``None``: it can, as far as the config
     tells). Both roles have the engine's config: the worker runs without hicache for
@@ -303,12 +391,12 @@ class HicacheConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._vllm_config = vllm_config
         self._kv_cache_config_ = kv_cache_config
-        self._client: CacheClient | None = None
-        self._enabled = vllm_config.parallel_config.tensor_parallel_size == 1 and \
-            vllm_config.parallel_config.pipeline_parallel_size == 1
+        # The worker's client, or the scheduler's clients (one per TP rank).
+        self._client: CacheClient | RankClients | None = None
+        self._rank, self._tp_size = tp_shard(vllm_config)
+        self._enabled = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) == 1
         if not self._enabled:
-            logger.warning("hicache connector: tensor / pipeline parallelism is not supported yet; "
-                           "running without hicache")
+            logger.warning("hicache connector: pipeline parallelism is not supported yet; running without hicache")
         elif role == KVConnectorRole.SCHEDULER and (reason := _unsupported_kv_cache(kv_cache_config)):
             # (the worker says so too, and runs without hicache: see register_kv_caches)
             logger.warning("hicache: cannot hold this KV cache (%s); running without hicache", reason)
@@ -336,9 +424,10 @@ class HicacheConnector(KVConnectorBase_V1):
             # back (asynchronous scheduling) and no request has computed the block since
             self._unconfirmed: dict[int, int] = {}
             if self._enabled:  # (vLLM makes the scheduler after the workers registered their pools)
-                client = self._new_client("vllm-scheduler")
-                self._start_connecting(client, lambda: client.attach(self._pool_name),
-                                       f"attach to pool {self._pool_name!r}")
+                names = [self._rank_pool_name(rank) for rank in range(self._tp_size)]
+                clients = RankClients([self._new_client("vllm-scheduler") for _ in names], names)
+                self._start_connecting(clients, clients.attach, f"attach to pool{'s' * (len(names) > 1)} "
+                                       + ", ".join(map(repr, names)))
         else:
             self._shared: SharedKV | None = None  # vLLM computes in it: kept as long as the connector
             self._cuda = False
@@ -362,13 +451,17 @@ class HicacheConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: nothing must be delivered
 
+    def _rank_pool_name(self, rank: int) -> str:
+        """TP rank ``rank``'s pool (one rank: the engine's pool name as it is)."""
+        return self._pool_name if self._tp_size == 1 else f"{self._pool_name}-tp{rank}"
+
     # ------------------------------------------------------- connecting (both sides)
 
     def _new_client(self, name: str) -> CacheClient:
         return CacheClient(self._endpoint, timeout_s=self._timeout_s, load_timeout_s=self._load_timeout_s,
                            name=name, reconnect_interval_s=_RETRY_ATTACH_S, **self._client_args)
 
-    def _start_connecting(self, client: CacheClient, register: Callable[[], None], what: str,
+    def _start_connecting(self, client: CacheClient | RankClients, register: Callable[[], None], what: str,
                           then: Callable[[CacheClient], None] | None = None) -> None:
         """``register()`` once now, at the engine's start (the daemon is usually there,
         and the first request then finds the pool), and if that fails again in a
@@ -394,7 +487,8 @@ class HicacheConnector(KVConnectorBase_V1):
         logger.info("hicache: %s at %s: done", what, self._endpoint)
         return True
 
-    def _connecting_main(self, client: CacheClient, register: Callable[[], None], what: str, connected: bool,
+    def _connecting_main(self, client: CacheClient | RankClients, register: Callable[[], None], what: str,
+                         connected: bool,
                          then: Callable[[CacheClient], None] | None) -> None:
         while not connected:
             if self._stop.wait(_RETRY_ATTACH_S):
@@ -424,14 +518,14 @@ class HicacheConnector(KVConnectorBase_V1):
             return 0, False
         known = self._requests.get(request.request_id)
         try:
-            m = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
+            handles, pages = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
         except HicacheError as exc:
             logger.warning("hicache: match failed: %s", exc)
             return 0, False
-        hit = (m.num_device_pages + m.num_host_pages + m.num_disk_pages) * bs
-        if m.handle is None or hit <= num_computed_tokens:
+        hit = pages * bs
+        if hit <= num_computed_tokens:
             return 0, False
-        self._matches[request.request_id] = (m.handle, num_computed_tokens)
+        self._matches[request.request_id] = (handles, num_computed_tokens)
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -439,7 +533,7 @@ class HicacheConnector(KVConnectorBase_V1):
         matched = self._matches.pop(req_id, None)
         if not num_external_tokens or matched is None:
             return
-        handle, num_computed = matched
+        handles, num_computed = matched
         bs = self._block_size
         first = num_computed // bs
         block_ids = list(blocks.get_block_ids()[0])
@@ -447,16 +541,10 @@ class HicacheConnector(KVConnectorBase_V1):
         self._stale.difference_update(target)  # (new blocks: a failed load reports them again)
         for block in target:  # (this step's load: its own failure is reported, no check needed)
             self._unconfirmed.pop(block, None)
-        load = LoadMeta(req_id, target, 0, [])
+        load = LoadMeta(req_id, target, 0)
         client = self._client
         if client is not None:
-            try:  # (unlocked: one round trip; what was evicted since the match loads short)
-                done = client.load_into(handle, target, first, locked=False)
-                load.num_loaded = done.num_loaded_pages
-                load.tickets = [tuple(t) for t in done.wait]
-                load.copies_end_ns = done.copies_end_ns
-            except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
-                logger.info("hicache: load for %s failed: %s", req_id, exc)
+            client.load_into(handles, load, first)
         req = self._requests.get(req_id)
         if req is not None and load.num_loaded:
             # hicache holds the prefix up to the last page loaded (a match is a prefix):
@@ -606,10 +694,11 @@ class HicacheConnector(KVConnectorBase_V1):
             self._enabled = False
             return
         self._cuda = next(iter(kv_caches.values())).is_cuda
-        handle = OwnedPoolHandle(layout, self._shared.memory, self._pool_name)
+        name = self._rank_pool_name(self._rank)
+        handle = OwnedPoolHandle(layout, self._shared.memory, name)
         client = self._new_client("vllm-worker")
         self._start_connecting(client, lambda: client.register_owned(spec, handle),
-                               f"register pool {self._pool_name!r} ({layout.num_blocks} blocks, spec "
+                               f"register pool {name!r} ({layout.num_blocks} blocks, spec "
                                f"{spec.fingerprint_hex})", then=self._keep_registered)
 
     def _keep_registered(self, client: CacheClient) -> None:
@@ -625,7 +714,7 @@ class HicacheConnector(KVConnectorBase_V1):
                     return
                 try:
                     if client.revive():
-                        logger.info("hicache: pool %r registered again", self._pool_name)
+                        logger.info("hicache: pool %r registered again", self._rank_pool_name(self._rank))
                 except Exception:  # noqa: BLE001 - tried again in a second
                     logger.debug("hicache: revive failed", exc_info=True)
 
@@ -647,6 +736,8 @@ class HicacheConnector(KVConnectorBase_V1):
         heads = model.get_num_kv_heads(config.parallel_config)
         head_size = model.get_head_size()
         layout_name = f"vllm/{first.device.type}/{getattr(kv_config, 'kv_cache_layout', '')}/{self._isa(first)}"
+        if self._tp_size > 1:  # (each rank's blocks hold its shard of the heads: its own namespace)
+            layout_name += f"/tp{self._rank}of{self._tp_size}"
         spec = KVSpec.mha(num_layers=len(names), num_kv_heads=heads, head_dim=head_size,
                           page_size=self._block_size, dtype=dtype,
                           model=model_identity(config), layout=layout_name)
@@ -672,7 +763,7 @@ class HicacheConnector(KVConnectorBase_V1):
             self._failed = {b: step for b, step in self._failed.items() if step > meta.confirmed}
             self._load_errors.update(b for b in meta.check if b in self._failed)
         for load in meta.loads:
-            if self._client is None or not load.tickets:
+            if self._client is None or not load.of_rank(self._rank)[0]:
                 self._load_errors.update(load.blocks)
                 continue
             self._load_errors.update(load.blocks[load.num_loaded:])
@@ -703,11 +794,12 @@ class HicacheConnector(KVConnectorBase_V1):
         fallback = self._clock() + int(self._load_timeout_s * 1e9)
         kept, late = [], []
         for load in self._pending:
-            until = load.copies_end_ns if load.copies_end_ns is not None else fallback
+            tickets, copies_end_ns = load.of_rank(self._rank)
+            until = copies_end_ns if copies_end_ns is not None else fallback
             try:
                 if self._client is None:
                     raise HicacheError("the connector shut down")
-                self._client.wait_layer([Ticket(*t) for t in load.tickets], layer,
+                self._client.wait_layer([Ticket(*t) for t in tickets], layer,
                                         timeout_s=max(0.0, (until - self._clock()) / 1e9))
                 kept.append(load)
             except WaitTimeout:
@@ -731,7 +823,7 @@ class HicacheConnector(KVConnectorBase_V1):
         end = self._clock() + int(self._timeout_s * 1e9)
         kept = []
         for load in late:
-            tickets = [Ticket(*t) for t in load.tickets]
+            tickets = [Ticket(*t) for t in load.of_rank(self._rank)[0]]
             client = self._client
             over = client is not None and client.wait_over(tickets, timeout_s=max(0.0, (end - self._clock()) / 1e9))
             if over:

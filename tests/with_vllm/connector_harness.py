@@ -23,7 +23,8 @@ LAYER_STRIDE = NUM_BLOCKS * BLOCK_BYTES
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def vllm_config(endpoint: str, engine_id: str = "e1", **extra) -> SimpleNamespace:
+def vllm_config(endpoint: str, engine_id: str = "e1", *, tp: int = 1, rank: int = 0, **extra) -> SimpleNamespace:
+    """An engine's config as its scheduler (rank 0) or the worker of global ``rank`` sees it."""
     transfer = SimpleNamespace(
         kv_connector_extra_config={"hicache.endpoint": endpoint, **extra},
         engine_id=engine_id, kv_load_failure_policy="fail", is_kv_producer=False)
@@ -31,7 +32,7 @@ def vllm_config(endpoint: str, engine_id: str = "e1", **extra) -> SimpleNamespac
                             model="test/tiny", revision=None)
     return SimpleNamespace(
         kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=BS),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank),
         model_config=model)
 
 
@@ -85,26 +86,35 @@ def empty_output() -> SimpleNamespace:
 
 
 class Engine:
-    """A scheduler connector and a worker connector of one vLLM engine."""
+    """A scheduler connector and the worker connectors of one vLLM engine: one worker
+    per TP rank (``tp``), each with KV caches of its own (``worker`` and ``caches``:
+    rank 0's). A forward writes ``value + rank`` into each rank's blocks (a rank's
+    shard of the heads differs from another's)."""
 
-    def __init__(self, endpoint: str, engine_id: str = "e1", **extra) -> None:
-        self.caches = kv_caches()
-        self.worker = HicacheConnector(vllm_config(endpoint, engine_id, **extra), KVConnectorRole.WORKER,
-                                       kv_cache_config())
-        self.worker.register_kv_caches(self.caches)
-        self.scheduler = HicacheConnector(vllm_config(endpoint, engine_id, **extra), KVConnectorRole.SCHEDULER,
+    def __init__(self, endpoint: str, engine_id: str = "e1", *, tp: int = 1, **extra) -> None:
+        self.rank_caches = [kv_caches() for _ in range(tp)]
+        self.workers = []
+        for rank, caches in enumerate(self.rank_caches):
+            worker = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, rank=rank, **extra),
+                                      KVConnectorRole.WORKER, kv_cache_config())
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+        self.scheduler = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, **extra), KVConnectorRole.SCHEDULER,
                                           kv_cache_config())
 
-    def block(self, layer: int, block: int) -> torch.Tensor:
-        return self.caches[LAYER_NAMES[layer]][block]
+    def block(self, layer: int, block: int, rank: int = 0) -> torch.Tensor:
+        return self.rank_caches[rank][LAYER_NAMES[layer]][block]
 
     def fill(self, block_ids, value: float) -> None:
-        for b in block_ids:
-            for layer in range(LAYERS):
-                self.block(layer, b).fill_(value)
+        for rank in range(len(self.workers)):
+            for b in block_ids:
+                for layer in range(LAYERS):
+                    self.block(layer, b, rank).fill_(value + rank)
 
-    def values(self, block_ids) -> list[set[float]]:
-        return [{float(v) for layer in range(LAYERS) for v in self.block(layer, b).unique()} for b in block_ids]
+    def values(self, block_ids, rank: int = 0) -> list[set[float]]:
+        return [{float(v) for layer in range(LAYERS) for v in self.block(layer, b, rank).unique()}
+                for b in block_ids]
 
     def execute(self, meta, forward=None, *, speculative: bool = False) -> KVConnectorOutput:
         """The worker's side of one step, as vLLM's model runner drives it: loads, (the
@@ -112,20 +122,31 @@ class Engine:
         an engine with a draft model (``GPUModelRunner`` with a ``speculative_config``:
         ``_get_kv_connector_output(defer_finalize=True)``), which collects the step's
         output before the stores (``finalize_kv_connector`` after the drafter ran)."""
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        workers = self.workers
+        for w in workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
         for name in LAYER_NAMES:
-            w.wait_for_layer_load(name)
+            for w in workers:
+                w.wait_for_layer_load(name)
         if forward is not None:
             forward()
         if not speculative:
-            w.wait_for_save()
-        out = KVConnectorOutput(invalid_block_ids=set(w.get_block_ids_with_load_errors()),
-                                kv_connector_worker_meta=w.build_connector_worker_meta())
+            for w in workers:
+                w.wait_for_save()
+        # (vLLM's KVOutputAggregator: the union of the ranks' failed blocks, their worker
+        # metadata aggregated)
+        invalid, worker_meta = set(), None
+        for w in workers:
+            invalid |= set(w.get_block_ids_with_load_errors())
+            mine = w.build_connector_worker_meta()
+            worker_meta = mine if worker_meta is None else (worker_meta.aggregate(mine) if mine else worker_meta)
+        out = KVConnectorOutput(invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)
         if speculative:
-            w.wait_for_save()
-        w.clear_connector_metadata()
+            for w in workers:
+                w.wait_for_save()
+        for w in workers:
+            w.clear_connector_metadata()
         return out
 
     def deliver(self, out: KVConnectorOutput) -> None:
@@ -164,4 +185,5 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.shutdown()
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()

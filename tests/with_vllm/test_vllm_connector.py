@@ -206,6 +206,34 @@ def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_res
         daemon.stop()
 
 
+def test_a_tensor_parallel_engine_loads_each_ranks_own_kv(tmp_path, model):
+    """TP 2: two worker processes, each holding half of the KV heads and caching them in
+    a pool of its own. Prompts computed cold, then again with vLLM's prefix cache
+    emptied: every whole block but the last token's comes from hicache — each rank's
+    own shard (a rank that loaded the other's would change the logprobs) — and the
+    outputs equal the cold ones. (Against the same engine's cold runs: TP 2 sums
+    attention over the ranks in another order than TP 1, so its logprobs differ in the
+    last bits from the TP 1 baseline.)"""
+    daemon = Daemon(tmp_path / "d").start()
+    try:
+        result = run(tmp_path, "tp", job(
+            tmp_path, "tp", model, daemon.endpoint, [[0], [4], [0], [4]], reset_prefix_cache=True,
+            engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}))  # (vLLM binds a rank to a NUMA node: there is one)
+        cold, hit = result["batches"][:2], result["batches"][2:]
+        assert [b["requests"][0]["num_cached_tokens"] for b in cold] == [0, 0]
+        assert [b["requests"][0]["num_cached_tokens"] for b in hit] == [
+            whole_blocks_but_last(prompts()[0]), whole_blocks_but_last(prompts()[4])]
+        assert_same_outputs({"batches": hit}, {"batches": cold})
+        stats = daemon.check()
+        assert stats["sessions"] == 0
+        pages = sorted(spec["host"]["cached_evictable"] for spec in stats["specs"].values())
+        stored = sum(len(prompts()[i]) // BLOCK for i in (0, 4))
+        assert pages == [stored, stored]  # one spec per rank, each with every whole page
+    finally:
+        daemon.stop()
+
+
 def test_preempted_requests_store_and_load_their_own_blocks(tmp_path, model, baseline):
     """An engine with too few blocks for its batch: vLLM preempts requests mid-decode,
     frees their blocks and, on resume, gives them others (hicache loads their prompt

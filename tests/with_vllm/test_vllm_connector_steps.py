@@ -289,7 +289,7 @@ def three_loads_in_one_step(e, admin):
         s.update_state_after_alloc(r, blocks(targets[i] + [21]), ext)
         admin.flush()  # (its copies are over: its slot is free again)
     loads = list(s._loads)
-    assert all(load.copies_end_ns is not None for load in loads)
+    assert all(load.of_rank(0)[1] is not None for load in loads)
     return loads, targets
 
 
@@ -302,7 +302,7 @@ def fake_layer_waits(w, tickets_of, answer):
 
     now = [w._clock()]
     w._clock = lambda: now[0]
-    which = {tuple(t): i for i, load in enumerate(tickets_of) for t in load.tickets}
+    which = {tuple(t): i for i, load in enumerate(tickets_of) for t in load.of_rank(0)[0]}
     calls: list[tuple[int, int, float]] = []
     waiter = w._client.waiter
     real_wait = waiter.wait_layer
@@ -338,7 +338,7 @@ def test_a_step_waits_once_for_each_layer_of_its_loads(daemon):
         errors = e.step(empty_output())
         assert not errors
         waits = Counter((i, layer) for i, layer, _ in calls)
-        assert waits == {(i, layer): len(load.tickets) for i, load in enumerate(loads)
+        assert waits == {(i, layer): len(load.of_rank(0)[0]) for i, load in enumerate(loads)
                          for layer in range(len(LAYER_NAMES))}
         assert [e.values(t) for t in targets] == [[{7.0}] * 2, [{8.0}] * 2, [{9.0}] * 2]
     finally:
@@ -358,7 +358,7 @@ def test_a_load_whose_counter_slot_went_to_a_later_load_of_the_step_is_not_repor
     try:
         loads, targets = three_loads_in_one_step(e, admin)
         assert [load.num_loaded for load in loads] == [2, 2, 2]
-        assert loads[0].tickets[0][0] == loads[2].tickets[0][0]  # (the same slot)
+        assert loads[0].of_rank(0)[0][0][0] == loads[2].of_rank(0)[0][0][0]  # (the same slot)
         assert not e.step(empty_output())
         assert [e.values(t) for t in targets] == [[{7.0}] * 2, [{8.0}] * 2, [{9.0}] * 2]
     finally:
@@ -384,7 +384,7 @@ def test_a_step_whose_attention_skipped_a_layer_waits_for_it_at_its_end(daemon):
         assert {layer for _, layer, _ in calls} == {0}
         w.wait_for_save()
         waits = Counter((i, layer) for i, layer, _ in calls)
-        assert waits == {(i, layer): len(load.tickets) for i, load in enumerate(loads)
+        assert waits == {(i, layer): len(load.of_rank(0)[0]) for i, load in enumerate(loads)
                          for layer in range(len(LAYER_NAMES))}
         assert not w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
@@ -414,7 +414,7 @@ def test_loads_stalled_together_cost_the_step_one_load_timeout(daemon):
 
         now, calls = fake_layer_waits(e.worker, loads[:2], stalled)
         errors = e.step(empty_output())
-        deadline = max(load.copies_end_ns for load in loads[:2])
+        deadline = max(load.of_rank(0)[1] for load in loads[:2])
         assert now[0] <= deadline + 1.0 * 1e9, f"the step waited past the loads' deadline (calls {calls})"
         assert errors == {10, 11, 12, 13}  # the stalled loads' blocks: vLLM recomputes them
         assert e.values(targets[2]) == [{9.0}] * 2  # the landed load is kept
@@ -462,7 +462,7 @@ def test_a_load_not_landed_by_its_deadline_is_reported_once_it_is_over(daemon, c
         assert e.values(targets[0]) == [{7.0}] * 2  # landed during the wait: kept
         logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert len(logged) == 1 and "b2" in logged[0] and "written late" in logged[0]
-        assert now[0] <= max(load.copies_end_ns for load in loads) + 1.0 * 1e9
+        assert now[0] <= max(load.of_rank(0)[1] for load in loads) + 1.0 * 1e9
     finally:
         admin.close()
         e.close()

@@ -1,0 +1,196 @@
+"""The vLLM connector under tensor parallelism, driven step by step
+(``connector_harness``: a scheduler and one worker per TP rank in this process, a real
+daemon over real sockets). Each rank's worker registers a pool of its own (its shard of
+the heads is in the spec); the scheduler matches and loads on every rank, and a prefix
+is hicache's only as far as every rank holds it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from connector_harness import (  # noqa: E402
+    BS,
+    Engine,
+    kv_cache_config,
+    kv_caches,
+    request,
+    vllm_config,
+)
+from daemon_util import DaemonProcess  # noqa: E402
+from hicache.client import CacheClient  # noqa: E402
+from hicache.errors import Unavailable  # noqa: E402
+from hicache.integrations.vllm import HicacheConnector, KVConnectorRole  # noqa: E402
+from test_vllm_connector_steps import first_request_stores, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}).start()
+    yield d
+    if d.proc is not None:
+        d.stop()
+
+
+def prompt(start: int = 100, pages: int = 4) -> list[int]:
+    return list(range(start, start + pages * BS + 3))
+
+
+def host_pages_by_spec(endpoint: str) -> dict[str, int]:
+    client = CacheClient(endpoint, heartbeat=False)
+    try:
+        return {fp: spec["host"]["cached_evictable"] + spec["host"]["cached_protected"]
+                for fp, spec in client.stats()["specs"].items()}
+    finally:
+        client.close()
+
+
+def test_each_rank_stores_and_loads_its_own_shard(daemon):
+    """Two ranks compute different bytes for the same tokens (7.0 on rank 0, 8.0 on rank
+    1): each stores its own into a pool of its own, and a later request's blocks get
+    each rank's own shard back — never the other rank's."""
+    e = Engine(daemon.endpoint, tp=2)
+    try:
+        assert [w._client is not None for w in e.workers] == [True, True]
+        p = prompt()
+        first_request_stores(e, p)
+        assert sorted(host_pages_by_spec(daemon.endpoint).values()) == [4, 4]  # two specs, 4 pages each
+        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 4 * BS and not errors
+        assert e.values([6, 7, 8, 9], rank=0) == [{7.0}] * 4
+        assert e.values([6, 7, 8, 9], rank=1) == [{8.0}] * 4
+        assert e.values([10], rank=0) == [{9.0}] and e.values([10], rank=1) == [{10.0}]
+    finally:
+        e.close()
+
+
+def test_an_engine_of_another_tp_size_shares_nothing(daemon):
+    """A rank's shard is in its spec: one TP=1 engine's pages (all the heads in a block)
+    are no hit for a TP=2 engine (half of them), nor the other way round."""
+    one = Engine(daemon.endpoint, "e1")
+    two = Engine(daemon.endpoint, "e2", tp=2)
+    try:
+        first_request_stores(one, prompt(100))
+        first_request_stores(two, prompt(3000))
+        ext, _ = two.prefill(request("r2", prompt(100)), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 0
+        ext, _ = one.prefill(request("r3", prompt(3000)), [11, 12, 13, 14, 15], 9.0)
+        assert ext == 0
+    finally:
+        two.close()
+        one.close()
+
+
+def test_a_prefix_is_hit_only_as_far_as_every_rank_holds_it(daemon):
+    """Rank 0 holds six pages of a prompt, rank 1 four: the scheduler reports four,
+    and both ranks load those four."""
+    e = Engine(daemon.endpoint, tp=2)
+    try:
+        p = prompt(pages=6)
+        first_request_stores(e, p[: 4 * BS + 1])
+        e.fill([11, 12, 13, 14, 15, 16], 5.0)  # rank 0 alone has the whole prompt
+        e.workers[0]._client.store(p[: 6 * BS], [11, 12, 13, 14, 15, 16])
+        assert sorted(host_pages_by_spec(daemon.endpoint).values()) == [4, 6]
+        ext, errors = e.prefill(request("r2", p), [20, 21, 22, 23, 24, 25, 26], 9.0)
+        assert ext == 4 * BS and not errors
+        assert e.values([20, 21, 22, 23], rank=0) == [{7.0}] * 4
+        assert e.values([20, 21, 22, 23], rank=1) == [{8.0}] * 4
+        assert e.values([24, 25, 26], rank=1) == [{10.0}] * 3  # computed, not loaded
+    finally:
+        e.close()
+
+
+def load_on_rank_1(e: Engine, change):
+    """Rank 1's loads through ``change(real load_into, handle, pages, first, **kw)``;
+    returns what undoes it."""
+    client = e.scheduler._client.clients[1]
+    real = client.load_into
+    client.load_into = lambda handle, pages, first=0, **kw: change(real, handle, pages, first, **kw)
+    return lambda: setattr(client, "load_into", real)
+
+
+def test_a_load_that_falls_short_on_one_rank_is_recomputed_on_every_rank(daemon):
+    """Rank 1's load brings two of the four pages matched (what was evicted since the
+    match loads short), rank 0's all four: the last two blocks are reported — every
+    rank recomputes them, since a block is one token range on all ranks — and rank 0's
+    copies into them are over by then."""
+    e = Engine(daemon.endpoint, tp=2)
+    try:
+        p = prompt()
+        first_request_stores(e, p)
+        undo = load_on_rank_1(e, lambda real, handle, pages, first, **kw: real(handle, pages[:2], first, **kw))
+        e.fill([6, 7, 8, 9, 10], 0.0)
+        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 4 * BS
+        assert errors == {8, 9}
+        assert e.values([6, 7], rank=1) == [{8.0}] * 2
+        assert e.values([6, 7, 8, 9], rank=0) == [{7.0}] * 4  # (landed before they were reported)
+        # Nothing of the blocks reported was stored: the next request loads each rank's own.
+        undo()
+        ext, errors = e.prefill(request("r3", p), [11, 12, 13, 14, 15], 1.0)
+        assert ext == 4 * BS and not errors
+        assert e.values([11, 12, 13, 14], rank=0) == [{7.0}] * 4
+        assert e.values([11, 12, 13, 14], rank=1) == [{8.0}] * 4
+    finally:
+        e.close()
+
+
+def test_a_load_that_fails_on_one_rank_leaves_the_others_waited_for_and_all_recomputed(daemon):
+    """Rank 1's load fails outright (the daemon refuses it): every block is reported, and
+    rank 0, whose load was started before, waited for its copies first (vLLM would hand
+    the blocks to their recompute, or to another request)."""
+    e = Engine(daemon.endpoint, tp=2)
+    try:
+        p = prompt()
+        first_request_stores(e, p)
+
+        def refuse(real, handle, pages, first, **kw):
+            raise Unavailable("refused for the test")
+
+        load_on_rank_1(e, refuse)
+        waits = []
+        w0 = e.workers[0]._client
+        real_wait = w0.wait_layer
+        w0.wait_layer = lambda tickets, layer, **kw: (waits.append(layer), real_wait(tickets, layer, **kw))[1]
+        e.fill([6, 7, 8, 9, 10], 0.0)
+        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
+        assert ext == 4 * BS
+        assert errors == {6, 7, 8, 9}
+        assert sorted(set(waits)) == [0, 1]  # rank 0 waited for each layer of its load
+        assert e.values([6, 7, 8, 9], rank=0) == [{7.0}] * 4
+        assert e.values([6, 7, 8, 9], rank=1) == [{1.0}] * 4  # (as filled: nothing copied for rank 1)
+    finally:
+        e.close()
+
+
+def test_the_scheduler_attaches_to_a_rank_whose_worker_registers_late(daemon, monkeypatch):
+    """Rank 0's pool is there when the scheduler starts, rank 1's not yet: the
+    scheduler misses until both are (a match on rank 0 alone would load half the
+    heads), then attaches to rank 1's without attaching to rank 0's again."""
+    attaches = []
+    real_attach = CacheClient.attach
+
+    def attach(client, name):
+        attaches.append(name)
+        return real_attach(client, name)
+
+    monkeypatch.setattr(CacheClient, "attach", attach)
+    workers = [HicacheConnector(vllm_config(daemon.endpoint, tp=2, rank=rank), KVConnectorRole.WORKER,
+                                kv_cache_config()) for rank in range(2)]
+    caches = [kv_caches(), kv_caches()]
+    workers[0].register_kv_caches(caches[0])
+    scheduler = HicacheConnector(vllm_config(daemon.endpoint, tp=2), KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        assert scheduler._client is None
+        r = request("r1", prompt())
+        scheduler.on_new_request(r)
+        assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        workers[1].register_kv_caches(caches[1])
+        wait_until(lambda: scheduler._client is not None, "the scheduler attached to both ranks' pools")
+        assert attaches.count("vllm-e1-tp0") == 1 and attaches[-1] == "vllm-e1-tp1"
+        assert scheduler._client.names == ["vllm-e1-tp0", "vllm-e1-tp1"]
+    finally:
+        scheduler.shutdown()
+        for w in workers:
+            w.shutdown()

@@ -6,6 +6,7 @@ sockets: no engine to start. What the worker's forward would write into a block 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
@@ -187,3 +188,20 @@ class Engine:
         self.scheduler.shutdown()
         for w in self.workers:
             w.shutdown()
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for an event the test cannot be told of (a thread's retry, the daemon's
+    bookkeeping); the bound only keeps a broken build from hanging."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def first_request_stores(e, p) -> None:
+    """Request r1 computes prompt ``p`` into blocks 1-5 (values 7.0), finds nothing
+    cached, and stores it."""
+    ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
+    assert ext == 0 and not errors
+    e.finish(request("r1", p), [1, 2, 3, 4, 5])

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,11 +24,13 @@ from connector_harness import (  # noqa: E402
     blocks,
     cached_output,
     empty_output,
+    first_request_stores,
     kv_cache_config,
     kv_caches,
     new_req_output,
     request,
     vllm_config,
+    wait_until,
 )
 from daemon_util import DaemonProcess  # noqa: E402
 from hicache.client import CacheClient  # noqa: E402
@@ -56,23 +57,6 @@ def small_daemon(tmp_path):
     yield d
     if d.proc is not None:
         d.stop()
-
-
-def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    """Wait for an event the test cannot be told of (a thread's retry, the daemon's
-    bookkeeping); the bound only keeps a broken build from hanging."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)
-
-
-def first_request_stores(e, p) -> None:
-    """Request r1 computes prompt ``p`` into blocks 1-5 (values 7.0), finds nothing
-    cached, and stores it."""
-    ext, errors = e.prefill(request("r1", p), [1, 2, 3, 4, 5], 7.0)
-    assert ext == 0 and not errors
-    e.finish(request("r1", p), [1, 2, 3, 4, 5])
 
 
 def second_request_matches(e, p):

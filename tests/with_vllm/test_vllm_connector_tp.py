@@ -13,16 +13,17 @@ pytest.importorskip("vllm")
 from connector_harness import (  # noqa: E402
     BS,
     Engine,
+    first_request_stores,
     kv_cache_config,
     kv_caches,
     request,
     vllm_config,
+    wait_until,
 )
 from daemon_util import DaemonProcess  # noqa: E402
 from hicache.client import CacheClient  # noqa: E402
 from hicache.errors import Unavailable  # noqa: E402
 from hicache.integrations.vllm import HicacheConnector, KVConnectorRole  # noqa: E402
-from test_vllm_connector_steps import first_request_stores, wait_until  # noqa: E402
 
 
 @pytest.fixture

@@ -43,14 +43,6 @@ PAGE_BYTES = 2 * 2 * 16 * 2 * 32 * 2  # one page of every layer of the harness's
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}).start()
-    yield d
-    if d.proc is not None:
-        d.stop()
-
-
-@pytest.fixture
 def small_daemon(tmp_path):
     """Host room for 6 pages, no disk: a page that is evicted is gone."""
     d = DaemonProcess(tmp_path, host={"bytes": 6 * PAGE_BYTES}, disk={"enabled": False}).start()

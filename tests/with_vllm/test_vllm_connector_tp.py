@@ -20,18 +20,9 @@ from connector_harness import (  # noqa: E402
     vllm_config,
     wait_until,
 )
-from daemon_util import DaemonProcess  # noqa: E402
 from hicache.client import CacheClient  # noqa: E402
 from hicache.errors import Unavailable  # noqa: E402
 from hicache.integrations.vllm import HicacheConnector, KVConnectorRole  # noqa: E402
-
-
-@pytest.fixture
-def daemon(tmp_path):
-    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}).start()
-    yield d
-    if d.proc is not None:
-        d.stop()
 
 
 def prompt(start: int = 100, pages: int = 4) -> list[int]:

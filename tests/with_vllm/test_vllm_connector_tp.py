@@ -186,3 +186,35 @@ def test_the_scheduler_attaches_to_a_rank_whose_worker_registers_late(daemon, mo
         scheduler.shutdown()
         for w in workers:
             w.shutdown()
+
+
+def test_after_a_daemon_restart_every_rank_is_back_and_hits_again(tmp_path):
+    """The daemon restarts (its host tier gone): matches miss meanwhile; then each
+    rank's worker registers its pool again and the scheduler's client of each rank
+    attaches again, on their own; a prompt stored after that is hit on both ranks, each
+    with its own shard."""
+    from daemon_util import DaemonProcess
+
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}).start()
+    e = Engine(d.endpoint, tp=2)
+    try:
+        first_request_stores(e, prompt())
+        d.stop()
+        assert e.scheduler.get_num_new_matched_tokens(request("r2", prompt()), 0) == (0, False)
+        d.start()
+        q, ids = prompt(3000), iter(range(1000))
+
+        def stored_then_hit() -> bool:  # (the first attempt after both are back stores, the next hits)
+            ext, errors = e.prefill(request(f"q{next(ids)}", q), [11, 12, 13, 14, 15], 5.0)
+            return ext == 4 * BS and not errors
+
+        wait_until(stored_then_hit, "both ranks registered again, the scheduler attached to both, a hit")
+        e.fill([16, 17, 18, 19, 20], 0.0)
+        ext, errors = e.prefill(request("last", q), [16, 17, 18, 19, 20], 9.0)
+        assert ext == 4 * BS and not errors
+        assert e.values([16, 17, 18, 19], rank=0) == [{5.0}] * 4
+        assert e.values([16, 17, 18, 19], rank=1) == [{6.0}] * 4
+    finally:
+        e.close()
+        if d.proc is not None:
+            d.stop()

@@ -29,6 +29,16 @@ def prompt(start: int = 100, pages: int = 4) -> list[int]:
     return list(range(start, start + pages * BS + 3))
 
 
+def hits_each_ranks_own(e: Engine, req_id: str, p: list[int], block_ids: list[int], stored: float) -> None:
+    """Request ``req_id`` of ``p`` hits its four whole pages, loaded into the first four of
+    ``block_ids`` (the forward writes 9.0 + rank into the rest): rank r's hold
+    ``stored + r``, what that rank computed and stored."""
+    ext, errors = e.prefill(request(req_id, p), block_ids, 9.0)
+    assert ext == 4 * BS and not errors
+    for rank in (0, 1):
+        assert e.values(block_ids[:4], rank=rank) == [{stored + rank}] * 4
+
+
 def host_pages_by_spec(endpoint: str) -> dict[str, int]:
     client = CacheClient(endpoint, heartbeat=False)
     try:
@@ -48,10 +58,7 @@ def test_each_rank_stores_and_loads_its_own_shard(daemon):
         p = prompt()
         first_request_stores(e, p)
         assert sorted(host_pages_by_spec(daemon.endpoint).values()) == [4, 4]  # two specs, 4 pages each
-        ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
-        assert ext == 4 * BS and not errors
-        assert e.values([6, 7, 8, 9], rank=0) == [{7.0}] * 4
-        assert e.values([6, 7, 8, 9], rank=1) == [{8.0}] * 4
+        hits_each_ranks_own(e, "r2", p, [6, 7, 8, 9, 10], 7.0)
         assert e.values([10], rank=0) == [{9.0}] and e.values([10], rank=1) == [{10.0}]
     finally:
         e.close()
@@ -84,10 +91,7 @@ def test_a_prefix_is_hit_only_as_far_as_every_rank_holds_it(daemon):
         e.fill([11, 12, 13, 14, 15, 16], 5.0)  # rank 0 alone has the whole prompt
         e.workers[0]._client.store(p[: 6 * BS], [11, 12, 13, 14, 15, 16])
         assert sorted(host_pages_by_spec(daemon.endpoint).values()) == [4, 6]
-        ext, errors = e.prefill(request("r2", p), [20, 21, 22, 23, 24, 25, 26], 9.0)
-        assert ext == 4 * BS and not errors
-        assert e.values([20, 21, 22, 23], rank=0) == [{7.0}] * 4
-        assert e.values([20, 21, 22, 23], rank=1) == [{8.0}] * 4
+        hits_each_ranks_own(e, "r2", p, [20, 21, 22, 23, 24, 25, 26], 7.0)
         assert e.values([24, 25, 26], rank=1) == [{10.0}] * 3  # computed, not loaded
     finally:
         e.close()
@@ -120,10 +124,7 @@ def test_a_load_that_falls_short_on_one_rank_is_recomputed_on_every_rank(daemon)
         assert e.values([6, 7, 8, 9], rank=0) == [{7.0}] * 4  # (landed before they were reported)
         # Nothing of the blocks reported was stored: the next request loads each rank's own.
         undo()
-        ext, errors = e.prefill(request("r3", p), [11, 12, 13, 14, 15], 1.0)
-        assert ext == 4 * BS and not errors
-        assert e.values([11, 12, 13, 14], rank=0) == [{7.0}] * 4
-        assert e.values([11, 12, 13, 14], rank=1) == [{8.0}] * 4
+        hits_each_ranks_own(e, "r3", p, [11, 12, 13, 14, 15], 7.0)
     finally:
         e.close()
 
@@ -210,10 +211,7 @@ def test_after_a_daemon_restart_every_rank_is_back_and_hits_again(tmp_path):
 
         wait_until(stored_then_hit, "both ranks registered again, the scheduler attached to both, a hit")
         e.fill([16, 17, 18, 19, 20], 0.0)
-        ext, errors = e.prefill(request("last", q), [16, 17, 18, 19, 20], 9.0)
-        assert ext == 4 * BS and not errors
-        assert e.values([16, 17, 18, 19], rank=0) == [{5.0}] * 4
-        assert e.values([16, 17, 18, 19], rank=1) == [{6.0}] * 4
+        hits_each_ranks_own(e, "last", q, [16, 17, 18, 19, 20], 5.0)
     finally:
         e.close()
         if d.proc is not None:

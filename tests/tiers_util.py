@@ -273,3 +273,22 @@ class ManualWorkers:
 
     def close(self) -> None:
         pass
+
+
+def watched_copyto(guard, active: list[int], before):
+    """``np.copyto`` for a test that watches the copy threads: under ``guard`` (a lock or
+    condition) ``before(dst, src)`` runs first — it may wait, or raise (then nothing is
+    copied) — and ``active[0]`` counts the copies under way."""
+    copyto = np.copyto
+
+    def watched(dst, src):
+        with guard:
+            before(dst, src)
+            active[0] += 1
+        try:
+            copyto(dst, src)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    return watched

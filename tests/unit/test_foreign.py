@@ -12,6 +12,7 @@ from hicache.kernels.copy_plan import CpuCopyWorkers
 from hicache.pools import HostPool
 from hicache.tree import HiRadixTree, Tier
 from owned_util import BLOCK_BYTES, OWNED_SPEC, layer_major, per_layer, split_layout
+from tiers_util import watched_copyto
 from tree_util import evict
 
 NS = namespace_id(b"model-fp")
@@ -192,21 +193,14 @@ def test_a_layer_wise_load_whose_copy_fails_reports_only_what_landed_and_ends_af
     workers = CpuCopyWorkers(3, min_bytes_per_thread=1)
     mover = ForeignMover(ForeignPool(layout, buffers, [None] * len(buffers)), host, workers=workers)
     pages, blocks = [0, 5, 2, 7, 3, 4], [9, 2, 4, 6, 1, 10]
-    copyto = np.copyto
-    lock = threading.Lock()
     calls, active = [0], [0]
 
-    def failing_copyto(dst, src):
-        with lock:
-            calls[0] += 1
-            if calls[0] == fail_at:
-                raise RuntimeError("copy failed")
-            active[0] += 1
-        try:
-            copyto(dst, src)
-        finally:
-            with lock:
-                active[0] -= 1
+    def count_or_fail(dst, src):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("copy failed")
+
+    failing_copyto = watched_copyto(threading.Lock(), active, count_or_fail)
 
     def block(layer, b):
         a, i = layout.where[layer]

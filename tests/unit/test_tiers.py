@@ -12,7 +12,7 @@ from hicache.keys import namespace_id, page_keys
 from hicache.tiers import TierConfig, TierManager
 from hicache.tree import Place, Tier
 from storage_util import bad_sector, stored_run
-from tiers_util import SPEC, Engine, ManualWorkers, expected_page
+from tiers_util import SPEC, Engine, ManualWorkers, expected_page, watched_copyto
 
 NS = namespace_id(SPEC.fingerprint, "tiers")
 PS = SPEC.page_size
@@ -1871,19 +1871,14 @@ def test_an_owned_load_into_over_three_copy_threads_starts_no_layer_on_any_after
 
         copyto = np.copyto
 
-        def layer_copy(dst, src):
+        def abreast(dst, src):
             layer = (dst.__array_interface__["data"][0] - buffer.data_ptr()) // layer_bytes
-            with changed:
-                # (the threads abreast; past the deadline, nothing to wait for: a layer
-                # started then must show, not hang)
-                changed.wait_for(lambda: layer == 0 or layer - 1 in landed or k in landed)
-                events.append(("copy", threading.get_ident(), layer))
-                active[0] += 1
-            try:
-                copyto(dst, src)
-            finally:
-                with changed:
-                    active[0] -= 1
+            # (the threads abreast; past the deadline, nothing to wait for: a layer
+            # started then must show, not hang)
+            changed.wait_for(lambda: layer == 0 or layer - 1 in landed or k in landed)
+            events.append(("copy", threading.get_ident(), layer))
+
+        layer_copy = watched_copyto(changed, active, abreast)
 
         counters.complete_layer, counters.fail = stamped, failed
         node = tm.match(ns, toks, 0).match.node

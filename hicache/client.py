@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -185,6 +186,22 @@ def _for_daemon(data: dict[str, Any], uuids: bool) -> dict[str, Any]:
     if cuda and not uuids and "device_uuid" in cuda:
         data["cuda_ipc"] = {k: v for k, v in cuda.items() if k != "device_uuid"}
     return data
+
+def _as_is(reply: Any) -> Any:
+    return reply
+
+
+class _Call(NamedTuple):
+    """A session request, not sent yet, and what becomes of its answer: the call's
+    result is ``finish(reply)`` (``None``: no answer, degraded mode). Without a
+    ``message`` the call is no one request: ``finish(None)`` makes it whole."""
+
+    message: p._Request | None
+    finish: Callable[[Any], Any]
+    timeout_s: float | None = None
+    epoch: int | None = None  # (see CacheClient._request)
+    stamp: Callable[[p._Request], None] | None = None
+
 
 class CacheClient:
     """One engine's session with the hicache daemon.
@@ -336,6 +353,11 @@ class CacheClient:
             return self._call_locked(message, timeout_s)
 
     def _call_locked(self, message: p._Request, timeout_s: float | None) -> p.Reply:
+        request_id = self._send_locked(message)
+        return self._receive_locked(request_id, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+
+    def _send_locked(self, message: p._Request) -> int:
+        """Send ``message`` under a new request id (returned)."""
         message.id = request_id = next(self._ids)
         data = p.encode(message)
         if self.max_message_bytes and len(data) > self.max_message_bytes:
@@ -343,26 +365,30 @@ class CacheClient:
             # its limit drop the connection (the call would wait out its timeout).
             raise InvalidArgument(f"{message.__struct_config__.tag}: a request of {len(data)} bytes is over the "
                                   f"daemon's limit of {self.max_message_bytes} (server.max_message_bytes)")
-        sock = self._socket or self._connect()
-        transport.send_frame(sock, data, 0)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        transport.send_frame(self._socket or self._connect(), data, 0)
+        return request_id
+
+    def _receive_locked(self, request_id: int, deadline: float) -> p.Reply:
+        """The answer to request ``request_id``, by ``deadline`` (``time.monotonic``)."""
+        sock = self._socket
         while True:
-            wanted = max(1, int(timeout_s * 1000))
+            # What is left (after a late answer to an earlier request, less), in whole ms
+            # rounded up: never given up before ``deadline``, which a load's deadline
+            # stamped before its send is not after.
+            timeout_s = deadline - time.monotonic()
+            if sock is None or timeout_s <= 0:
+                self._reset_socket()
+                raise Unavailable(f"no answer from {self.endpoint} in time")
+            wanted = max(1, math.ceil(timeout_s * 1000))
             if wanted != self._rcvtimeo:
                 sock.setsockopt(_RCVTIMEO, wanted)
                 self._rcvtimeo = wanted
             try:
                 reply = p.decode_reply(sock.recv())
             except zmq.Again:
-                self._reset_socket()
-                raise Unavailable(f"no answer from {self.endpoint} in time") from None
+                continue  # (given up at the top: the deadline has passed)
             if reply.id == request_id:
                 break
-            timeout_s = deadline - time.monotonic()  # a late answer to an earlier request
-            if timeout_s <= 0:
-                self._reset_socket()
-                raise Unavailable(f"no answer from {self.endpoint} in time")
         if isinstance(reply, p.Error):
             raise RemoteError(reply.code, reply.message)
         return reply
@@ -540,29 +566,57 @@ class CacheClient:
         ``epoch``: a request naming a node handle of that epoch, never sent in another
         (after a reconnect the handle is an orphan: ``None``). ``stamp(message)`` right
         before each send (a retry after a reconnect is sent again)."""
+        return self._run(_Call(message, _as_is, timeout_s, epoch, stamp))
+
+    def _run(self, call: _Call) -> Any:
+        """Make ``call``: its result."""
+        if call.message is None:
+            return call.finish(None)
         if self._registration is None:
             raise InvalidArgument("register the engine's pool first")
         if self._down_since is not None and not self._try_reconnect():  # degraded: no wait
+            return call.finish(None)
+        return self._finish(call, self._start(call))
+
+    def _start(self, call: _Call) -> tuple[int, float] | None:
+        """Send ``call``'s request (in session: see :meth:`_run`), holding the socket until
+        :meth:`_finish` has its answer: its request id and the moment to give up on it.
+        ``None``: not sent, its handle is of an earlier epoch."""
+        if call.epoch is not None and call.epoch != self.epoch:
             return None
-        for retry in (False, True):
-            if epoch is not None and epoch != self.epoch:
-                return None
-            message.session = self._session
-            if stamp is not None:
-                stamp(message)
+        self._socket_lock.acquire()
+        try:
+            call.message.session = self._session
+            if call.stamp is not None:
+                call.stamp(call.message)
+            request_id = self._send_locked(call.message)
+        except BaseException:
+            self._socket_lock.release()
+            raise
+        return request_id, time.monotonic() + (self.timeout_s if call.timeout_s is None else call.timeout_s)
+
+    def _finish(self, call: _Call, started: tuple[int, float] | None, *, retry: bool = False) -> Any:
+        """The result of a call :meth:`_start` sent (or did not: ``None``); releases the
+        socket."""
+        if started is None:
+            return call.finish(None)
+        try:
             try:
-                return self._call(message, timeout_s)
-            except Unavailable:
-                self._go_down()
-                return None
-            except RemoteError as exc:
-                if exc.code != ErrorCode.UNKNOWN_SESSION or retry:
-                    raise
+                reply = self._receive_locked(*started)
+            finally:
+                self._socket_lock.release()
+        except Unavailable:
+            self._go_down()
+            return call.finish(None)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNKNOWN_SESSION or retry:
+                raise
             # The daemon restarted (or our lease lapsed): start over, then retry once.
             self._go_down()
             if not self._reconnect(force=True):
-                return None
-        return None
+                return call.finish(None)
+            return self._finish(call, self._start(call), retry=True)
+        return call.finish(reply)
 
     def revive(self) -> bool:
         """Reconnect now, in degraded mode (or after a registration that failed), if the
@@ -623,9 +677,11 @@ class CacheClient:
         return tenant if tenant else p.UNSET
 
     def match(self, tokens: Tokens, extra_key: str = "", *, tenant: str | None = None) -> Match:
-        reply = self._request(p.Match(id=0, session=0, tokens=pack_tokens(tokens), extra_key=extra_key,
-                                      tenant=self._tenant(tenant)))
-        return self._match_from(reply)
+        return self._run(self._match_call(tokens, extra_key, tenant))
+
+    def _match_call(self, tokens: Tokens, extra_key: str, tenant: str | None) -> _Call:
+        return _Call(p.Match(id=0, session=0, tokens=pack_tokens(tokens), extra_key=extra_key,
+                             tenant=self._tenant(tenant)), self._match_from)
 
     def match_many(self, sequences: Sequence[Tokens], extra_key: str = "", *,
                    tenant: str | None = None) -> list[Match]:
@@ -855,19 +911,18 @@ class CacheClient:
         its deadline, and the daemon copies nothing into them once it has passed (a
         daemon that was only slow would otherwise write over another request's KV).
         Its layers get another ``load_timeout_s`` after that: ``copies_end_ns``."""
+        return self._run(self._load_into_call(handle, pages, first, locked))
+
+    def _load_into_call(self, handle: NodeHandle | None, pages: PageIdsLike, first: int, locked: bool) -> _Call:
         if handle is None:
-            return LoadedInto(0, ())
+            return _Call(None, lambda _: LoadedInto(0, ()))
         if not locked and not self._load_unlocked:
-            self.lock(handle)
-            try:
-                return self.load_into(handle, pages, first)
-            finally:
-                self.unlock(handle)
+            return _Call(None, lambda _: self._lock_and_load_into(handle, pages, first))
         if locked and self._locked.get(handle, 0) <= 0:
             raise self._not_held(handle, "load_into")
         ids = as_page_ids(pages)
         if handle.epoch != self.epoch:
-            return LoadedInto(0, ())
+            return _Call(None, lambda _: LoadedInto(0, ()))
         timeout_ns = max(1, int(self.load_timeout_s * 1000)) * 1_000_000  # (what _call waits: whole ms)
 
         copies_end: list[int | None] = [None]
@@ -878,12 +933,23 @@ class CacheClient:
                 if self._copy_deadlines:
                     message.copy_deadline_ns = copies_end[0] = message.deadline_ns + timeout_ns
 
-        reply = self._request(p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first,
-                                         unlocked=True if not locked else p.UNSET),
-                              timeout_s=self.load_timeout_s, epoch=handle.epoch, stamp=stamp)
-        if reply is None:
-            return LoadedInto(0, ())
-        return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait), copies_end[0])
+        def finish(reply) -> LoadedInto:
+            if reply is None:
+                return LoadedInto(0, ())
+            return LoadedInto(reply.loaded_pages, tuple(Ticket(*t) for t in reply.wait), copies_end[0])
+
+        message = p.LoadInto(id=0, session=0, node=handle.node, pages=ids.tobytes(), first=first,
+                             unlocked=True if not locked else p.UNSET)
+        return _Call(message, finish, self.load_timeout_s, handle.epoch, stamp)
+
+    def _lock_and_load_into(self, handle: NodeHandle, pages: PageIdsLike, first: int) -> LoadedInto:
+        """``load_into`` a handle this client did not lock, from a daemon that loads only
+        locked paths."""
+        self.lock(handle)
+        try:
+            return self.load_into(handle, pages, first)
+        finally:
+            self.unlock(handle)
 
     def wait_over(self, wait: Sequence[Ticket], *, timeout_s: float) -> bool:
         """Wait until every load in ``wait`` is over — every layer landed, or the rest
@@ -1054,3 +1120,4 @@ class CacheClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+

@@ -493,8 +493,8 @@ def test_degraded_mode_misses_at_once_until_the_daemon_answers_again(tmp_path):
         engine.client.flush()  # on disk, for after the restart
         daemon.kill()
         calls = []
-        real = engine.client._call_locked
-        engine.client._call_locked = lambda *args: calls.append(args[0].__struct_config__.tag) or real(*args)
+        real = engine.client._send_locked
+        engine.client._send_locked = lambda message: calls.append(message.__struct_config__.tag) or real(message)
         assert engine.client.match(SEQ).handle is None and engine.client.degraded  # this one waited
         assert calls == ["match"]
         for _ in range(6):  # these do not: nothing is sent while the daemon is gone

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from fake_daemon import DROP, HOLD, FakeClock, FakeDaemon
 from hicache.client import CacheClient, NodeHandle, RemoteError
@@ -592,3 +593,28 @@ def test_a_cuda_pools_gpu_uuid_goes_only_to_a_daemon_whose_hello_takes_it(tmp_pa
         c.close()
         fake.close()
     assert fake.errors == []
+
+
+def test_a_call_not_answered_is_given_up_only_once_its_deadline_has_passed(fake, client, monkeypatch):
+    """The wait is ZeroMQ's receive timeout, in whole milliseconds, which may end a little
+    early: the call waits again while time is left, and is never given up before its
+    deadline (a load's deadline, stamped before it is sent, is the moment the daemon is
+    told not to write after: an engine that gave up sooner could reuse blocks the
+    daemon still writes). Here every wait ends at once, unanswered."""
+    waits = []
+
+    class Early:
+        def setsockopt(self, option, value):
+            waits.append(value)
+
+        def recv(self):
+            raise zmq.Again()
+
+        def close(self, linger=None):
+            pass
+
+    monkeypatch.setattr(client, "_socket", Early())
+    deadline = time.monotonic() + 0.05
+    with pytest.raises(Unavailable):
+        client._receive_locked(1, deadline)
+    assert time.monotonic() >= deadline and len(waits) >= 1 and client._socket is None

@@ -1121,3 +1121,80 @@ class CacheClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+
+# -- one call on several sessions -------------------------------------------------------------
+#
+# An engine under tensor parallelism keeps one pool per rank (vLLM's connector: each
+# rank's worker registers its own), and its scheduler one session on each. Asked one by
+# one, n ranks cost n round trips; here every request is sent before any answer is read,
+# so the daemon answers them back to back and the caller waits about one round trip.
+
+
+def _each(calls: Sequence[tuple[CacheClient, _Call]]) -> list[Any]:
+    """Each call's result, or the :class:`HicacheError` it raised. The calls of clients
+    in session are sent first, all of them, then their answers read in turn; the others
+    (degraded mode, a call that is no one request) are made after, one by one."""
+    results: list[Any] = [None] * len(calls)
+    started: list[tuple[int, float] | None] = []
+    later: list[int] = []
+    holding: set[int] = set()  # (a client twice: its second call waits for its first's answer)
+    try:
+        for i, (client, call) in enumerate(calls):
+            if (call.message is None or client._registration is None or client._down_since is not None
+                    or id(client) in holding):
+                later.append(i)
+                started.append(None)
+                continue
+            try:
+                started.append(client._start(call))
+            except HicacheError as exc:  # (not sent: nothing held)
+                started.append(None)
+                results[i] = exc
+                continue
+            if started[i] is None:
+                results[i] = call.finish(None)
+            else:
+                holding.add(id(client))
+        for i, (client, call) in enumerate(calls):
+            if (sent := started[i]) is not None:
+                started[i] = None  # (_finish releases its socket, whatever happens)
+                try:
+                    results[i] = client._finish(call, sent)
+                except HicacheError as exc:
+                    results[i] = exc
+    finally:  # (an unexpected error: the sockets of the answers not read yet go back)
+        for (client, _), sent in zip(calls, started):
+            if sent is not None:
+                client._socket_lock.release()
+    for i in later:
+        client, call = calls[i]
+        try:
+            results[i] = client._run(call)
+        except HicacheError as exc:
+            results[i] = exc
+    return results
+
+
+def match_each(clients: Sequence[CacheClient], tokens: Tokens, extra_key: str = "", *,
+               tenant: str | None = None) -> list[Match]:
+    """``match(tokens, extra_key)`` on each client, about one round trip for all (see
+    above). Raises the first error a match met, once every answer is in."""
+    results = _each([(c, c._match_call(tokens, extra_key, tenant)) for c in clients])
+    for result in results:
+        if isinstance(result, HicacheError):
+            raise result
+    return results
+
+
+def load_into_each(clients: Sequence[CacheClient], handles: Sequence[NodeHandle | None], pages: PageIdsLike,
+                   first: int = 0, *, locked: bool = True) -> list[LoadedInto | HicacheError]:
+    """``load_into(handles[i], pages, first, locked=locked)`` on each client ``i``, about
+    one round trip for all (see above): each one's :class:`LoadedInto`, or the error it
+    met — the others' loads are under way all the same, their tickets to be waited on."""
+    calls: list[tuple[CacheClient, _Call]] = []
+    for client, handle in zip(clients, handles, strict=True):
+        try:
+            calls.append((client, client._load_into_call(handle, pages, first, locked)))
+        except HicacheError as exc:  # (a handle not held: no request)
+            calls.append((client, _Call(None, lambda _, exc=exc: exc)))
+    return _each(calls)

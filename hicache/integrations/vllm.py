@@ -94,7 +94,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from hicache.client import CacheClient
+from hicache.client import CacheClient, load_into_each, match_each
 from hicache.config import ServerConfig
 from hicache.counters import Ticket
 from hicache.errors import HicacheError, InvalidArgument, WaitTimeout
@@ -128,9 +128,9 @@ _RETRY_ATTACH_S = 1.0
 class LoadMeta:
     """One request's load, started by the scheduler: ``blocks`` should receive KV; the
     first ``num_loaded`` do on every TP rank, layer by layer. Per rank (index: the TP
-    rank; a rank past the end had no load started): its load's ``tickets``, and when
-    the daemon starts no more of its copies (``copies_end_ns``; ``None``: it does not
-    say). A rank's load may bring more than ``num_loaded`` pages: the blocks past it
+    rank; none, or no tickets: no load started for it): its load's ``tickets``, and
+    when the daemon starts no more of its copies (``copies_end_ns``; ``None``: it does
+    not say). A rank's load may bring more than ``num_loaded`` pages: the blocks past it
     are reported all the same (every rank recomputes them), once that rank's copies
     into them are over."""
 
@@ -279,8 +279,9 @@ class RankClients:
     Each rank's worker caches its own shard of every page in a pool of its own (the
     shard is in the spec: ranks never share pages), so a prefix is hicache's only as
     far as every rank holds it: a match is the shortest of the ranks' matches, and a
-    load brings to every rank what the rank that holds least brought. The ranks'
-    pools age alike (every match, load and store touches each of them), but one may
+    load is as long as the shortest of the ranks' loads. Each call goes to every rank
+    at once (about one round trip for all: ``match_each``, ``load_into_each``). The
+    ranks' pools age alike (every match, load and store touches each of them), but one may
     have evicted a page another keeps; the shorter match wins."""
 
     def __init__(self, clients: list[CacheClient], names: list[str]) -> None:
@@ -297,32 +298,35 @@ class RankClients:
 
     def match(self, tokens: list[int], extra_key: str) -> tuple[list[Any], int]:
         """Every rank's handle and the pages all of them can load (0 and no handles: a
-        miss on some rank)."""
+        miss on some rank). The ranks' matches are under way at once (one round trip's
+        wait for all: :func:`hicache.client.match_each`)."""
         handles, pages = [], 0
-        for i, client in enumerate(self.clients):
-            m = client.match(tokens, extra_key)
+        for m in match_each(self.clients, tokens, extra_key):
             n = m.num_device_pages + m.num_host_pages + m.num_disk_pages
             if m.handle is None or not n:
                 return [], 0
             handles.append(m.handle)
-            pages = n if i == 0 else min(pages, n)
+            pages = n if not pages else min(pages, n)
         return handles, pages
 
     def load_into(self, handles: list[Any], load: LoadMeta, first: int) -> None:
-        """Start every rank's ``load_into`` ``load.blocks`` (no rank more than the ranks
-        before it brought); fills in ``load``. A rank whose load fails stops the rest:
-        the ranks before it keep their tickets, so that their workers wait until
-        their copies are over before they report the blocks."""
+        """Start every rank's ``load_into`` ``load.blocks``, all at once; fills in
+        ``load``: the blocks every rank loads. A rank whose load fails (evicted meanwhile,
+        daemon gone) fails the request's load (vLLM recomputes); the other ranks keep
+        their tickets, so that their workers wait until their copies are over before they
+        report the blocks."""
         n = len(load.blocks)
-        for client, handle in zip(self.clients, handles):
-            if not n:
-                break
-            try:  # (unlocked: one round trip; what was evicted since the match loads short)
-                done = client.load_into(handle, load.blocks[:n], first, locked=False)
-            except HicacheError as exc:  # evicted meanwhile, daemon gone: vLLM recomputes
-                logger.info("hicache: load for %s failed: %s", load.req_id, exc)
+        if not n:
+            load.num_loaded = 0
+            return
+        # (unlocked: one round trip; what was evicted since the match loads short)
+        for rank, done in enumerate(load_into_each(self.clients, handles, load.blocks, first, locked=False)):
+            if isinstance(done, HicacheError):
+                logger.info("hicache: load for %s failed on TP rank %d: %s", load.req_id, rank, done)
                 n = 0
-                break
+                load.tickets.append([])
+                load.copies_end_ns.append(None)
+                continue
             n = min(n, done.num_loaded_pages)
             load.tickets.append([tuple(t) for t in done.wait])
             load.copies_end_ns.append(done.copies_end_ns)

@@ -691,19 +691,19 @@ class Sessions:
     def __init__(self, monkeypatch) -> None:
         self.opened: list[str] = []
         self.calls_here: list[str] = []
-        open_session, call = CacheClient._open_session, CacheClient._call
+        open_session, send = CacheClient._open_session, CacheClient._send_locked
 
         def recorded_open(client, *args, **kwargs):
             self.opened.append(threading.current_thread().name)
             return open_session(client, *args, **kwargs)
 
-        def recorded_call(client, message, *args, **kwargs):
+        def recorded_send(client, message):
             if threading.current_thread() is threading.main_thread():
                 self.calls_here.append(type(message).__name__)
-            return call(client, message, *args, **kwargs)
+            return send(client, message)
 
         monkeypatch.setattr(CacheClient, "_open_session", recorded_open)
-        monkeypatch.setattr(CacheClient, "_call", recorded_call)
+        monkeypatch.setattr(CacheClient, "_send_locked", recorded_send)
 
     def reset(self) -> None:
         self.opened.clear()

@@ -98,12 +98,12 @@ def test_a_prefix_is_hit_only_as_far_as_every_rank_holds_it(daemon):
 
 
 def load_on_rank_1(e: Engine, change):
-    """Rank 1's loads through ``change(real load_into, handle, pages, first, **kw)``;
-    returns what undoes it."""
+    """Rank 1's loads made by ``change(real, handle, pages, first, locked)``, ``real`` the
+    client's own making of a ``load_into`` request; returns what undoes it."""
     client = e.scheduler._client.clients[1]
-    real = client.load_into
-    client.load_into = lambda handle, pages, first=0, **kw: change(real, handle, pages, first, **kw)
-    return lambda: setattr(client, "load_into", real)
+    real = client._load_into_call
+    client._load_into_call = lambda handle, pages, first, locked: change(real, handle, pages, first, locked)
+    return lambda: setattr(client, "_load_into_call", real)
 
 
 def test_a_load_that_falls_short_on_one_rank_is_recomputed_on_every_rank(daemon):
@@ -115,7 +115,7 @@ def test_a_load_that_falls_short_on_one_rank_is_recomputed_on_every_rank(daemon)
     try:
         p = prompt()
         first_request_stores(e, p)
-        undo = load_on_rank_1(e, lambda real, handle, pages, first, **kw: real(handle, pages[:2], first, **kw))
+        undo = load_on_rank_1(e, lambda real, handle, pages, first, locked: real(handle, pages[:2], first, locked))
         e.fill([6, 7, 8, 9, 10], 0.0)
         ext, errors = e.prefill(request("r2", p), [6, 7, 8, 9, 10], 9.0)
         assert ext == 4 * BS
@@ -130,15 +130,15 @@ def test_a_load_that_falls_short_on_one_rank_is_recomputed_on_every_rank(daemon)
 
 
 def test_a_load_that_fails_on_one_rank_leaves_the_others_waited_for_and_all_recomputed(daemon):
-    """Rank 1's load fails outright (the daemon refuses it): every block is reported, and
-    rank 0, whose load was started before, waited for its copies first (vLLM would hand
-    the blocks to their recompute, or to another request)."""
+    """Rank 1's load fails outright: every block is reported, and rank 0, whose load
+    was under way, waited for its copies first (vLLM would hand the blocks to their
+    recompute, or to another request)."""
     e = Engine(daemon.endpoint, tp=2)
     try:
         p = prompt()
         first_request_stores(e, p)
 
-        def refuse(real, handle, pages, first, **kw):
+        def refuse(real, handle, pages, first, locked):
             raise Unavailable("refused for the test")
 
         load_on_rank_1(e, refuse)

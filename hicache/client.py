@@ -1134,6 +1134,12 @@ def _each(calls: Sequence[tuple[CacheClient, _Call]]) -> list[Any]:
     """Each call's result, or the :class:`HicacheError` it raised. The calls of clients
     in session are sent first, all of them, then their answers read in turn; the others
     (degraded mode, a call that is no one request) are made after, one by one."""
+    if len(calls) == 1:  # (nothing to overlap)
+        client, call = calls[0]
+        try:
+            return [client._run(call)]
+        except HicacheError as exc:
+            return [exc]
     results: list[Any] = [None] * len(calls)
     started: list[tuple[int, float] | None] = []
     later: list[int] = []
@@ -1179,7 +1185,8 @@ def match_each(clients: Sequence[CacheClient], tokens: Tokens, extra_key: str = 
                tenant: str | None = None) -> list[Match]:
     """``match(tokens, extra_key)`` on each client, about one round trip for all (see
     above). Raises the first error a match met, once every answer is in."""
-    results = _each([(c, c._match_call(tokens, extra_key, tenant)) for c in clients])
+    packed = pack_tokens(tokens)  # (once for all: 2,000 tokens from a list take ~0.3 ms here)
+    results = _each([(c, c._match_call(packed, extra_key, tenant)) for c in clients])
     for result in results:
         if isinstance(result, HicacheError):
             raise result

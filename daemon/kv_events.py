@@ -2,8 +2,10 @@
 :mod:`hicache.daemon.events` (vLLM's wire format) that routers subscribe to.
 
 One stream per device pool (topic ``<[events].topic><pool id>``, data-parallel rank the
-pool id): ``BlockStored`` / ``BlockRemoved`` with medium ``GPU`` for that pool's device
-pages, ``CPU`` for host pages and ``STORAGE`` for disk pages — the host and disk tiers
+pool id; an engine-owned pool registered with ``kv_events=False`` has none — a TP
+engine's ranks but the first, so that a router sees one stream per engine):
+``BlockStored`` / ``BlockRemoved`` with medium ``GPU`` for that pool's device pages,
+``CPU`` for host pages and ``STORAGE`` for disk pages — the host and disk tiers
 are shared by every pool of a spec, so their events go to each of its pools' streams. A
 block is a page: its hash the low 64 bits of the page key (equal on every node of a
 fleet), its parent the page before it, ``block_size`` the spec's page size, and the
@@ -106,9 +108,10 @@ class ManagerEvents:
     # -- streams and snapshots ------------------------------------------------------------
 
     def sync_pools(self) -> None:
-        """A stream (and its snapshot) for each pool registered since the last call; the
-        stream of each pool retired since ends (:meth:`_end`)."""
-        serving = [pool.pool_id for pool in self.manager.pools if not pool.retired]
+        """A stream (and its snapshot) for each pool registered since the last call (but
+        an engine-owned pool registered without one: a TP engine's ranks but the first);
+        the stream of each pool retired since ends (:meth:`_end`)."""
+        serving = [pool.pool_id for pool in self.manager.pools if not pool.retired and pool.kv_events]
         for pool_id in [p for p in self.streams if p not in serving]:
             self._end(pool_id)
         for pool_id in serving:

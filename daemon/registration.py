@@ -115,9 +115,8 @@ class Registrar:
             for rank in ranks:
                 rank.close()
             raise
-        name = owned.name if owned is not None else None
         if manager is not None:
-            return self._attach(session, m.id, spec, ranks, in_use, manager, name)
+            return self._attach(session, m.id, spec, ranks, in_use, manager, owned)
         # The spec's disk tier is being rebuilt between other engines' requests: answer
         # when it is back.
         session.registering = True
@@ -133,7 +132,7 @@ class Registrar:
                 out.set_exception(result)
                 return
             try:
-                out.set_result(self._attach(session, m.id, spec, ranks, in_use, result, name))
+                out.set_result(self._attach(session, m.id, spec, ranks, in_use, result, owned))
             except BaseException as exc:  # _attach closed the ranks
                 out.set_exception(exc)
 
@@ -158,7 +157,7 @@ class Registrar:
         layout = ForeignLayout.from_dict(data)
         buffers = tuple(SharedMemory(b.kind, b.nbytes, b.token or b"", p.as_dict(b.cuda_ipc) if b.cuda_ipc else None)
                         for b in m.buffers)
-        handle = OwnedPoolHandle(layout, buffers, m.name or "")
+        handle = OwnedPoolHandle(layout, buffers, m.name or "", kv_events=m.kv_events is not False)
         if handle.name and self.owned_pool(session, handle.name) is not None:
             raise InvalidArgument(f"a pool named {handle.name!r} is registered already")
         return handle
@@ -245,15 +244,17 @@ class Registrar:
         return open_tensor(description, nbytes, uid=session.creds.uid)
 
     def _attach(self, session: Session, request_id: int, spec: KVSpec, ranks: list[DevicePool],
-                in_use: np.ndarray, manager: TierManager, name: str | None = None) -> p.RegisterReply:
+                in_use: np.ndarray, manager: TierManager, owned: OwnedPoolHandle | None = None) -> p.RegisterReply:
         """The end of a registration: the session's pool joins its spec's manager.
-        ``name``: an engine-owned pool's (``None`` for a pool of hicache's own)."""
+        ``owned``: an engine-owned pool's handle (``None`` for a pool of hicache's own)."""
         pool_id = PoolId(next(self._pool_ids))
         try:
-            if name is not None:
+            if owned is not None:
+                name = owned.name
                 if name and self.owned_pool(session, name) is not None:  # (registered while this one waited)
                     raise InvalidArgument(f"a pool named {name!r} is registered already")
-                counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], _scoped(session, name))
+                counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], _scoped(session, name),
+                                       kv_events=owned.kv_events)
             else:
                 counters = _out_of_fds(manager.register_pool, pool_id, ranks)
         except BaseException:
@@ -297,11 +298,11 @@ class Registrar:
         session.published.clear()
 
 
-def _out_of_fds(fn, *args):
-    """``fn(*args)``, with the daemon out of descriptors answered as such
+def _out_of_fds(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, with the daemon out of descriptors answered as such
     (``RESOURCE_EXHAUSTED``), not as a bug."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except OSError as exc:
         if exc.errno not in (errno.EMFILE, errno.ENFILE):
             raise

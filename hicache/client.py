@@ -305,6 +305,9 @@ class CacheClient:
         self._retired: deque[LayerWaiter] = deque()
         self.page_size = 0
         self.num_pages = 0
+        # The registered (or attached) pool's id, a new one after each reconnect: its KV
+        # event stream's topic is ``<[events].topic><pool_id>`` (None: not registered yet).
+        self.pool_id: int | None = None
         self.lease_s = 0.0
         self.max_message_bytes = 0  # the daemon's limit on a request, from its hello (0: not known)
         # What the engine holds, for re-registration after a daemon restart.
@@ -478,17 +481,23 @@ class CacheClient:
             out.append(p.from_dict(p.PoolHandleMsg, data))
         return out
 
-    def _owned_message(self, pool: OwnedPoolHandle, fd_socket: str, uuids: bool) -> p.OwnedPoolMsg:
+    def _owned_message(self, pool: OwnedPoolHandle, fd_socket: str, hello: p.HelloReply) -> p.OwnedPoolMsg:
         buffers = []
         for buffer in pool.buffers:
-            data = _for_daemon(buffer.to_dict(), uuids)
+            data = _for_daemon(buffer.to_dict(), hello.device_uuids)
             if buffer.kind == "memfd":
                 if buffer.fd < 0:
                     raise InvalidArgument("a memfd buffer without its descriptor in this process")
                 data["token"] = fdpass.offer(fd_socket, buffer.fd, timeout_s=self.timeout_s)
             buffers.append(data)
-        layout = pool.layout.to_dict()
-        return p.from_dict(p.OwnedPoolMsg, {"layout": layout, "buffers": buffers, "name": pool.name})
+        message = {"layout": pool.layout.to_dict(), "buffers": buffers, "name": pool.name}
+        if not pool.kv_events:
+            if hello.owned_kv_events:
+                message["kv_events"] = False
+            else:  # (an older daemon refuses the field: the pool gets a stream of its own there)
+                logger.info("the daemon at %s publishes KV events for every pool: pool %r has a stream too",
+                            self.endpoint, pool.name)
+        return p.from_dict(p.OwnedPoolMsg, message)
 
     def _register_call(self, registration, hello: p.HelloReply, fd_socket: str, in_use: Sequence[int]) -> p.Reply:
         session = hello.session
@@ -503,7 +512,7 @@ class CacheClient:
             fingerprint=spec.fingerprint, key_check=key_self_test(spec.fingerprint, spec.page_size),
             pools=[] if owned else self._pool_messages(pools, fd_socket, hello.device_uuids),
             in_use=np.asarray(sorted(in_use), dtype=PAGE_ID_DTYPE).tobytes(),
-            owned=self._owned_message(pools, fd_socket, hello.device_uuids) if owned else p.UNSET,
+            owned=self._owned_message(pools, fd_socket, hello) if owned else p.UNSET,
         ), timeout_s=max(self.timeout_s, self.load_timeout_s))
 
     def _open_session(self, in_use: Sequence[int]) -> None:
@@ -534,6 +543,7 @@ class CacheClient:
         self._copy_deadlines = hello.copy_deadlines
         self.lease_s = hello.lease_s
         self.page_size, self.num_pages = reply.page_size, reply.num_pages
+        self.pool_id = reply.pool
         if self.waiter is not None:
             self._retired.append(self.waiter)
             self._drop_retired()

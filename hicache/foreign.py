@@ -199,12 +199,15 @@ class SharedMemory:
 @dataclass(frozen=True)
 class OwnedPoolHandle:
     """What an engine registers for an engine-owned pool: its layout, one buffer per
-    allocation (in the layout's order), and a name its other sessions attach by ("" for
-    none)."""
+    allocation (in the layout's order), a name its other sessions attach by ("" for
+    none), and whether the pool has a KV event stream of its own (``kv_events``: a TP
+    engine's ranks but the first have none, so that a router sees one stream per
+    engine)."""
 
     layout: ForeignLayout
     buffers: tuple[SharedMemory, ...]
     name: str = ""
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         if len(self.buffers) != len(self.layout.allocations):
@@ -217,6 +220,8 @@ class OwnedPoolHandle:
                 raise InvalidArgument(f"unknown buffer kind {buffer.kind!r}")
         if not isinstance(self.name, str) or len(self.name) > MAX_NAME:
             raise InvalidArgument(f"a pool name is a str of at most {MAX_NAME} characters")
+        if not isinstance(self.kv_events, bool):
+            raise InvalidArgument(f"kv_events is a bool, got {self.kv_events!r}")
 
 
 class ForeignPool:

@@ -165,6 +165,9 @@ class OwnedPoolMsg(_Part):
     layout: ForeignLayoutMsg
     buffers: Annotated[list[SharedMemoryMsg], msgspec.Meta(max_length=1024)]
     name: str | UnsetType = UNSET
+    # False: no KV event stream of its own (a TP rank but the first: one engine, one
+    # stream); sent only to daemons whose hello says ``owned_kv_events``.
+    kv_events: bool | UnsetType = UNSET
 
 
 class Hello(_Request, tag="hello"):
@@ -370,6 +373,7 @@ class HelloReply(_Reply, tag="hello"):
     replace_sessions: bool = False  # honours Hello.replaces (likewise)
     copy_deadlines: bool = False  # honours LoadInto.copy_deadline_ns (likewise)
     device_uuids: bool = False  # takes CudaIpcMsg.device_uuid (likewise)
+    owned_kv_events: bool = False  # takes OwnedPoolMsg.kv_events (likewise)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -446,9 +446,13 @@ def token_ids(payloads: list[bytes]) -> set[int]:
             for t in event.token_ids}
 
 
-def replayed(sock: zmq.Socket) -> list[bytes]:
-    """The first stream's batches still in the ring (vLLM's request: a start seq)."""
-    sock.send((0).to_bytes(8, "big"))
+def replayed(sock: zmq.Socket, topic: str | None = None) -> list[bytes]:
+    """The batches still in the ring of the stream of ``topic`` (none: the first stream,
+    vLLM's request — a start seq alone); none for a topic no stream has."""
+    if topic is None:
+        sock.send((0).to_bytes(8, "big"))
+    else:
+        sock.send_multipart([topic.encode(), (0).to_bytes(8, "big")])
     payloads = []
     while True:
         assert sock.poll(30_000), "no answer from the replay socket"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from types import SimpleNamespace
 
@@ -15,6 +16,12 @@ from hicache.spec import KVSpec
 OWNED_SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, page_size=8, dtype="bfloat16",
                         model="test/owned", layout="test/opaque-blocks")
 BLOCK_BYTES = OWNED_SPEC.page_bytes(0)
+
+
+def tp_rank_spec(rank: int, tp: int, spec: KVSpec = OWNED_SPEC) -> KVSpec:
+    """TP rank ``rank``'s shard of ``spec`` (in the layout, as vLLM's connector names it):
+    ranks never share pages."""
+    return dataclasses.replace(spec, layout=f"{spec.layout}/tp{rank}of{tp}")
 
 
 def layer_major(num_blocks: int, spec: KVSpec = OWNED_SPEC, offset: int = 0) -> ForeignLayout:
@@ -54,12 +61,13 @@ def content(tokens, page: int, layer: int, nbytes: int = BLOCK_BYTES) -> np.ndar
 class OwnedEngine:
     """A worker with its own blocks in shared memory, registered as an engine-owned pool."""
 
-    def __init__(self, endpoint: str, layout: ForeignLayout, name: str = "", **client_args) -> None:
+    def __init__(self, endpoint: str, layout: ForeignLayout, name: str = "", *, kv_events: bool = True,
+                 **client_args) -> None:
         self.layout = layout
         self.exported = export_owned_pool(layout, name=name)
         self.client = CacheClient(endpoint, **client_args)
         try:
-            self.client.register_owned(layout.spec, self.exported.handle)
+            self.client.register_owned(layout.spec, dataclasses.replace(self.exported.handle, kv_events=kv_events))
         except BaseException:
             self.close()
             raise

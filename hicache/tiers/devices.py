@@ -47,6 +47,7 @@ class DevicePoolState:
     retired: bool = False
     owned: bool = False  # engine-owned: see the module docstring
     name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
+    kv_events: bool = True  # has a KV event stream (an engine-owned pool may go without)
     # The state slots its engine lent for checkpoints (hicache.tiers.checkpoints), if any.
     checkpoint_slots: PageAllocator | None = None
     # Loads of this pool waiting for disk reads (hicache.tiers.loads, .owned), each with
@@ -134,7 +135,8 @@ class DevicePools:
         self._pools[pool_id] = state
         return state
 
-    def register_owned(self, pool_id: PoolId, pool: ForeignPool, name: str = "") -> DevicePoolState:
+    def register_owned(self, pool_id: PoolId, pool: ForeignPool, name: str = "", *,
+                       kv_events: bool = True) -> DevicePoolState:
         """An engine-owned pool (see the module docstring)."""
         if pool_id in self._pools:
             raise InvalidArgument(f"pool {pool_id} is already registered")
@@ -151,7 +153,7 @@ class DevicePools:
         # Nothing per block: the engine allocates them, and may claim billions of them.
         state = DevicePoolState(pool_id, [pool], [mover], NullPageAllocator(pool.num_pages),
                                 np.zeros(0, dtype=bool), counters, self._engines.for_device(device),
-                                owned=True, name=name)
+                                owned=True, name=name, kv_events=kv_events)
         self._pools[pool_id] = state
         return state
 

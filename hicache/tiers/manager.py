@@ -202,10 +202,12 @@ class TierManager:
         order). Returns the pool's layer counters, whose handle goes to the engine."""
         return self.pools.register(pool_id, ranks).counters
 
-    def register_owned_pool(self, pool_id: PoolId, pool: ForeignPool, name: str = "") -> LayerCounters:
+    def register_owned_pool(self, pool_id: PoolId, pool: ForeignPool, name: str = "", *,
+                            kv_events: bool = True) -> LayerCounters:
         """Adopt an engine-owned pool (:mod:`hicache.foreign`): the engine keeps its
-        blocks; pages move only by :meth:`store` and :meth:`load_into`."""
-        return self.pools.register_owned(pool_id, pool, name).counters
+        blocks; pages move only by :meth:`store` and :meth:`load_into`. ``kv_events``:
+        whether the pool has a KV event stream (:mod:`hicache.daemon.kv_events`)."""
+        return self.pools.register_owned(pool_id, pool, name, kv_events=kv_events).counters
 
     def owned_pool(self, name: str) -> PoolId | None:
         """The serving engine-owned pool registered under ``name``, if any."""

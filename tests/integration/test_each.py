@@ -6,7 +6,6 @@ session's error is its own result. Real daemon, real sockets."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -15,8 +14,7 @@ import pytest
 from daemon_util import DaemonProcess, clean_daemon
 from hicache.client import CacheClient, LoadedInto, NodeHandle, RemoteError, load_into_each, match_each
 from hicache.errors import ErrorCode, InvalidArgument, LockUnderflow
-from hicache.spec import KVSpec
-from owned_util import OWNED_SPEC, OwnedEngine, content, layer_major
+from owned_util import OWNED_SPEC, OwnedEngine, content, layer_major, tp_rank_spec
 
 PS = OWNED_SPEC.page_size
 NUM_BLOCKS = 24
@@ -35,12 +33,6 @@ def daemon(tmp_path):
         yield proc
 
 
-def rank_spec(rank: int) -> KVSpec:
-    """Rank ``rank``'s shard (in the layout, as vLLM's connector names it): ranks never
-    share pages."""
-    return dataclasses.replace(OWNED_SPEC, layout=f"{OWNED_SPEC.layout}/tp{rank}of{RANKS}")
-
-
 def rank_bytes(rank: int, page: int, layer: int) -> np.ndarray:
     """What rank ``rank`` computes for ``page`` of ``layer`` of SEQ: each rank its own."""
     return content(SEQ, page, layer) ^ np.uint8(rank + 1)
@@ -55,8 +47,8 @@ class Ranks:
         self.schedulers: list[CacheClient] = []
         try:
             for rank in range(RANKS):
-                worker = OwnedEngine(endpoint, layer_major(NUM_BLOCKS, rank_spec(rank)), name=f"rank{rank}",
-                                     timeout_s=2.0, reconnect_interval_s=0.1)
+                worker = OwnedEngine(endpoint, layer_major(NUM_BLOCKS, tp_rank_spec(rank, RANKS)),
+                                     name=f"rank{rank}", timeout_s=2.0, reconnect_interval_s=0.1)
                 self.workers.append(worker)
                 for page, block in enumerate(STORED):
                     for layer in range(OWNED_SPEC.num_layers):
@@ -168,7 +160,7 @@ def test_a_session_whose_daemon_is_gone_misses_and_the_next_call_skips_it_at_onc
     ranks = Ranks(daemon.endpoint)
     (tmp_path / "gone").mkdir()
     gone = DaemonProcess(tmp_path / "gone", **sections(tmp_path)).start()
-    lost = OwnedEngine(gone.endpoint, layer_major(NUM_BLOCKS, rank_spec(0)), name="lost")
+    lost = OwnedEngine(gone.endpoint, layer_major(NUM_BLOCKS, tp_rank_spec(0, RANKS)), name="lost")
     away = CacheClient(gone.endpoint, timeout_s=0.5, reconnect_interval_s=60)
     try:
         away.attach("lost")

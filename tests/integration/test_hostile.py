@@ -549,6 +549,15 @@ def test_engine_owned_pool_messages_from_a_hostile_peer(daemon, victim, raw):
                                             key_check=key_self_test(spec.fingerprint, spec.page_size), pools=[],
                                             owned=owned))
                 error(reply, bad)
+            # A pool's KV events switch takes a bool and nothing else.
+            for kv_events in ("no", 0, None, [False], {"off": True}, b"\0", 2**64 - 1):
+                owned = {"layout": layer_major(4).to_dict(), "kv_events": kv_events,
+                         "buffers": [{"kind": "memfd", "nbytes": exported.handle.buffers[0].nbytes,
+                                      "token": raw.offer(exported.handle.buffers[0].fd)}]}
+                reply = raw.call(p.Register(id=0, session=session, spec=OWNED_SPEC.to_dict(),
+                                            fingerprint=OWNED_SPEC.fingerprint, pools=[], owned=owned,
+                                            key_check=key_self_test(OWNED_SPEC.fingerprint, OWNED_SPEC.page_size)))
+                error(reply, bad)
         finally:
             exported.close()
         # The owner's pool, its pages and its name are still there.

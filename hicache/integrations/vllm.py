@@ -699,7 +699,8 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         self._cuda = next(iter(kv_caches.values())).is_cuda
         name = self._rank_pool_name(self._rank)
-        handle = OwnedPoolHandle(layout, self._shared.memory, name)
+        # One KV event stream per engine: rank 0's (the ranks' pools age alike).
+        handle = OwnedPoolHandle(layout, self._shared.memory, name, kv_events=self._rank == 0)
         client = self._new_client("vllm-worker")
         self._start_connecting(client, lambda: client.register_owned(spec, handle),
                                f"register pool {name!r} ({layout.num_blocks} blocks, spec "

@@ -216,3 +216,32 @@ def test_after_a_daemon_restart_every_rank_is_back_and_hits_again(tmp_path):
         e.close()
         if d.proc is not None:
             d.stop()
+
+
+def test_a_router_sees_one_stream_per_engine_rank_0s(tmp_path):
+    """Each rank's pool caches that rank's shard, but one engine is one stream for a
+    router: rank 0's pool publishes the KV events (its blocks, as every rank stores
+    them), rank 1's pool none."""
+    import zmq
+
+    from daemon_util import DaemonProcess, events_socket, replayed
+    from kv_event_shapes import BlockStored, decode
+
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False}, events={"enabled": True}).start()
+    e = Engine(d.endpoint, tp=2)
+    replay, _ = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")
+    try:
+        first_request_stores(e, prompt())
+        topics = [str(w._client.pool_id) for w in e.workers]
+
+        def stored(topic: str) -> int:
+            return sum(len(event.block_hashes) for payload in replayed(replay, topic)
+                       for event in decode(payload).events if isinstance(event, BlockStored))
+
+        wait_until(lambda: stored(topics[0]) == 4, "rank 0's four pages on its stream")
+        assert replayed(replay, topics[1]) == []
+    finally:
+        replay.close(0)
+        e.close()
+        if d.proc is not None:
+            d.stop()

@@ -2,20 +2,13 @@
 that has the bandwidth figures and the layer-wise load's time to first layer, each
 consistent with the others."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_copy.py"
+from bench_util import bench_figures
 
 
 def test_a_small_run_prints_its_figures_as_json_last():
-    out = subprocess.run([sys.executable, str(BENCH), "--pages", "8", "--pool-pages", "16", "--repeat", "2", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    f = json.loads(out.stdout.strip().splitlines()[-1])
+    f = bench_figures("bench_copy.py", "--pages", "8", "--pool-pages", "16", "--repeat", "2", timeout_s=600)
     assert f["pages"] == 8 and f["bytes"] == 8 * f["page_bytes"]
     for name in ("gather", "scatter", "layerwise_scatter", "gather_contiguous", "scatter_contiguous",
                  "foreign_layerwise_scatter", "foreign_gather"):

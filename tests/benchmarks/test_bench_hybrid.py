@@ -2,21 +2,14 @@
 object whose figures agree with each other — and, the trace settled after every
 request, the window-cut cache hits exactly what the full one does."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hybrid.py"
+from bench_util import bench_figures
 
 
 def test_a_small_run_prints_its_figures_as_json_last():
-    out = subprocess.run([sys.executable, str(BENCH), "--conversations", "6", "--turns", "2", "--window", "32",
-                          "--device-pages", "256", "--host-pages", "192", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    f = json.loads(out.stdout.strip().splitlines()[-1])
+    f = bench_figures("bench_hybrid.py", "--conversations", "6", "--turns", "2", "--window", "32",
+                      "--device-pages", "256", "--host-pages", "192", timeout_s=600)
     assert f["window_pages"] == 2 and f["kept_page_bytes"] * 2 == f["page_bytes"]
     assert 0 < f["swa_bytes_written"] < f["full_bytes_written"]
     assert 0 < f["swa_bytes_backed_up"] < f["full_bytes_backed_up"]

@@ -1,20 +1,13 @@
 """bench_ranks' output contract (not its figures): a real run, cut short, ends with one
 JSON object holding every figure the README quotes, each consistent with the others."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ranks.py"
+from bench_util import bench_figures
 
 
 def test_a_short_run_prints_its_figures_as_json_last():
-    out = subprocess.run([sys.executable, str(BENCH), "--rounds", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = bench_figures("bench_ranks.py", "--rounds", "2")
     assert figures["rounds"] == 2 and figures["pages"] * 16 <= figures["tokens"]
     for tp in (1, 2, 4, 8):
         for what in ("match", "hit"):

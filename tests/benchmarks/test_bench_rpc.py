@@ -2,20 +2,13 @@
 JSON object holding every figure the README and the issue quote, each consistent with
 the others."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rpc.py"
+from bench_util import bench_figures
 
 
 def test_a_short_run_prints_its_figures_as_json_last():
-    out = subprocess.run([sys.executable, str(BENCH), "--seconds", "0.2", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = bench_figures("bench_rpc.py", "--seconds", "0.2")
     for key in ("echo_p50_us", "router_echo_p50_us", "tuned_echo_p50_us", "match_p50_us", "match_p99_us",
                 "single_client_ops", "four_client_ops", "batched_match_ops"):
         assert figures[key] > 0 and math.isfinite(figures[key]), key

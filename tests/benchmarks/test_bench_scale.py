@@ -1,7 +1,5 @@
 """bench_scale's output contract on a small trace, and its flat-LRU yardstick."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,16 +9,14 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scale.py"
 sys.path.insert(0, str(BENCH.parent))
 
 import bench_scale  # noqa: E402
+from bench_util import bench_figures  # noqa: E402
 
 KEYS = ("saved_vs_flat_lru_total", "saved_vs_flat_lru_disk", "short_pages", "lost_backups", "max_trivial_op_ms",
         "p99_match_ms", "bytes_per_page", "requests_per_s")
 
 
 def test_a_small_run_ends_with_consistent_figures():
-    out = subprocess.run([sys.executable, str(BENCH), "--unique-pages", "4000", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    f = json.loads(out.stdout.strip().splitlines()[-1])
+    f = bench_figures("bench_scale.py", "--unique-pages", "4000", timeout_s=600)
     for key in KEYS:
         assert key in f, key
     assert f["unique_pages"] >= 4000

@@ -1,19 +1,12 @@
 """bench_stall's output contract (not its figures): a small run ends with one JSON object
 whose counts agree with its setup."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stall.py"
+from bench_util import bench_figures
 
 
 def test_a_small_run_prints_its_figures_as_json_last():
-    out = subprocess.run([sys.executable, str(BENCH), "--host-slots", "16", "--checkpoints", "32", "--rounds", "2",
-                          "--page-size", "4", "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    f = json.loads(out.stdout.strip().splitlines()[-1])
+    f = bench_figures("bench_stall.py", "--host-slots", "16", "--checkpoints", "32", "--rounds", "2",
+                      "--page-size", "4", timeout_s=600)
     assert (f["host_slots"], f["checkpoints_per_insert"], f["page_size"]) == (16, 32, 4)
     # 16 host slots: each offer of 32 takes 16 (then every slot is one of its own, not ready).
     assert [r["taken"] for r in f["checkpoints"]] == [16, 16]

@@ -187,6 +187,7 @@ def _for_daemon(data: dict[str, Any], uuids: bool) -> dict[str, Any]:
         data["cuda_ipc"] = {k: v for k, v in cuda.items() if k != "device_uuid"}
     return data
 
+
 def _as_is(reply: Any) -> Any:
     return reply
 
@@ -353,11 +354,9 @@ class CacheClient:
         :class:`RemoteError` on an error reply. A blocking ``recv`` with a receive
         timeout: a poll first would add a system call to every round trip."""
         with self._socket_lock:
-            return self._call_locked(message, timeout_s)
-
-    def _call_locked(self, message: p._Request, timeout_s: float | None) -> p.Reply:
-        request_id = self._send_locked(message)
-        return self._receive_locked(request_id, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+            request_id = self._send_locked(message)
+            return self._receive_locked(request_id,
+                                        time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
 
     def _send_locked(self, message: p._Request) -> int:
         """Send ``message`` under a new request id (returned)."""
@@ -933,7 +932,7 @@ class CacheClient:
         ids = as_page_ids(pages)
         if handle.epoch != self.epoch:
             return _Call(None, lambda _: LoadedInto(0, ()))
-        timeout_ns = max(1, int(self.load_timeout_s * 1000)) * 1_000_000  # (what _call waits: whole ms)
+        timeout_ns = max(1, int(self.load_timeout_s * 1000)) * 1_000_000  # (whole ms: not over what the call waits)
 
         copies_end: list[int | None] = [None]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -98,6 +99,17 @@ class OwnedEngine:
     def close(self) -> None:
         self.client.close()
         self.exported.close()
+
+
+def registered_again(engines, timeout_s: float = 30.0) -> None:
+    """After a daemon restart: each engine's pool registered with the new daemon (what
+    vLLM's connector does on the worker's side: revive a degraded client until it is)."""
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        while engine.client.degraded or engine.client.epoch < 2:
+            assert time.monotonic() < deadline, "a pool never registered again"
+            engine.client.revive()
+            time.sleep(0.05)
 
 
 def vllm_kv_caches(layer_names, num_blocks: int, *, heads: int = 2, block_size: int = 8, head_dim: int = 16,

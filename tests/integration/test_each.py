@@ -6,15 +6,13 @@ session's error is its own result. Real daemon, real sockets."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from daemon_util import DaemonProcess, clean_daemon
 from hicache.client import CacheClient, LoadedInto, NodeHandle, RemoteError, load_into_each, match_each
 from hicache.errors import ErrorCode, InvalidArgument, LockUnderflow
-from owned_util import OWNED_SPEC, OwnedEngine, content, layer_major, tp_rank_spec
+from owned_util import OWNED_SPEC, OwnedEngine, content, layer_major, registered_again, tp_rank_spec
 
 PS = OWNED_SPEC.page_size
 NUM_BLOCKS = 24
@@ -196,12 +194,8 @@ def test_after_a_daemon_restart_each_session_attaches_again_and_its_call_is_answ
         before = match_each(ranks.schedulers, SEQ[: 4 * PS])
         assert daemon.stop() == 0
         daemon.start()
-        deadline = time.monotonic() + 30
-        for worker in ranks.workers:  # (what vLLM's connector does on the worker's side)
-            while worker.client.degraded or worker.client.epoch < 2:
-                assert time.monotonic() < deadline, "a worker never registered again"
-                worker.client.revive()
-                time.sleep(0.05)
+        registered_again(ranks.workers)
+        for worker in ranks.workers:
             assert worker.client.store(SEQ, STORED).num_cached == 4  # (the host tier went with the daemon)
         epochs = [s.epoch for s in ranks.schedulers]
         matches = match_each(ranks.schedulers, SEQ[: 4 * PS])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
+import zmq
+
 from daemon_util import DaemonProcess, clean_daemon, events_socket, replayed
 from hicache import protocol as p
 from hicache.client import CacheClient
 from kv_event_shapes import BlockStored, decode
-from owned_util import OWNED_SPEC, OwnedEngine, content, layer_major, tp_rank_spec
-
-import zmq
+from owned_util import OWNED_SPEC, OwnedEngine, layer_major, registered_again, tp_rank_spec
 
 PS = OWNED_SPEC.page_size
 SEQ = list(range(500, 500 + 3 * PS))
@@ -29,9 +29,7 @@ def stored_hashes(sock, topic: str) -> set[tuple[str, int]]:
 
 
 def store(engine: OwnedEngine) -> None:
-    for page, block in enumerate(BLOCKS):
-        for layer in range(OWNED_SPEC.num_layers):
-            engine.block(layer, block)[:] = content(SEQ, page, layer)
+    engine.compute(SEQ, BLOCKS)
     assert engine.client.store(SEQ, BLOCKS).num_cached == 3
 
 
@@ -106,12 +104,7 @@ def test_a_quiet_pool_registered_again_after_a_restart_stays_quiet(tmp_path):
     try:
         assert daemon.stop() == 0
         daemon.start()
-        deadline = time.monotonic() + 30
-        for r in ranks:
-            while r.client.degraded or r.client.epoch < 2:
-                assert time.monotonic() < deadline, "a rank never registered again"
-                r.client.revive()
-                time.sleep(0.05)
+        registered_again(ranks)
         replay, _ = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")
         store(ranks[1])
         store(ranks[0])

@@ -11,6 +11,7 @@ equal the tree's, and every ``BlockStored`` must carry the block's own tokens.
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -44,6 +45,8 @@ class Subscriber:
         self.blocks: dict[bytes, set] = {}
         self.next_seq: dict[bytes, int] = {}
         self.tokens: dict[int, list[int]] = {}  # block hash -> the tokens a BlockStored gave it
+        self.stored: dict[bytes, Counter] = {}  # topic -> BlockStored per (medium, hash) since its last clear
+        self.clears: Counter = Counter()  # topic -> AllBlocksCleared seen
         self.batches = 0
 
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
@@ -57,11 +60,16 @@ class Subscriber:
             assert seq == expected, (topic, seq)
         assert batch.data_parallel_rank == int(topic)
         apply(self.blocks.setdefault(topic, set()), batch)
+        stored = self.stored.setdefault(topic, Counter())
         for event in batch.events:
             if isinstance(event, BlockStored):
                 assert event.block_size == PS
                 for i, h in enumerate(event.block_hashes):
                     self.tokens[h] = event.token_ids[i * PS : (i + 1) * PS]
+                    stored[event.medium, h] += 1
+            elif isinstance(event, AllBlocksCleared):
+                stored.clear()
+                self.clears[topic] += 1
         self.next_seq[topic] = seq + 1
         self.batches += 1
 
@@ -102,24 +110,27 @@ class Subscriber:
         self.replay.close(0)
 
 
-def residency(daemon: Daemon, pool_id: int) -> set:
-    """(medium, block hash) of every page the pool's stream speaks of, from the tree."""
+def residency(daemon: Daemon, pool_id: int, tenants: frozenset[str] | None = None) -> set:
+    """(medium, block hash) of every page the pool's stream speaks of, from the tree:
+    its own device pages, and the host and disk pages of ``tenants``' namespaces (None:
+    every namespace's)."""
     out = set()
     for manager in daemon.managers.values():
         for node in manager.tree.nodes():
             hashes = np.frombuffer(node.page_keys, dtype=">u8")[1::2].tolist()
+            shown = tenants is None or manager.tree.group_of(node.namespace) in tenants
             for slot in node.residency:
                 medium = {pool_id: "GPU", HOST_SLOT: "CPU", DISK_SLOT: "STORAGE"}.get(slot)
-                if medium is not None:
+                if medium is not None and (slot == pool_id or shown):
                     out.update((medium, h) for h in hashes)
     return out
 
 
-def make_daemon(tmp_path) -> Daemon:
+def make_daemon(tmp_path, **overrides) -> Daemon:
     config = DaemonConfig.load(overrides={
         "server.socket": str(tmp_path / "s.sock"), "host.ratio": 1.0, "server.lease_s": 30.0,
         "disk.path": str(tmp_path / "lmdb"), "disk.capacity_bytes": 64 * SPEC.host_page_bytes,
-        "events.enabled": True})
+        "events.enabled": True, **overrides})
     return Daemon(config, fds=FdExchange(tmp_path / "fds"))
 
 
@@ -139,13 +150,35 @@ def answered(daemon: Daemon, reply):
     return reply
 
 
-def register(daemon: Daemon, engine: Engine) -> tuple[int, int]:
-    """A session for ``engine``'s pool: (session id, pool id)."""
-    hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test"))
+def register(daemon: Daemon, engine: Engine, peer: bytes = b"") -> tuple[int, int]:
+    """A session for ``engine``'s pool, on the connection ``peer``: (session id, pool id)."""
+    hello = daemon.handle(p.Hello(id=1, version=p.PROTOCOL_VERSION, client="test"), peer)
     reply = answered(daemon, wired(daemon, p.Register(
         id=2, session=hello.session, spec=SPEC.to_dict(), fingerprint=SPEC.fingerprint,
-        key_check=key_self_test(SPEC.fingerprint, PS), pools=[offered(daemon, engine.exported)])))
+        key_check=key_self_test(SPEC.fingerprint, PS), pools=[offered(daemon, engine.exported)]), peer))
     return hello.session, reply.pool
+
+
+def _request(daemon: Daemon, sid: int, tokens: list[int], peer: bytes = b"", **tenant) -> None:
+    """An engine's request: match, lock, load what is on host / disk, compute the rest,
+    insert, unlock (on the connection ``peer``; ``tenant``: its tenant, if named)."""
+    packed = np.asarray(tokens, np.int32).tobytes()
+
+    def call(request):
+        return answered(daemon, daemon.handle(request, peer))
+
+    m = call(p.Match(id=3, session=sid, tokens=packed, **tenant))
+    have = np.frombuffer(m.device_pages, np.int32)
+    if m.node >= 0:
+        call(p.Lock(id=4, session=sid, node=m.node))
+        if m.host_pages or m.disk_pages:
+            have = np.frombuffer(call(p.Load(id=5, session=sid, node=m.node)).device_pages, np.int32)
+    need = len(tokens) // PS - len(have)
+    if need:
+        have = np.concatenate([have, np.frombuffer(call(p.Alloc(id=6, session=sid, num_pages=need)).pages, np.int32)])
+    call(p.Insert(id=7, session=sid, tokens=packed, pages=have.astype(np.int32).tobytes(), **tenant))
+    if m.node >= 0:
+        call(p.Unlock(id=8, session=sid, node=m.node))
 
 
 def test_a_subscriber_sees_the_trees_residency(daemon, tmp_path):
@@ -162,24 +195,7 @@ def test_a_subscriber_sees_the_trees_residency(daemon, tmp_path):
         manager = next(iter(daemon.managers.values()))
 
         def prefill(sid: int, tokens: list[int]) -> None:
-            """An engine's request: match, lock, load what is on host / disk, compute the
-            rest, insert, unlock."""
-            packed = np.asarray(tokens, np.int32).tobytes()
-            m = answered(daemon, daemon.handle(p.Match(id=3, session=sid, tokens=packed)))
-            have = np.frombuffer(m.device_pages, np.int32)
-            if m.node >= 0:
-                answered(daemon, daemon.handle(p.Lock(id=4, session=sid, node=m.node)))
-                if m.host_pages or m.disk_pages:
-                    loaded = answered(daemon, daemon.handle(p.Load(id=5, session=sid, node=m.node)))
-                    have = np.frombuffer(loaded.device_pages, np.int32)
-            need = len(tokens) // PS - len(have)
-            if need:
-                new = answered(daemon, daemon.handle(p.Alloc(id=6, session=sid, num_pages=need)))
-                have = np.concatenate([have, np.frombuffer(new.pages, np.int32)])
-            answered(daemon, daemon.handle(p.Insert(id=7, session=sid, tokens=packed,
-                                                    pages=have.astype(np.int32).tobytes())))
-            if m.node >= 0:
-                answered(daemon, daemon.handle(p.Unlock(id=8, session=sid, node=m.node)))
+            _request(daemon, sid, tokens)
             namespace = manager.tree.namespaces()[0]
             for i, key in enumerate(page_keys(namespace, tokens, PS)):
                 true_tokens[int.from_bytes(key[8:], "big")] = tokens[i * PS : (i + 1) * PS]
@@ -279,8 +295,7 @@ def test_a_namespace_that_holds_pages_keeps_its_extra_key_however_many_others_ar
     that a session named before the flood and stores under after it: every
     ``BlockStored`` of their blocks — on the device, on host, on disk, before and after —
     carries its key, one entry per block."""
-    from hicache.daemon import kv_events
-
+    
     monkeypatch.setattr(kv_events, "EXTRA_KEYS", 4)
     context = zmq.Context()
     engines = [Engine(16), Engine(16)]
@@ -320,6 +335,7 @@ def test_a_namespace_that_holds_pages_keeps_its_extra_key_however_many_others_ar
         context.destroy(linger=0)
         for engine in engines:
             engine.close()
+
 
 
 def test_every_stream_ends_when_the_daemon_closes(tmp_path):

@@ -5,11 +5,20 @@ One stream per device pool (topic ``<[events].topic><pool id>``, data-parallel r
 pool id; an engine-owned pool registered with ``kv_events=False`` has none — a TP
 engine's ranks but the first, so that a router sees one stream per engine):
 ``BlockStored`` / ``BlockRemoved`` with medium ``GPU`` for that pool's device pages,
-``CPU`` for host pages and ``STORAGE`` for disk pages — the host and disk tiers
-are shared by every pool of a spec, so their events go to each of its pools' streams. A
-block is a page: its hash the low 64 bits of the page key (equal on every node of a
-fleet), its parent the page before it, ``block_size`` the spec's page size, and the
-namespace's extra key (an engine's cache salt / LoRA name) as the block's extra keys.
+``CPU`` for host pages and ``STORAGE`` for disk pages. A block is a page: its hash the
+low 64 bits of the page key (equal on every node of a fleet), its parent the page before
+it, ``block_size`` the spec's page size, and the namespace's extra key (an engine's
+cache salt / LoRA name) as the block's extra keys.
+
+The host and disk tiers are shared by every pool of a spec; their events go to each
+stream whose engine could hit them. A pool's stream shows the host and disk pages of
+its identity's tenants' namespaces (the registering session's identity; a reload that
+changes its tenants starts the stream over), not another tenant's: a router is not told
+an engine holds blocks it cannot hit, nor given their token ids on that engine's topic.
+A namespace whose tenant the daemon does not know yet (restored from disk, or fetched
+from the remote tier, with no tenant on record) shows on no stream until a session
+names it; then its tenant's streams announce its pages. With no identities listed (one
+tenant) every stream shows every namespace.
 
 The tree tells (:class:`ManagerEvents` is its observer) as residency changes; the events
 wait in each stream's queue and go out as one batch per stream at the loop's next turn
@@ -33,8 +42,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from hicache.daemon.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, EventPublisher, EventStream
+from hicache.keys import NamespaceId
 from hicache.tiers.manager import TierManager
-from hicache.tree import DISK_SLOT, HOST_SLOT, Node, Slot
+from hicache.tree import DISK_SLOT, HOST_SLOT, Node, PoolId, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +53,48 @@ EXTRA_KEYS = 1 << 16  # namespaces named and holding no page yet whose extra key
 REPLAYS_PER_TURN = 4  # replay requests answered per loop turn at most (each up to a ring of batches)
 
 
+Tenants = frozenset[str] | None  # the tenants whose namespaces a stream shows (None: every namespace)
+
+
 def _hashes(node: Node) -> list[int]:
     """The block hash of each page: the low 64 bits of its key (big-endian)."""
     return np.frombuffer(node.page_keys, dtype=">u8")[1::2].tolist()
+
+
+class _Snapshot:
+    """A stream's announcement of what its pool sees, a slice per loop turn: the
+    namespaces still to walk, in order, each ``whole`` (its device pages too) or for its
+    host and disk pages only (a namespace the stream has come to show since it began)."""
+
+    def __init__(self, namespaces, whole: bool) -> None:
+        self.pending: dict[NamespaceId, bool] = dict.fromkeys(namespaces, whole)
+        self.steps: Iterator[None] | None = None
+
+    def shows(self, namespace: NamespaceId) -> None:
+        """The stream shows ``namespace`` from now on: its host and disk pages are
+        announced, unless a walk still to come does it (one walked, or being walked,
+        showed none of them: it is walked again)."""
+        self.pending.setdefault(namespace, False)
 
 
 class ManagerEvents:
     """One tier manager's events (the tree's observer; owner thread)."""
 
     def __init__(self, publisher: EventPublisher, manager: TierManager, topic: str,
-                 extra_key: Callable[[bytes], str | None]) -> None:
+                 extra_key: Callable[[bytes], str | None],
+                 tenants: Callable[[TierManager, PoolId], Tenants] = lambda manager, pool_id: None) -> None:
         """``extra_key(namespace id)``: the extra key it was made with, if known (see
-        :meth:`KvEvents.extra_key`)."""
+        :meth:`KvEvents.extra_key`); ``tenants(manager, pool id)``: the tenants whose
+        namespaces the pool's engine may use (``None``: every namespace)."""
         self.publisher = publisher
         self.manager = manager
         self.topic = topic
         self.extra_key = extra_key
+        self._tenants_of = tenants
         self.block_size = manager.spec.page_size
         self.streams: dict[int, EventStream] = {}  # pool id -> its stream
-        self._snapshots: dict[int, Iterator[None]] = {}  # pool id -> the snapshot in progress
+        self._tenants: dict[int, Tenants] = {}  # pool id -> the tenants its stream shows
+        self._snapshots: dict[int, _Snapshot] = {}  # pool id -> the snapshot in progress
         manager.tree.observer = self
 
     # -- the tree's observer --------------------------------------------------------------
@@ -73,7 +106,7 @@ class ManagerEvents:
                 self._stored(stream, node, MEDIUM_GPU)
             return
         medium = MEDIUM_CPU if slot == HOST_SLOT else MEDIUM_STORAGE
-        for stream in self.streams.values():
+        for stream in self._showing(node.namespace):
             self._stored(stream, node, medium)
 
     def dropped(self, node: Node, slot: Slot) -> None:
@@ -83,9 +116,39 @@ class ManagerEvents:
                 stream.removed(_hashes(node), MEDIUM_GPU)
             return
         medium = MEDIUM_CPU if slot == HOST_SLOT else MEDIUM_STORAGE
-        hashes = _hashes(node)
-        for stream in self.streams.values():
-            stream.removed(hashes, medium)
+        streams = self._showing(node.namespace)
+        if streams:
+            hashes = _hashes(node)
+            for stream in streams:
+                stream.removed(hashes, medium)
+
+    def regrouped(self, namespace: NamespaceId, old: str, new: str) -> None:
+        """The namespace is ``new``'s from now on (a tenant: see
+        :meth:`HiRadixTree.set_group`), ``old``'s before (``""``: nobody's). A stream
+        that comes to show it announces its host and disk pages; one that no longer
+        does (never, as namespaces go: a namespace id is its tenant's alone) starts over."""
+        for pool_id, stream in self.streams.items():
+            tenants = self._tenants[pool_id]
+            if tenants is None or (old in tenants) == (new in tenants):
+                continue
+            if old in tenants:
+                self._restart(pool_id, stream)
+                continue
+            snapshot = self._snapshots.get(pool_id)
+            if snapshot is None:
+                snapshot = self._snapshots[pool_id] = self._snapshot(pool_id, stream, (namespace,), whole=False)
+            else:
+                snapshot.shows(namespace)
+
+    def _showing(self, namespace: NamespaceId) -> list[EventStream]:
+        """The streams that show the namespace's host and disk pages."""
+        group = self.manager.tree.group_of(namespace)
+        return [stream for pool_id, stream in self.streams.items()
+                if (tenants := self._tenants[pool_id]) is None or group in tenants]
+
+    def _shows(self, pool_id: int, namespace: NamespaceId) -> bool:
+        tenants = self._tenants[pool_id]
+        return tenants is None or self.manager.tree.group_of(namespace) in tenants
 
     def _stored(self, stream: EventStream, node: Node, medium: str) -> None:
         parent = None if node.parent is None or node.parent.is_root else _hashes(node.parent)[-1]
@@ -118,6 +181,16 @@ class ManagerEvents:
             if pool_id not in self.streams:
                 stream = self.publisher.stream(f"{self.topic}{pool_id}", data_parallel_rank=pool_id)
                 self.streams[pool_id] = stream
+                self._tenants[pool_id] = self._tenants_of(self.manager, pool_id)
+                self._restart(pool_id, stream)
+
+    def retenant(self) -> None:
+        """The identities were reloaded: a stream whose pool's tenants changed starts
+        over (``AllBlocksCleared``, then a snapshot of what it shows now)."""
+        for pool_id, stream in self.streams.items():
+            tenants = self._tenants_of(self.manager, pool_id)
+            if tenants != self._tenants[pool_id]:
+                self._tenants[pool_id] = tenants
                 self._restart(pool_id, stream)
 
     def _end(self, pool_id: int) -> None:
@@ -126,18 +199,32 @@ class ManagerEvents:
         counting on that rank's blocks, the host and disk ones included — and the stream
         stops (pool ids are not reused: nothing speaks on its topic again)."""
         self._snapshots.pop(pool_id, None)
+        self._tenants.pop(pool_id, None)
         self.publisher.end(self.streams.pop(pool_id))
 
     def _restart(self, pool_id: int, stream: EventStream) -> None:
         stream.cleared()
         stream.needs_resync = False
-        self._snapshots[pool_id] = self._snapshot(pool_id, stream)
+        self._snapshots[pool_id] = self._snapshot(pool_id, stream, self.manager.tree.namespaces(), whole=True)
 
-    def _snapshot(self, pool_id: int, stream: EventStream) -> Iterator[None]:
+    def _snapshot(self, pool_id: int, stream: EventStream, namespaces, *, whole: bool) -> _Snapshot:
+        snapshot = _Snapshot(namespaces, whole)
+        snapshot.steps = self._walk(pool_id, stream, snapshot)
+        return snapshot
+
+    def _walk(self, pool_id: int, stream: EventStream, snapshot: _Snapshot) -> Iterator[None]:
+        """Announce the snapshot's namespaces, :data:`SNAPSHOT_SLICE` nodes per step:
+        each node's pages in the pool (for a whole walk) and, if the stream shows the
+        namespace, on host and disk."""
         tree = self.manager.tree
-        seen: set[int] = set()
         done = 0
-        for namespace in tree.namespaces():
+        while snapshot.pending:
+            namespace = next(iter(snapshot.pending))
+            whole = snapshot.pending.pop(namespace)
+            shown = self._shows(pool_id, namespace)
+            if not tree.has_namespace(namespace) or not (whole or shown):
+                continue
+            seen: set[int] = set()
             stack = list(tree.root(namespace).children.values())
             while stack:
                 node = stack.pop()
@@ -152,18 +239,19 @@ class ManagerEvents:
                     up = up.parent
                 for n in reversed(path):
                     seen.add(n.node_id)
-                    self._announce(pool_id, stream, n)
+                    self._announce(pool_id, stream, n, device=whole, tiers=shown)
                 stack.extend(node.children.values())
                 done += len(path)
                 if done >= SNAPSHOT_SLICE:
                     done = 0
                     yield
 
-    def _announce(self, pool_id: int, stream: EventStream, node: Node) -> None:
+    def _announce(self, pool_id: int, stream: EventStream, node: Node, *, device: bool, tiers: bool) -> None:
         for slot in node.residency:
             if slot == pool_id:
-                self._stored(stream, node, MEDIUM_GPU)
-            elif slot in (HOST_SLOT, DISK_SLOT):
+                if device:
+                    self._stored(stream, node, MEDIUM_GPU)
+            elif slot in (HOST_SLOT, DISK_SLOT) and tiers:
                 self._stored(stream, node, MEDIUM_CPU if slot == HOST_SLOT else MEDIUM_STORAGE)
 
     def tick(self) -> None:
@@ -174,7 +262,7 @@ class ManagerEvents:
                 logger.warning("events: stream %r lost events; re-announcing its blocks", stream.topic)
                 self._restart(pool_id, stream)
         for pool_id, snapshot in list(self._snapshots.items()):
-            if next(snapshot, StopIteration) is StopIteration:
+            if next(snapshot.steps, StopIteration) is StopIteration and self._snapshots.get(pool_id) is snapshot:
                 del self._snapshots[pool_id]
 
     def close(self) -> None:
@@ -189,12 +277,15 @@ class KvEvents:
     """The publisher and one :class:`ManagerEvents` per tier manager (owner thread)."""
 
     def __init__(self, publisher: EventPublisher, topic: str = "",
-                 kept: Callable[[bytes], str | None] = lambda namespace: None) -> None:
+                 kept: Callable[[bytes], str | None] = lambda namespace: None,
+                 tenants: Callable[[TierManager, PoolId], Tenants] = lambda manager, pool_id: None) -> None:
         """``kept(namespace id)``: its extra key as kept across restarts (the tenant
         log), for the blocks a restart restored: no session has named their namespace
-        to this daemon yet when they are announced."""
+        to this daemon yet when they are announced. ``tenants(manager, pool id)``: the
+        tenants whose namespaces the pool's stream shows (``None``: every namespace)."""
         self.publisher = publisher
         self._kept = kept
+        self._tenants = tenants
         self.topic = topic
         # The extra keys of the namespaces that hold pages: kept as long as the trees
         # keep those namespaces (for good), since their blocks may be announced any time.
@@ -232,11 +323,17 @@ class KvEvents:
             self._managers.pop(fingerprint).close()  # a manager closed (its spec unused; see hicache.daemon.specs)
         for fingerprint, manager in managers.items():
             if fingerprint not in self._managers:
-                self._managers[fingerprint] = ManagerEvents(self.publisher, manager, self.topic, self.extra_key)
+                self._managers[fingerprint] = ManagerEvents(self.publisher, manager, self.topic, self.extra_key,
+                                                            self._tenants)
         for events in self._managers.values():
             events.tick()
         self.publisher.publish()
         self.publisher.serve_replay(REPLAYS_PER_TURN)
+
+    def retenant(self) -> None:
+        """The identities were reloaded: see :meth:`ManagerEvents.retenant`."""
+        for events in self._managers.values():
+            events.retenant()
 
     def stats(self) -> dict[str, int]:
         p = self.publisher

@@ -58,6 +58,8 @@ from hicache.metrics import Metrics, NullMetrics
 
 if TYPE_CHECKING:
     from hicache.daemon.events import EventPublisher
+    from hicache.tiers.manager import TierManager
+    from hicache.tree import PoolId
 
 __all__ = ["LOCAL", "Daemon", "PeerCreds"]
 
@@ -362,6 +364,7 @@ class Daemon:
         self.metrics.identities(table.by_name)
         self.on_reload(table)
         if self.events is not None:  # its subscribers admitted anew: one no longer allowed reads no more
+            self.events.retenant()  # (and a stream whose pool's tenants changed starts over)
             try:
                 self.events.publisher.rebind()
             except zmq.ZMQError as exc:
@@ -501,7 +504,18 @@ class Daemon:
                                    ledger=ledger)
         self._restrict_events(publisher)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
-        self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key)
+        self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key,
+                               tenants=self._pool_tenants)
+
+    def _pool_tenants(self, manager: TierManager, pool_id: PoolId) -> frozenset[str] | None:
+        """The tenants whose namespaces a pool's engine may use (its registering
+        session's identity's): what its KV event stream shows of the host and disk
+        tiers. ``None`` (every namespace) while no identities are listed: one tenant."""
+        if not self.identities.auth.identities:
+            return None
+        owner = self.sessions.owner_of(manager, pool_id)
+        identity = None if owner is None else owner.creds.identity
+        return frozenset() if identity is None else frozenset(identity.tenants)
 
     def _restrict_events(self, publisher: EventPublisher) -> None:
         """The events' ipc:// sockets (token ids) no wider open than the server's."""

@@ -380,7 +380,8 @@ class HiRadixTree:
         self._group_pages: dict[str, list[int]] = {}
         self._direct_locks: dict[tuple[int, LockKey], int] = {}
         # Told of every residency change — ``added(node, slot)`` (tokens still on the
-        # node), ``dropped(node, slot)`` — by the daemon's KV events (see
+        # node), ``dropped(node, slot)`` — and of each namespace's new group —
+        # ``regrouped(namespace, old, new)`` — by the daemon's KV events (see
         # hicache.daemon.kv_events); None: nobody listens.
         self.observer = None
         # Told of each node with a checkpoint as it leaves the tree (a checkpoint never
@@ -836,6 +837,8 @@ class HiRadixTree:
             for i in (0, 1):
                 before[i] -= counts[i]
                 after[i] += counts[i]
+        if self.observer is not None:
+            self.observer.regrouped(namespace, old, group)
         return True
 
     def group_of(self, namespace: NamespaceId) -> str:

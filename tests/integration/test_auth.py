@@ -19,6 +19,7 @@ from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
 from hicache.errors import ErrorCode, Unavailable
+from kv_event_shapes import BlockStored, decode
 from owned_util import OwnedEngine, layer_major
 from tiers_util import SPEC
 
@@ -456,6 +457,49 @@ def test_kv_events_reach_only_identities_allowed_to_read_them(tmp_path, keys):
         for sock, monitor in (*subs.values(), *replays.values()):
             sock.close(0)
             monitor.close(0)
+        d.stop()
+
+
+def _tokens_by_medium(payloads: list[bytes]) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for payload in payloads:
+        for event in decode(payload).events:
+            if isinstance(event, BlockStored):
+                out.setdefault(event.medium, set()).update(event.token_ids)
+    return out
+
+
+def test_an_engines_stream_shows_no_other_tenants_blocks(tmp_path, keys):
+    """Over the daemon's sockets (CURVE, the ZAP handler's identities): team-x's engine
+    (tenant a) and team-y's (tenant b) cache a prompt each, written to disk too — both
+    in the same host and disk tiers. The router finds on x's topic a's tokens and none
+    of b's, on the device, host and disk alike, and the reverse on y's: a router is not
+    told that an engine holds blocks it can never hit."""
+    d, pub, replay_endpoint = _events_daemon(tmp_path, keys)
+    replay, monitor = events_socket(zmq.DEALER, replay_endpoint, keys, "router")
+    engines = {"x": ClientEngine(d.tcp, **_creds(keys, "x")), "y": ClientEngine(d.tcp, **_creds(keys, "y"))}
+    secrets = {"x": set(range(1, 1 + 2 * PS)), "y": set(range(5000, 5000 + 2 * PS))}
+    try:
+        assert handshake(monitor) == "admitted"
+        for who, engine in engines.items():
+            engine.prefill(sorted(secrets[who]))
+        assert engines["y"].client.flush()["not_on_disk_pages"] == 0
+        topics = {who: str(engine.client.pool_id) for who, engine in engines.items()}
+        for who, topic in topics.items():  # (published at the daemon's next loop turns)
+            deadline = time.monotonic() + 30
+            while not secrets[who] <= _tokens_by_medium(replayed(replay, topic)).get("STORAGE", set()):
+                assert time.monotonic() < deadline, f"{who}'s blocks never reached the disk on its stream"
+                time.sleep(0.05)
+        for who, topic in topics.items():
+            other = secrets["y" if who == "x" else "x"]
+            seen = _tokens_by_medium(replayed(replay, topic))
+            assert {"GPU", "STORAGE"} <= set(seen), who
+            assert all(secrets[who] <= tokens and not tokens & other for tokens in seen.values()), who
+    finally:
+        for engine in engines.values():
+            engine.close()
+        replay.close(0)
+        monitor.close(0)
         d.stop()
 
 

@@ -90,7 +90,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -145,6 +145,32 @@ class LoadMeta:
         if rank >= len(self.tickets):
             return [], None
         return self.tickets[rank], self.copies_end_ns[rank]
+
+
+class Hit(NamedTuple):
+    """A match on every TP rank: their handles, the pages all of them can load, and
+    those pages by tier along the path — on host (with any on the device of a pool of
+    hicache's own), then on disk alone, then just brought from the remote tier (the
+    shortest rank's match; the host pages of a path come before its disk-only ones:
+    host copies leave leaf first)."""
+
+    handles: list[Any]
+    pages: int
+    tiers: tuple[int, int, int] = (0, 0, 0)
+
+    def sources(self, first: int, count: int) -> dict[CacheHitSource, int]:
+        """Pages ``first`` .. ``first + count`` of the path by the tier that supplies
+        them, as vLLM counts its prompt tokens cached by source (remote: a remote store,
+        which vLLM files as ``external_unspecified``); only those not 0."""
+        out: dict[CacheHitSource, int] = {}
+        start = 0
+        for source, n in zip((CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED),
+                             self.tiers):
+            overlap = min(start + n, first + count) - max(start, first)
+            if overlap > 0:
+                out[source] = overlap
+            start += n
+        return out
 
 
 @dataclass
@@ -296,18 +322,21 @@ class RankClients:
                 client.attach(name)
                 self._attached[i] = True
 
-    def match(self, tokens: list[int], extra_key: str) -> tuple[list[Any], int]:
+    def match(self, tokens: list[int], extra_key: str) -> Hit:
         """Every rank's handle and the pages all of them can load (0 and no handles: a
-        miss on some rank). The ranks' matches are under way at once (one round trip's
-        wait for all: :func:`hicache.client.match_each`)."""
-        handles, pages = [], 0
+        miss on some rank), by tier as the shortest rank's match has them. The ranks'
+        matches are under way at once (one round trip's wait for all:
+        :func:`hicache.client.match_each`)."""
+        hit = Hit([], 0)
         for m in match_each(self.clients, tokens, extra_key):
             n = m.num_device_pages + m.num_host_pages + m.num_disk_pages
             if m.handle is None or not n:
-                return [], 0
-            handles.append(m.handle)
-            pages = n if not pages else min(pages, n)
-        return handles, pages
+                return Hit([], 0)
+            hit.handles.append(m.handle)
+            if not hit.pages or n < hit.pages:
+                remote = m.num_remote_pages
+                hit = Hit(hit.handles, n, (m.num_device_pages + m.num_host_pages - remote, m.num_disk_pages, remote))
+        return hit
 
     def load_into(self, handles: list[Any], load: LoadMeta, first: int) -> None:
         """Start every rank's ``load_into`` ``load.blocks``, all at once; fills in
@@ -372,7 +401,7 @@ def _request_amx() -> None:
 class HicacheConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = CacheHitSource.HOST  # (what get_external_cache_hit_sources says when it cannot tell)
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -419,7 +448,9 @@ class HicacheConnector(KVConnectorBase_V1):
                 # A best-effort cache: a load that falls short is recomputed, never an error.
                 transfer.kv_load_failure_policy = "recompute"
             self._requests: dict[str, _Request] = {}
-            self._matches: dict[str, tuple[Any, int]] = {}  # req id -> (node handle, num_computed_tokens)
+            self._matches: dict[str, tuple[Hit, int]] = {}  # req id -> (its match, num_computed_tokens)
+            # req id -> the tokens of its load by source, from its alloc until vLLM asks
+            self._sources: dict[str, dict[CacheHitSource, int]] = {}
             self._loads: list[LoadMeta] = []
             self._stale: set[int] = set()  # blocks whose load failed, not computed again since
             self._step = 0  # the number of the next metadata
@@ -522,24 +553,26 @@ class HicacheConnector(KVConnectorBase_V1):
             return 0, False
         known = self._requests.get(request.request_id)
         try:
-            handles, pages = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
+            hit = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
         except HicacheError as exc:
             logger.warning("hicache: match failed: %s", exc)
             return 0, False
-        hit = pages * bs
-        if hit <= num_computed_tokens:
+        if hit.pages * bs <= num_computed_tokens:
             return 0, False
-        self._matches[request.request_id] = (handles, num_computed_tokens)
-        return hit - num_computed_tokens, False
+        self._matches[request.request_id] = (hit, num_computed_tokens)
+        return hit.pages * bs - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         req_id = request.request_id
         matched = self._matches.pop(req_id, None)
         if not num_external_tokens or matched is None:
             return
-        handles, num_computed = matched
+        hit, num_computed = matched
+        handles = hit.handles
         bs = self._block_size
         first = num_computed // bs
+        self._sources[req_id] = {source: pages * bs
+                                 for source, pages in hit.sources(first, num_external_tokens // bs).items()}
         block_ids = list(blocks.get_block_ids()[0])
         target = block_ids[first : first + num_external_tokens // bs]
         self._stale.difference_update(target)  # (new blocks: a failed load reports them again)
@@ -557,6 +590,15 @@ class HicacheConnector(KVConnectorBase_V1):
             # and _store_if_due stores from there again.
             req.stored_pages = max(req.stored_pages, first + load.num_loaded)
         self._loads.append(load)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int,
+                                       ) -> dict[CacheHitSource, int]:
+        """The request's hit by the tier it comes from (host, disk, the remote tier):
+        vLLM's ``vllm:prompt_tokens_cached_by_source``. Asked once its load started."""
+        sources = self._sources.pop(request.request_id, None)
+        if sources is None or sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = HicacheConnectorMetadata(loads=self._loads, step=self._step, confirmed=self._confirmed)
@@ -676,6 +718,7 @@ class HicacheConnector(KVConnectorBase_V1):
         # Stores are synchronous in the worker's step: nothing of this request is in flight.
         self._requests.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        self._sources.pop(request.request_id, None)
         return False, None
 
     def take_events(self):

@@ -15,7 +15,9 @@ list, before the batches of those indices — so that hits come from hicache alo
 The output (JSON): per batch, per request: ``tokens``, ``logprobs`` (per position, the
 logprob of every returned candidate, as ``[token, logprob]`` pairs), ``num_cached_tokens``,
 ``ttft_s`` (vLLM's first-token latency), and the batch's wall time; ``preemptions``: how
-many times vLLM's scheduler preempted a request (its ``vllm:num_preemptions``).
+many times vLLM's scheduler preempted a request (its ``vllm:num_preemptions``);
+``cached_by_source``: its prompt tokens cached, by the tier that held them (its
+``vllm:prompt_tokens_cached_by_source``, the sources not 0).
 """
 
 from __future__ import annotations
@@ -140,8 +142,13 @@ def main(job_path: str, out_path: str) -> None:
             Path(out_path).write_text(json.dumps(out))
             if gate is not None:
                 (gate / f"done-{step}").write_text("")
-    out["preemptions"] = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics()
-                             if m.name == "vllm:num_preemptions")
+    metrics = llm.get_metrics()
+    out["preemptions"] = sum(int(getattr(m, "value", 0)) for m in metrics if m.name == "vllm:num_preemptions")
+    out["cached_by_source"] = {}
+    for m in metrics:
+        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0):
+            source = m.labels.get("source", "")
+            out["cached_by_source"][source] = out["cached_by_source"].get(source, 0) + int(m.value)
     Path(out_path).write_text(json.dumps(out))
 
 

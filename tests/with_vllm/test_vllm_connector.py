@@ -181,6 +181,8 @@ def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_res
         assert_same_outputs(b, baseline)
         for i, r in by_prompt(b).items():
             assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[i]), (i, r["num_cached_tokens"])
+        # vLLM's own figures say where the cached tokens came from: hicache's host tier
+        assert b["cached_by_source"] == {"host": sum(whole_blocks_but_last(p) for p in prompts())}
         host_hits = daemon.metric("hicache_matched_tokens_total", tier="host") - host_before
         assert host_hits >= sum(whole_blocks_but_last(p) for p in prompts())
         assert daemon.check()["sessions"] == 0
@@ -201,6 +203,10 @@ def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_res
         for i, r in by_prompt(c).items():
             assert r["num_cached_tokens"] == whole_blocks_but_last(prompts()[i]), (i, r["num_cached_tokens"])
         assert daemon.metric("hicache_matched_tokens_total", tier="disk") > 0
+        # the first prompt of a prefix from disk, the prompts after it sharing it from host
+        by_source = c["cached_by_source"]
+        assert set(by_source) == {"host", "disk"} and sum(by_source.values()) == sum(
+            whole_blocks_but_last(p) for p in prompts()), by_source
         daemon.check()
     finally:
         daemon.stop()

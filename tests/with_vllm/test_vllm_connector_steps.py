@@ -35,7 +35,8 @@ from connector_harness import (  # noqa: E402
 from daemon_util import DaemonProcess  # noqa: E402
 from hicache.client import CacheClient  # noqa: E402
 from hicache.errors import ErrorCode, Unavailable  # noqa: E402
-from hicache.integrations.vllm import HicacheConnector, KVConnectorRole, model_identity  # noqa: E402
+from hicache.integrations.vllm import Hit, HicacheConnector, KVConnectorRole, model_identity  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STALE = 3.0  # what a block holds from the request that used it before
@@ -110,6 +111,66 @@ def test_a_prompt_one_request_stored_is_loaded_into_the_next_ones_blocks(daemon)
     finally:
         e.close()
 
+
+
+def test_vllm_counts_a_hits_tokens_by_the_tier_that_held_them(tmp_path):
+    """vLLM splits a connector's hit by ``get_external_cache_hit_sources`` (its
+    ``vllm:prompt_tokens_cached_by_source``): the pages hicache loads from host count as
+    host, from disk as disk, past vLLM's own device hit. Before, every hit counted as
+    host — a cache served from disk after a restart looked like one served from memory."""
+    host, disk = CacheHitSource.HOST, CacheHitSource.DISK
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}).start()
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        e = Engine(d.endpoint)
+        try:
+            first_request_stores(e, p)
+            for req_id, local_hit, blocks_ in (("r2", 0, [6, 7, 8, 9, 10]), ("r3", BS, [1, 11, 12, 13, 14])):
+                r = request(req_id, p)
+                ext, errors = e.prefill(r, blocks_, 9.0, local_hit=local_hit)
+                assert not errors and ext == 4 * BS - local_hit
+                assert e.scheduler.get_external_cache_hit_sources(r, ext) == {host: ext}
+                e.finish(r, blocks_)
+            admin = CacheClient(d.endpoint, heartbeat=False)
+            assert admin.flush()["not_on_disk_pages"] == 0
+            admin.close()
+        finally:
+            e.close()
+        d.stop()
+        d.start()  # (the host tier is gone; the disk tier is not)
+        e = Engine(d.endpoint, "e2")
+        try:
+            q = p[: 2 * BS + 1]  # the first two pages: from disk, and on host from now on
+            r = request("q", q)
+            ext, errors = e.prefill(r, [1, 2, 3], 9.0)
+            assert not errors and e.scheduler.get_external_cache_hit_sources(r, ext) == {disk: 2 * BS}
+            assert e.values([1, 2]) == [{7.0}] * 2
+            e.finish(r, [1, 2, 3])
+            r = request("r4", p)
+            ext, errors = e.prefill(r, [4, 5, 6, 7, 8], 9.0)
+            assert not errors and ext == 4 * BS
+            assert e.scheduler.get_external_cache_hit_sources(r, ext) == {host: 2 * BS, disk: 2 * BS}
+            assert e.values([4, 5, 6, 7]) == [{7.0}] * 4
+            e.finish(r, [4, 5, 6, 7, 8])
+            assert not e.scheduler._sources  # (nothing kept of a finished request)
+        finally:
+            e.close()
+    finally:
+        if d.proc is not None:
+            d.stop()
+
+
+def test_a_hits_pages_by_tier_are_host_then_disk_then_remote_from_vllms_first_block_on():
+    """The path a match found is its host pages, its disk-only pages, then the pages
+    just brought from the remote tier (a remote store: vLLM's ``external_unspecified``);
+    what vLLM asks about starts past its own device hit and ends with the load."""
+    hit = Hit([object()], 7, (2, 3, 2))
+    host, disk, remote = CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED
+    assert hit.sources(0, 7) == {host: 2, disk: 3, remote: 2}
+    assert hit.sources(1, 3) == {host: 1, disk: 2}
+    assert hit.sources(2, 3) == {disk: 3}
+    assert hit.sources(4, 3) == {disk: 1, remote: 2}
+    assert Hit([object()], 3, (3, 0, 0)).sources(1, 2) == {host: 2}
 
 def test_two_engines_configured_with_the_same_pool_name_each_load_into_their_own_blocks(daemon):
     """Two engines of one user started from one configuration (the same

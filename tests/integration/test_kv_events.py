@@ -374,6 +374,24 @@ def _tenants_daemon(tmp_path, context):
         daemon.close()
 
 
+@pytest.fixture
+def team_engines():
+    """A ZeroMQ context for the routers and an engine per team of :data:`_TEAMS`."""
+    context = zmq.Context()
+    engines = {team: Engine(16) for team in _TEAMS}
+    yield context, engines
+    context.destroy(linger=0)
+    for engine in engines.values():
+        engine.close()
+
+
+def _register_teams(daemon: Daemon, engines: dict[str, Engine]) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """Each team's engine registered on its connection: ``(team -> (session id, pool
+    id), team -> pool id)``."""
+    sessions = {team: register(daemon, engine, team.encode()) for team, engine in engines.items()}
+    return sessions, {team: pool_id for team, (_, pool_id) in sessions.items()}
+
+
 def _settle(daemon: Daemon, router: Subscriber) -> None:
     """Every snapshot done, and the router caught up."""
     while any(events._snapshots for events in daemon.events._managers.values()):
@@ -393,7 +411,7 @@ def _shows_what_its_tenants_could_hit(daemon: Daemon, router: Subscriber, pools:
     return hidden
 
 
-def test_each_stream_shows_the_host_and_disk_blocks_of_its_engines_tenants_only(tmp_path):
+def test_each_stream_shows_the_host_and_disk_blocks_of_its_engines_tenants_only(tmp_path, team_engines):
     """Three identities' engines share one spec's host and disk tiers: team-x (tenant
     a), team-y (b and c), team-z (a). After every step of a mixed workload — prefills
     under each tenant, the same tokens under several, hits, flushes, host and device
@@ -401,134 +419,113 @@ def test_each_stream_shows_the_host_and_disk_blocks_of_its_engines_tenants_only(
     pages of its identity's tenants only. (Before, every stream showed every tenant's: a
     router was told an engine held blocks it could never hit, and read their token ids
     on that engine's topic.)"""
-    context = zmq.Context()
-    engines = {team: Engine(16) for team in _TEAMS}
-    try:
-        with _tenants_daemon(tmp_path, context) as (daemon, router, _):
-            sessions = {team: register(daemon, engines[team], team.encode()) for team in _TEAMS}
-            pools = {team: pool_id for team, (_, pool_id) in sessions.items()}
-            manager = next(iter(daemon.managers.values()))
-            rng = np.random.default_rng(11)
-            prompts: list[list[int]] = []
-            hidden = 0
-            for _ in range(40):
-                team = list(_TEAMS)[int(rng.integers(0, len(_TEAMS)))]
-                tenant = _TEAMS[team][int(rng.integers(0, len(_TEAMS[team])))]
-                sid = sessions[team][0]
-                action = int(rng.integers(0, 6))
-                if action <= 2 or not prompts:  # a new conversation
-                    prompts.append(rng.integers(0, 1000, int(rng.integers(2, 5)) * PS).tolist())
-                    _request(daemon, sid, prompts[-1], team.encode(), tenant=tenant)
-                elif action == 3:  # a turn on an earlier one, whoever's it was
-                    prompts.append(prompts[int(rng.integers(0, len(prompts)))] + rng.integers(0, 1000, PS).tolist())
-                    _request(daemon, sid, prompts[-1], team.encode(), tenant=tenant)
-                elif action == 4:  # to disk, then out of host memory
-                    manager.flush()
-                    manager.evict(Tier.HOST, int(rng.integers(1, 8)))
-                else:
-                    manager.evict(Tier.DEVICE, int(rng.integers(1, 8)), pools[team])
-                router.pump()
-                hidden += _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
-            manager.flush()
+    context, engines = team_engines
+    with _tenants_daemon(tmp_path, context) as (daemon, router, _):
+        sessions, pools = _register_teams(daemon, engines)
+        manager = next(iter(daemon.managers.values()))
+        rng = np.random.default_rng(11)
+        prompts: list[list[int]] = []
+        hidden = 0
+        for _ in range(40):
+            team = list(_TEAMS)[int(rng.integers(0, len(_TEAMS)))]
+            tenant = _TEAMS[team][int(rng.integers(0, len(_TEAMS[team])))]
+            sid = sessions[team][0]
+            action = int(rng.integers(0, 6))
+            if action <= 2 or not prompts:  # a new conversation
+                prompts.append(rng.integers(0, 1000, int(rng.integers(2, 5)) * PS).tolist())
+                _request(daemon, sid, prompts[-1], team.encode(), tenant=tenant)
+            elif action == 3:  # a turn on an earlier one, whoever's it was
+                prompts.append(prompts[int(rng.integers(0, len(prompts)))] + rng.integers(0, 1000, PS).tolist())
+                _request(daemon, sid, prompts[-1], team.encode(), tenant=tenant)
+            elif action == 4:  # to disk, then out of host memory
+                manager.flush()
+                manager.evict(Tier.HOST, int(rng.integers(1, 8)))
+            else:
+                manager.evict(Tier.DEVICE, int(rng.integers(1, 8)), pools[team])
             router.pump()
             hidden += _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
-            assert hidden, "no stream ever had another tenant's blocks to leave out"
-            for team, pool_id in pools.items():
-                assert {medium for medium, _ in router.blocks[str(pool_id).encode()]} == {"GPU", "CPU", "STORAGE"}
-    finally:
-        context.destroy(linger=0)
-        for engine in engines.values():
-            engine.close()
+        manager.flush()
+        router.pump()
+        hidden += _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
+        assert hidden, "no stream ever had another tenant's blocks to leave out"
+        for team, pool_id in pools.items():
+            assert {medium for medium, _ in router.blocks[str(pool_id).encode()]} == {"GPU", "CPU", "STORAGE"}
 
 
 @pytest.mark.parametrize("turns", [0, 1, 2, 3, 5, 50])
 def test_a_namespace_whose_tenant_becomes_known_is_announced_once_on_its_tenants_streams(tmp_path, monkeypatch,
-                                                                                          turns):
+                                                                                          team_engines, turns):
     """Pages restored from disk with no tenant on record (the tenant log lost) are
     nobody's: no stream shows them. Once an engine names their namespace (a match), the
     streams of its tenant announce them, each block once, and no other stream does —
     whether a stream's snapshot has yet to reach that namespace, is walking it, or is
     done (``turns``: loop turns before the match, a node of each snapshot per turn)."""
     monkeypatch.setattr(kv_events, "SNAPSHOT_SLICE", 1)
-    context = zmq.Context()
-    engines = {team: Engine(16) for team in _TEAMS}
+    context, engines = team_engines
     rng = np.random.default_rng(turns)
     stem = rng.integers(0, 1000, 2 * PS).tolist()
     prompts = {"a": [stem + rng.integers(0, 1000, PS).tolist(), stem + rng.integers(0, 1000, 2 * PS).tolist()],
                "b": [rng.integers(0, 1000, 3 * PS).tolist()]}
     owner = {"a": "team-x", "b": "team-y"}
-    try:
-        with _tenants_daemon(tmp_path, context) as (daemon, router, _):
-            for tenant, tokens in prompts.items():
-                sid, _ = register(daemon, engines[owner[tenant]], owner[tenant].encode())
-                for t in tokens:
-                    _request(daemon, sid, t, owner[tenant].encode(), tenant=tenant)
-            next(iter(daemon.managers.values())).flush()
-            log = daemon.tenant_log.path
-        log.unlink()
+    with _tenants_daemon(tmp_path, context) as (daemon, router, _):
+        for tenant, tokens in prompts.items():
+            sid, _ = register(daemon, engines[owner[tenant]], owner[tenant].encode())
+            for t in tokens:
+                _request(daemon, sid, t, owner[tenant].encode(), tenant=tenant)
+        next(iter(daemon.managers.values())).flush()
+        log = daemon.tenant_log.path
+    log.unlink()
 
-        with _tenants_daemon(tmp_path, context) as (daemon, router, _):
-            sessions = {team: register(daemon, engines[team], team.encode()) for team in _TEAMS}
-            pools = {team: pool_id for team, (_, pool_id) in sessions.items()}
-            manager = next(iter(daemon.managers.values()))
-            assert {manager.tree.group_of(ns) for ns in manager.tree.namespaces()} == {""}
-            for _ in range(turns):
-                daemon.poll()
-            for tenant in ("a", "b"):  # (a's while the snapshots go on, b's once they are done)
-                team = owner[tenant]
-                packed = np.asarray(prompts[tenant][0], np.int32).tobytes()
-                answered(daemon, daemon.handle(p.Match(id=3, session=sessions[team][0], tokens=packed, tenant=tenant),
-                                               team.encode()))
-                if tenant == "a":
-                    _settle(daemon, router)
-                    assert not router.blocks.get(str(pools["team-y"]).encode())  # (b's: still nobody's)
-            _settle(daemon, router)
-            assert _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
-            for team, pool_id in pools.items():
-                stored = router.stored[str(pool_id).encode()]
-                disk = {h for medium, h in router.blocks[str(pool_id).encode()] if medium == "STORAGE"}
-                assert len(disk) == sum(len(t) for t in prompts[_TEAMS[team][0]]) // PS - (
-                    len(stem) // PS if _TEAMS[team][0] == "a" else 0)
-                assert all(stored["STORAGE", h] == 1 for h in disk), team
-    finally:
-        context.destroy(linger=0)
-        for engine in engines.values():
-            engine.close()
+    with _tenants_daemon(tmp_path, context) as (daemon, router, _):
+        sessions, pools = _register_teams(daemon, engines)
+        manager = next(iter(daemon.managers.values()))
+        assert {manager.tree.group_of(ns) for ns in manager.tree.namespaces()} == {""}
+        for _ in range(turns):
+            daemon.poll()
+        for tenant in ("a", "b"):  # (a's while the snapshots go on, b's once they are done)
+            team = owner[tenant]
+            packed = np.asarray(prompts[tenant][0], np.int32).tobytes()
+            answered(daemon, daemon.handle(p.Match(id=3, session=sessions[team][0], tokens=packed, tenant=tenant),
+                                           team.encode()))
+            if tenant == "a":
+                _settle(daemon, router)
+                assert not router.blocks.get(str(pools["team-y"]).encode())  # (b's: still nobody's)
+        _settle(daemon, router)
+        assert _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
+        for team, pool_id in pools.items():
+            stored = router.stored[str(pool_id).encode()]
+            disk = {h for medium, h in router.blocks[str(pool_id).encode()] if medium == "STORAGE"}
+            assert len(disk) == sum(len(t) for t in prompts[_TEAMS[team][0]]) // PS - (
+                len(stem) // PS if _TEAMS[team][0] == "a" else 0)
+            assert all(stored["STORAGE", h] == 1 for h in disk), team
 
 
-def test_a_reload_that_changes_an_identitys_tenants_starts_its_pools_stream_over(tmp_path):
+def test_a_reload_that_changes_an_identitys_tenants_starts_its_pools_stream_over(tmp_path, team_engines):
     """team-x is given tenant b too: its pool's stream starts over (``AllBlocksCleared``,
     then a snapshot) and shows b's host and disk blocks as well; the other streams go on
     as they were. Taken away again: x's stream starts over without them."""
-    context = zmq.Context()
-    engines = {team: Engine(16) for team in _TEAMS}
-    try:
-        with _tenants_daemon(tmp_path, context) as (daemon, router, reload):
-            sessions = {team: register(daemon, engines[team], team.encode()) for team in _TEAMS}
-            pools = {team: pool_id for team, (_, pool_id) in sessions.items()}
-            rng = np.random.default_rng(3)
-            for team in _TEAMS:
-                _request(daemon, sessions[team][0], rng.integers(0, 1000, 3 * PS).tolist(), team.encode())
-            next(iter(daemon.managers.values())).flush()
+    context, engines = team_engines
+    with _tenants_daemon(tmp_path, context) as (daemon, router, reload):
+        sessions, pools = _register_teams(daemon, engines)
+        rng = np.random.default_rng(3)
+        for team in _TEAMS:
+            _request(daemon, sessions[team][0], rng.integers(0, 1000, 3 * PS).tolist(), team.encode())
+        next(iter(daemon.managers.values())).flush()
+        _settle(daemon, router)
+        _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
+        x_topic = str(pools["team-x"]).encode()
+        before = {medium for medium, _ in router.blocks[x_topic]}
+        clears = dict(router.clears)
+        for teams in ({**_TEAMS, "team-x": ("a", "b")}, _TEAMS):
+            reload(teams)
             _settle(daemon, router)
-            _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
-            x_topic = str(pools["team-x"]).encode()
-            before = {medium for medium, _ in router.blocks[x_topic]}
+            _shows_what_its_tenants_could_hit(daemon, router, pools, teams)
+            assert router.clears - Counter(clears) == Counter([x_topic])
             clears = dict(router.clears)
-            for teams in ({**_TEAMS, "team-x": ("a", "b")}, _TEAMS):
-                reload(teams)
-                _settle(daemon, router)
-                _shows_what_its_tenants_could_hit(daemon, router, pools, teams)
-                assert router.clears - Counter(clears) == Counter([x_topic])
-                clears = dict(router.clears)
-                if teams is not _TEAMS:
-                    gained = router.blocks[x_topic] - residency(daemon, pools["team-x"], frozenset({"a"}))
-                    assert {medium for medium, _ in gained} == {"CPU", "STORAGE"}
-            assert {medium for medium, _ in router.blocks[x_topic]} == before
-    finally:
-        context.destroy(linger=0)
-        for engine in engines.values():
-            engine.close()
+            if teams is not _TEAMS:
+                gained = router.blocks[x_topic] - residency(daemon, pools["team-x"], frozenset({"a"}))
+                assert {medium for medium, _ in gained} == {"CPU", "STORAGE"}
+        assert {medium for medium, _ in router.blocks[x_topic]} == before
 
 
 def test_every_stream_ends_when_the_daemon_closes(tmp_path):

@@ -72,7 +72,11 @@ The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks 
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
 place) and prompt embeddings (:func:`extra_key_of`); the spec's model identity has what
 else changes the KV of one checkpoint: quantization, KV cache dtype, the model's config
-and ``hf_overrides`` (:func:`model_identity`).
+and ``hf_overrides`` (:func:`model_identity`). Weights changed in place (a training
+loop's update) are the engine's to tell: vLLM's ``reset_prefix_cache(reset_connector=True)``
+— which ``pause_generation(clear_cache=True)`` makes — moves the scheduler to a new
+cache epoch (:meth:`HicacheConnector.reset_cache`), and nothing stored before is matched
+by that engine again.
 
 A daemon that is down or restarting means misses, never a failed or hung request, and
 never a scheduler loop or a worker step that waits for it: each side registers
@@ -88,6 +92,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -219,7 +224,7 @@ class _Request:
     stored_pages: int = 0
 
 
-def extra_key_of(request: "Request") -> str:
+def extra_key_of(request: "Request", epoch: str = "") -> str:
     """The namespace part a request adds ("" for a plain prompt): everything besides its
     token ids that vLLM's own prefix cache keys its blocks on
     (``kv_cache_utils.generate_block_hash_extra_keys``) — the LoRA adapter (its name and
@@ -227,7 +232,9 @@ def extra_key_of(request: "Request") -> str:
     hicache outlives the engine), the cache salt, each multimodal input's identifier and
     place (an image's positions hold the same placeholder ids for every image) and the
     prompt embeddings (their positions hold a sentinel id). The name and salt are
-    spelled out (KV events carry them); the rest goes in as one digest."""
+    spelled out (KV events carry them); the rest goes in as one digest. ``epoch``: the
+    engine's cache epoch, once it reset its caches (see
+    :meth:`HicacheConnector.reset_cache`)."""
     parts, inputs = [], []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
@@ -246,6 +253,8 @@ def extra_key_of(request: "Request") -> str:
         inputs.append(("embeds", _tensor_digest(embeds), None if mask is None else bytes(map(bool, mask)).hex()))
     if inputs:
         parts.append("in=" + hashlib.blake2b(repr(inputs).encode(), digest_size=16).hexdigest())
+    if epoch:
+        parts.append(f"epoch={epoch}")
     return "vllm:" + ":".join(parts) if parts else ""
 
 
@@ -448,6 +457,7 @@ class HicacheConnector(KVConnectorBase_V1):
                 # A best-effort cache: a load that falls short is recomputed, never an error.
                 transfer.kv_load_failure_policy = "recompute"
             self._requests: dict[str, _Request] = {}
+            self._epoch = ""  # the cache epoch: see reset_cache
             self._matches: dict[str, tuple[Hit, int]] = {}  # req id -> (its match, num_computed_tokens)
             # req id -> the tokens of its load by source, from its alloc until vLLM asks
             self._sources: dict[str, dict[CacheHitSource, int]] = {}
@@ -553,7 +563,8 @@ class HicacheConnector(KVConnectorBase_V1):
             return 0, False
         known = self._requests.get(request.request_id)
         try:
-            hit = client.match(tokens[:limit], known.extra_key if known is not None else extra_key_of(request))
+            hit = client.match(tokens[:limit],
+                               known.extra_key if known is not None else extra_key_of(request, self._epoch))
         except HicacheError as exc:
             logger.warning("hicache: match failed: %s", exc)
             return 0, False
@@ -712,7 +723,28 @@ class HicacheConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: "Request") -> None:
         if self._enabled:
-            self._requests[request.request_id] = _Request(list(request.prompt_token_ids or ()), extra_key_of(request))
+            self._requests[request.request_id] = _Request(list(request.prompt_token_ids or ()),
+                                                          extra_key_of(request, self._epoch))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM empties its caches — ``reset_prefix_cache(reset_connector=True)``, and
+        ``pause_generation(clear_cache=True)`` around a weight update — and counts on the
+        connector to: the KV hicache holds of this engine's prompts may be of other
+        weights. The scheduler moves to a new cache epoch, a random part of every
+        namespace it names from now on: nothing stored before is matched by this engine
+        again (the daemon evicts it in time; an engine not reset goes on hitting it),
+        and what it stores from now on is shared with no engine but itself. The requests
+        admitted before store nothing more (their blocks may hold KV of the old
+        weights); a request vLLM resumes matches in the new epoch. True: done (None on a
+        worker, which vLLM does not ask: it keeps no cache of its own)."""
+        if self._role != KVConnectorRole.SCHEDULER:
+            return None
+        self._epoch = secrets.token_hex(8)
+        self._requests.clear()
+        self._matches.clear()
+        self._sources.clear()
+        logger.info("hicache: caches reset: nothing stored before is loaded by this engine again")
+        return True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Stores are synchronous in the worker's step: nothing of this request is in flight.

@@ -10,7 +10,11 @@ batch after another); ``max_tokens`` (for every batch, or a list: one per batch)
 ``gate_dir`` (before batch ``i`` wait for the file ``go-<i>`` there, and write
 ``done-<i>`` after it), ``repeat`` (run the batches this many times: a long-running
 engine), ``reset_prefix_cache`` (empty vLLM's own prefix cache before each batch — or, given a
-list, before the batches of those indices — so that hits come from hicache alone), ``engine`` (extra ``LLM`` keyword arguments), ``extra_config``.
+list, before the batches of those indices — so that hits come from hicache alone),
+``update_weights`` (batch indices: before each, the weights are changed in place —
+:func:`perturb_weights`, in-process engines only — and every cache reset, the
+connector's included: ``reset_prefix_cache(reset_connector=True)``), ``engine`` (extra
+``LLM`` keyword arguments), ``extra_config``.
 
 The output (JSON): per batch, per request: ``tokens``, ``logprobs`` (per position, the
 logprob of every returned candidate, as ``[token, logprob]`` pairs), ``num_cached_tokens``,
@@ -76,6 +80,19 @@ def write_model(directory: Path, *, hidden: int = 128, heads: int = 4, kv_heads:
     return directory
 
 
+def perturb_weights(model) -> None:
+    """A weight update as a training loop makes one, in place: noise added to the token
+    embeddings (the KV of every position changes). (Not a projection's weights: vLLM's
+    CPU backend computes with a packed copy of them made at load time.)"""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "embed_tokens" in name:
+                param.add_((torch.randn(param.shape, generator=generator) * 0.5).to(param.dtype))
+
+
 def _wait_for(path: Path, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -123,6 +140,9 @@ def main(job_path: str, out_path: str) -> None:
             step = repeat * len(job["batches"]) + b
             if gate is not None:
                 _wait_for(gate / f"go-{step}")
+            if b in job.get("update_weights", ()):
+                llm.apply_model(perturb_weights)
+                assert llm.reset_prefix_cache(reset_connector=True), "vLLM could not reset its caches"
             reset = job.get("reset_prefix_cache")
             if reset is True or (isinstance(reset, list) and b in reset):
                 llm.reset_prefix_cache()

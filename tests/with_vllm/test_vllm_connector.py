@@ -212,6 +212,26 @@ def test_a_second_engine_hits_what_the_first_stored_then_disk_after_a_daemon_res
         daemon.stop()
 
 
+
+def test_after_a_weight_update_and_a_cache_reset_nothing_of_the_old_weights_is_loaded(tmp_path, model):
+    """A training loop changes the weights in place and resets vLLM's caches, the
+    connector's included (``reset_prefix_cache(reset_connector=True)``): the next run of
+    a prompt hicache holds computes it afresh (before, the connector took the reset for
+    done and loaded the old weights' KV); the run after it, with only vLLM's own prefix
+    cache emptied, loads what that run stored and generates the same, bit for bit."""
+    daemon = Daemon(tmp_path / "d").start()
+    try:
+        out = run(tmp_path, "w", job(tmp_path, "w", model, daemon.endpoint, [[0], [0], [0]], multiprocessing=False,
+                                     update_weights=[1], reset_prefix_cache=[2]))
+        before, after, again = (batch["requests"][0] for batch in out["batches"])
+        assert before["num_cached_tokens"] == 0
+        assert after["num_cached_tokens"] == 0, "the old weights' KV was loaded after the reset"
+        assert after["logprobs"] != before["logprobs"]  # (the update changes what the model computes)
+        assert again["num_cached_tokens"] == whole_blocks_but_last(prompts()[0])
+        assert (again["tokens"], again["logprobs"]) == (after["tokens"], after["logprobs"])
+    finally:
+        daemon.stop()
+
 def test_a_tensor_parallel_engine_loads_each_ranks_own_kv(tmp_path, model):
     """TP 2: two worker processes, each holding half of the KV heads and caching them in
     a pool of its own. Prompts computed cold, then again with vLLM's prefix cache

@@ -172,6 +172,48 @@ def test_a_hits_pages_by_tier_are_host_then_disk_then_remote_from_vllms_first_bl
     assert hit.sources(4, 3) == {disk: 1, remote: 2}
     assert Hit([object()], 3, (3, 0, 0)).sources(1, 2) == {host: 2}
 
+
+def test_after_vllm_resets_its_caches_it_loads_nothing_stored_before(daemon):
+    """vLLM empties its caches after a weight update (``reset_prefix_cache`` with
+    ``reset_connector=True``, which ``pause_generation(clear_cache=True)`` makes) and
+    counts on the connector to: what hicache holds was computed with the old weights.
+    From then on the engine misses it (before, ``reset_cache`` was vLLM's default — "not
+    implemented", taken for done — and the engine loaded the old KV), stores the prompt
+    afresh and hits that; a request half through its prefill at the reset stores nothing
+    more; an engine that was not reset still hits the old pages, and only those."""
+    a = Engine(daemon.endpoint, "e1")
+    b = Engine(daemon.endpoint, "e2")
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(a, p)  # 7.0: the old weights' KV
+        q = list(range(3000, 3000 + 4 * BS + 1))
+        rq = request("q", q)
+        a.scheduler.on_new_request(rq)
+        assert a.scheduler.get_num_new_matched_tokens(rq, 0) == (0, False)
+        a.scheduler.update_state_after_alloc(rq, blocks([20, 21, 22, 23, 24]), 0)
+        a.step(new_req_output("q", [20, 21, 22, 23, 24], 0, 2 * BS), forward=lambda: a.fill([20, 21], 7.0))
+        assert a.scheduler.reset_cache() is True
+        assert a.worker.reset_cache() is None  # (vLLM asks the scheduler's only)
+        a.step(cached_output("q", 2 * BS, len(q) - 2 * BS), forward=lambda: a.fill([22, 23, 24], 8.0))
+        a.finish(rq, [20, 21, 22, 23, 24])
+
+        ext, errors = a.prefill(request("r2", p), [6, 7, 8, 9, 10], 8.0)
+        assert ext == 0 and not errors, "the old weights' KV was loaded after the reset"
+        a.finish(request("r2", p), [6, 7, 8, 9, 10])
+        ext, _ = a.prefill(request("r3", p), [11, 12, 13, 14, 15], 0.0)
+        assert ext == 4 * BS and a.values([11, 12, 13, 14]) == [{8.0}] * 4
+        ext, _ = a.prefill(request("q2", q), [25, 26, 27, 28, 29], 9.0)
+        assert ext == 0  # (q's first chunk is of before the reset; its second was not stored)
+
+        ext, _ = b.prefill(request("r4", p), [1, 2, 3, 4, 5], 0.0)
+        assert ext == 4 * BS and b.values([1, 2, 3, 4]) == [{7.0}] * 4
+        ext, _ = b.prefill(request("q3", q), [6, 7, 8, 9, 10], 0.0)
+        assert ext == 2 * BS and b.values([6, 7]) == [{7.0}] * 2
+    finally:
+        b.close()
+        a.close()
+
+
 def test_two_engines_configured_with_the_same_pool_name_each_load_into_their_own_blocks(daemon):
     """Two engines of one user started from one configuration (the same
     ``hicache.pool_name``): each registers a pool of its own (the name qualified by its

@@ -22,7 +22,7 @@ from hicache.keys import TOKEN_BYTES, NamespaceId, namespace_id
 from hicache.tiers import Hit
 from hicache.tree import Node
 
-_MAX_EXTRA_KEY = 1024  # characters
+MAX_EXTRA_KEY = 1024  # characters
 _MAX_NAMESPACES = 4096  # namespaces a session remembers
 
 
@@ -74,8 +74,8 @@ class CacheOps:
         """``(namespace, its tenant)``, checked against the session's identity."""
         known = session.namespaces.get((tenant, extra_key))
         if known is None:
-            if len(extra_key) > _MAX_EXTRA_KEY:
-                raise InvalidArgument(f"extra_key is longer than {_MAX_EXTRA_KEY} characters")
+            if len(extra_key) > MAX_EXTRA_KEY:
+                raise InvalidArgument(f"extra_key is longer than {MAX_EXTRA_KEY} characters")
             identity = session.creds.identity
             name = tenant if tenant is not p.UNSET and tenant else ""
             if identity is not None:

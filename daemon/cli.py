@@ -225,6 +225,36 @@ def _reload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _purge(args: argparse.Namespace) -> int:
+    """Purge until nothing of the tenant is left or ``--wait`` has passed (what a lock
+    or a transfer holds goes once it is let go)."""
+    import time
+
+    from hicache.errors import HicacheError
+
+    client = _client(args)
+    totals: dict[str, int] = {}
+    deadline = time.monotonic() + args.wait
+    try:
+        while True:
+            figures = client.purge(args.tenant, args.extra_key)
+            for key, value in figures.items():
+                totals[key] = value if key in ("namespaces", "left_pages") else totals.get(key, 0) + value
+            if not figures["left_pages"] or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+    except HicacheError as exc:
+        print(f"hicache purge: FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    what = f"tenant {args.tenant!r}" + ("" if args.extra_key is None else f", extra key {args.extra_key!r}")
+    print(f"hicache purge: {what}: {totals['namespaces']} namespaces; pages dropped: {totals['device_pages']} device, "
+          f"{totals['host_pages']} host, {totals['disk_pages']} disk; {totals['remote_pages']} asked of the remote "
+          f"store; {totals['left_pages']} left")
+    return 0 if not totals["left_pages"] else 2
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from hicache.auth import write_keypair
     from hicache.errors import InvalidArgument
@@ -281,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, run, text in (("status", _status, "live figures of a running daemon"),
                             ("check", _check, "run a running daemon's invariant checks"),
-                            ("reload", _reload, "make a running daemon re-read its [auth] section")):
+                            ("reload", _reload, "make a running daemon re-read its [auth] section"),
+                            ("purge", _purge, "forget a tenant's cached pages (or one extra key's of it)")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--config", help=f"TOML configuration file, to find the socket (default: {SYSTEM_CONFIG} "
                                           "if there is one, else the embedded defaults)")
@@ -289,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--timeout", type=_seconds, default=5.0)
         sub.add_argument("--server-key", help="the daemon's public key (Z85) or its .key file: CURVE")
         sub.add_argument("--key-file", help="this client's .key_secret file (with --server-key)")
+        if name == "purge":
+            sub.add_argument("--tenant", required=True)
+            sub.add_argument("--extra-key", help="only this extra key's namespace (a cache salt, a LoRA's name)")
+            sub.add_argument("--wait", type=_seconds, default=30.0,
+                             help="purge again until nothing is left (pages held by a lock) or this long")
         if name == "status":
             sub.add_argument("--json", action="store_true")
             sub.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=0.0, metavar="SECONDS",

@@ -33,10 +33,10 @@ import zmq
 
 from hicache import __version__
 from hicache import protocol as p
-from hicache.config import AuthConfig, DaemonConfig
+from hicache.config import AuthConfig, DaemonConfig, check_name
 from hicache.daemon import snapshot
 from hicache.daemon.auth import Identity, IdentityTable
-from hicache.daemon.cache_ops import CacheOps
+from hicache.daemon.cache_ops import MAX_EXTRA_KEY, CacheOps
 from hicache.daemon.kv_events import KvEvents
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
@@ -50,10 +50,12 @@ from hicache.errors import (
     InvariantBroken,
     PermissionDenied,
     ResourceExhausted,
+    StorageUnavailable,
     VersionMismatch,
 )
 from hicache.fdpass import FdExchange
 from hicache.jobs import Completions
+from hicache.keys import namespace_id
 from hicache.metrics import Metrics, NullMetrics
 
 if TYPE_CHECKING:
@@ -71,7 +73,7 @@ logger = logging.getLogger(__name__)
 # lock 29 ms in one run against 33 and 43 in two with 32.)
 COMPLETIONS_PER_POLL = 8
 _UNRATED_OPS = frozenset({"heartbeat", "bye", "health"})  # never refused for an identity's request rate
-_ADMIN_OPS = frozenset({"stats", "flush", "check", "reload"})
+_ADMIN_OPS = frozenset({"stats", "flush", "check", "reload", "purge"})
 # Closing after a drain that used all of its time still gets this long: what is left to
 # wait for then is the store's last commit and idle threads ending (milliseconds), unless
 # something hangs.
@@ -189,7 +191,7 @@ class Daemon:
             p.Release: ops.release, p.Store: ops.store, p.LoadInto: ops.load_into,
             p.Heartbeat: self._heartbeat, p.Bye: self._bye,
             p.Stats: self._stats, p.Health: self._health, p.Flush: self._flush, p.Check: self._check,
-            p.Reload: self._reload,
+            p.Reload: self._reload, p.Purge: self._purge,
         }
         # request type -> (handler, op name): one lookup on the request path
         self._handlers: dict[type, tuple[Callable[[Any], Any], str]] = {
@@ -452,6 +454,33 @@ class Daemon:
                                 deferred_backups=totals["deferred_backups"], seconds=self.clock() - started)
 
         return self.when_idle(reply)
+
+    def _purge(self, m: p.Purge) -> p.PurgeReply:
+        """``purge``: see :meth:`TierManager.purge`. Refused while a disk tier is being
+        rebuilt (its records are not all in the tree yet: some would stay)."""
+        tenant = check_name("tenant", m.tenant)
+        extra_key = None if m.extra_key is p.UNSET else m.extra_key
+        if extra_key is not None and (not isinstance(extra_key, str) or len(extra_key) > MAX_EXTRA_KEY):
+            raise InvalidArgument(f"extra_key must be a string of at most {MAX_EXTRA_KEY} characters")
+        if self.specs.rebuilding:
+            raise StorageUnavailable("a disk tier is being rebuilt: purge once it is done (see hicache status)")
+        totals: Counter = Counter()
+        for manager in self.managers.values():
+            if extra_key is None:
+                namespaces = manager.tree.namespaces_of({tenant})
+            else:
+                namespaces = {namespace_id(manager.spec.fingerprint, extra_key or None, tenant)}
+                namespaces &= set(manager.tree.namespaces())
+            if namespaces:
+                totals["namespaces"] += len(namespaces)
+                totals.update(manager.purge(namespaces))
+        logger.warning("purge of tenant %r%s: %d namespaces, pages dropped %d device, %d host, %d disk; %d asked of "
+                       "the remote store; %d left (held)", tenant,
+                       "" if extra_key is None else f" extra key {extra_key[:64]!r}", totals["namespaces"],
+                       totals["device"], totals["host"], totals["disk"], totals["remote"], totals["left"])
+        return p.PurgeReply(id=m.id, namespaces=totals["namespaces"], device_pages=totals["device"],
+                            host_pages=totals["host"], disk_pages=totals["disk"], remote_pages=totals["remote"],
+                            left_pages=totals["left"])
 
     def _check(self, m: p.Check) -> p.Ok:
         """Every structure's invariants; a broken one is answered as an INTERNAL error

@@ -1028,6 +1028,16 @@ class CacheClient:
         reply = self._admin(p.Reload(id=0))
         return {"identities": reply.identities, "sessions_ended": reply.sessions_ended}
 
+    def purge(self, tenant: str, extra_key: str | None = None) -> dict[str, int]:
+        """Forget ``tenant``'s cached pages — all of its namespaces, or the one of
+        ``extra_key`` — on every tier and in the remote tier's store (administrators
+        only): ``namespaces``, ``device_pages``, ``host_pages``, ``disk_pages``,
+        ``remote_pages`` (asked of the store), ``left_pages`` (held by a lock or a
+        transfer now: purge again once they are let go)."""
+        reply = self._admin(p.Purge(id=0, tenant=tenant, extra_key=p.UNSET if extra_key is None else extra_key),
+                            timeout_s=60.0)
+        return {k: v for k, v in p.as_dict(reply).items() if k not in ("op", "id")}
+
     def _start_heartbeat(self) -> None:
         if not self._want_heartbeat or self._heartbeat is not None:
             return

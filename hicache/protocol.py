@@ -331,9 +331,19 @@ class Reload(_Request, tag="reload"):
     does): identities, keys, tenants and quotas. Administrators only."""
 
 
+class Purge(_Request, tag="purge"):
+    """Forget a tenant's cached pages: every namespace of ``tenant`` (whose tenant the
+    daemon knows), or the one of ``extra_key`` under it, on every tier and in the remote
+    tier's store. Administrators only. What a lock or a transfer holds now stays (the
+    reply's ``left_pages``): purge again once it is let go."""
+
+    tenant: str
+    extra_key: str | UnsetType = UNSET
+
+
 Request = Union[
     Hello, Register, Attach, Match, MatchMany, Lock, Unlock, Load, Alloc, Insert, Release, Store, LoadInto,
-    Heartbeat, Bye, Stats, Health, Flush, Check, Reload,
+    Heartbeat, Bye, Stats, Health, Flush, Check, Reload, Purge,
 ]
 
 
@@ -523,9 +533,18 @@ class HealthReply(_Reply, tag="health"):
     version: str
 
 
+class PurgeReply(_Reply, tag="purged"):
+    namespaces: int  # the tenant's namespaces found (every spec)
+    device_pages: int  # pages dropped from pools of hicache's own
+    host_pages: int
+    disk_pages: int  # records deleted
+    remote_pages: int  # pages the remote tier's store was asked to remove
+    left_pages: int  # pages of those namespaces still cached: held by a lock or a transfer
+
+
 Reply = Union[
     Error, Ok, FlushReply, HelloReply, RegisterReply, MatchReply, MatchManyReply, LoadReply, AllocReply,
-    InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply, ReloadReply,
+    InsertReply, StoreReply, LoadIntoReply, StatsReply, HealthReply, ReloadReply, PurgeReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -77,6 +77,8 @@ class DiskTier(Protocol):
 
     def evict(self, num_pages: int, namespaces: set | None = None) -> int: ...
 
+    def purge(self, namespaces: set) -> list[bytes]: ...
+
     def forget_keys(self, keys: Iterable[bytes]) -> None: ...
 
     def persist(self) -> int: ...
@@ -121,6 +123,9 @@ class NoDisk:
 
     def evict(self, num_pages: int, namespaces: set | None = None) -> int:
         return 0
+
+    def purge(self, namespaces: set) -> list[bytes]:
+        return []
 
     def forget_keys(self, keys: Iterable[bytes]) -> None:
         pass
@@ -257,6 +262,17 @@ class LocalDisk:
                                                       self.capacity_pages // WRITE_BACK_SHARE):
             self.storage.delete(doomed)
         return len(doomed)
+
+    def purge(self, namespaces: set) -> list[bytes]:
+        """Every disk page of ``namespaces`` that nothing protects leaves the tier and
+        its records are deleted — none written back to the remote tier (see
+        :meth:`TierManager.purge`). Returns their keys."""
+        doomed: list[bytes] = []
+        for node in self.core.tree.iter_evictable(Tier.DISK, namespaces=namespaces):
+            self._drop(node, doomed, written_back=False)
+        if doomed:
+            self.storage.delete(doomed)
+        return doomed
 
     def _drop(self, node: Node, doomed: list[bytes], *, written_back: bool) -> None:
         """``node`` leaves the disk tier; its keys go to ``doomed`` (to be deleted — by

@@ -736,6 +736,48 @@ class TierManager:
             return self._evict_host(num_pages)
         return self.disk.evict(num_pages)
 
+    def purge(self, namespaces: set[NamespaceId]) -> dict[str, int]:
+        """Forget ``namespaces`` (a tenant's data to be deleted): every page of theirs
+        that nothing holds now leaves every tier — each device pool of hicache's own, host,
+        disk (its records deleted) — none of it written anywhere first, and the remote
+        tier's store is asked to remove those pages too. Pages that a lock or a transfer
+        holds stay (``left``): a purge again, once they are let go, takes them. Returns
+        the pages dropped per tier (``device``, ``host``, ``disk``), ``remote`` (pages the
+        remote store was asked to remove) and ``left``."""
+        tree = self.tree
+        out = dict.fromkeys(("device", "host", "disk", "remote", "left"), 0)
+        keys: set[bytes] = set()
+        for pool in self.pools:
+            if pool.owned or pool.retired:
+                continue
+            with pool.allocator.free_group():
+                for node in tree.iter_evictable(Tier.DEVICE, pool.pool_id, namespaces=namespaces):
+                    keys.update(node.page_key_list())
+                    self._core.misses.evicted(node, Tier.DEVICE)
+                    pages = tree.drop(node, Tier.DEVICE, pool.pool_id)
+                    pool.allocator.free(pages)
+                    out["device"] += len(pages)
+        with self.host_alloc.free_group():
+            for node in tree.iter_evictable(Tier.HOST, namespaces=namespaces):
+                keys.update(node.page_key_list())
+                out["host"] += self._drop_host(node)
+        on_disk = self.disk.purge(namespaces)
+        out["disk"] = len(on_disk)
+        keys.update(on_disk)
+        if self._core.remote.enabled and keys:
+            if self._core.remote.remove(sorted(keys)):
+                out["remote"] = len(keys)
+            else:
+                logger.warning("purge: the remote tier cannot be asked now; %d pages stay in its store", len(keys))
+        for namespace in namespaces:
+            if tree.has_namespace(namespace):
+                stack = list(tree.root(namespace).children.values())
+                while stack:
+                    node = stack.pop()
+                    out["left"] += node.num_pages if node.residency else 0
+                    stack.extend(node.children.values())
+        return out
+
     def forget_disk_keys(self, keys: Iterable[bytes]) -> None:
         """The store dropped these records on its own: forget them (and what hangs
         below); keys this tree does not hold are ignored."""

@@ -234,6 +234,9 @@ class NoRemote:
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
 
+    def remove(self, keys: list[bytes]) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 
@@ -476,6 +479,33 @@ class RemoteTier:
         self._writing.append(part)
         self.pending += total
         return True
+
+    def remove(self, keys: list[bytes]) -> bool:
+        """Remove these pages from the store (a purge: see :meth:`TierManager.purge`), on
+        the write lane; False when it cannot be asked now (the tier down, the lane
+        full). What the store held under a lease stays until the lease ends (Mooncake's
+        rule)."""
+        if not keys:
+            return True
+        if not self._usable():
+            return False
+        core, store = self.core, self.store
+        # (in flight like a put: a flush waits for it)
+        removal = Transfer(Kind.REMOTE_WRITE, None, [], None)
+        core.inflight.add_detached(removal)
+
+        def done(result, error):
+            core.inflight.remove_detached(removal)
+            if error is not None:
+                self._failed("delete", error)
+                logger.error("purge: %d pages not removed from the remote store: %s", len(keys), error)
+            else:
+                self._answered()
+
+        if self._writes.submit(core, lambda: store.delete(keys).result(), done):
+            return True
+        core.inflight.remove_detached(removal)
+        return False
 
     def keep_on_disk(self, nodes: list[Node]) -> set[bytes]:
         """The disk tier writes ``nodes`` again (pages it evicted stayed on host): a

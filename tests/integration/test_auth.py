@@ -161,6 +161,33 @@ def test_tenants_are_bound_by_the_daemon(daemon, keys):
         y.close()
 
 
+
+def test_an_administrator_purges_one_tenant_and_no_other(daemon, keys):
+    """Team-y (an administrator, tenants b and b2) purges tenant a: team-x's pages under
+    every extra key are gone, y's own — the same tokens — are not; team-x, no
+    administrator, may purge nothing, its own tenant included."""
+    tokens = _tokens(11, 3)
+    x = ClientEngine(daemon.tcp, **_creds(keys, "x"))
+    y = ClientEngine(daemon.tcp, **_creds(keys, "y"))
+    admin = _client(daemon, keys, "y")
+    try:
+        for extra_key in ("", "lora-1"):
+            x.prefill(tokens, extra_key)
+        y.prefill(tokens)
+        with pytest.raises(RemoteError) as excinfo:
+            x.client.purge("a")
+        assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
+        out = admin.purge("a")
+        assert out["namespaces"] == 2 and out["left_pages"] == 0, out
+        for extra_key in ("", "lora-1"):
+            assert x.client.match(tokens, extra_key).num_tokens == 0
+        assert y.client.match(tokens).num_tokens == len(tokens)
+        admin.check()
+    finally:
+        x.close()
+        y.close()
+        admin.close()
+
 def test_quotas_refuse_one_identity_and_not_another(daemon, keys):
     raw = _client(daemon, keys, "limited")
     other = ClientEngine(daemon.tcp, **_creds(keys, "x"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache.metrics import Metrics
-from hicache.keys import namespace_id
+from hicache.keys import namespace_id, page_keys
 from hicache.tiers.config import TierConfig
 from hicache.tiers.manager import TierManager
 from hicache.tiers.remote import RemoteSettings
@@ -90,6 +90,33 @@ def test_pages_stored_by_one_node_load_byte_exact_on_another(mooncake_store):
         a.close()
         b.close()
 
+
+
+def test_a_purge_removes_the_pages_from_the_remote_store_too(mooncake_store):
+    """Node A purges a namespace whose pages it wrote through to the remote store: they
+    leave A's tiers and the store, so that node B (which never held them) misses them
+    rather than fetch them back; a namespace not purged still travels."""
+    a, b = Node(mooncake_store), Node(mooncake_store)
+    other = namespace_id(SPEC.fingerprint, "other")
+    try:
+        a.tm.add_namespace(other)
+        tokens = list(range(3000, 3000 + 6 * PS))
+        a.prefill(tokens)
+        new = a.tm.alloc(0, 6)
+        a.engine.compute(other, tokens, new)
+        a.tm.insert(other, tokens, 0, new)
+        a.tm.flush()
+        assert a.tm.remote.counts["pages_put"] == 12
+        out = a.tm.purge({NS})
+        assert out["remote"] == 6 and out["left"] == 0 and out["device"] + out["host"] >= 6, out
+        a.tm.flush()  # (the removal runs on the remote tier's write lane)
+        assert a.store.contains(page_keys(other, tokens, PS)) == [True] * 6
+        assert a.store.contains(page_keys(NS, tokens, PS)) == [False] * 6
+        assert b.lookup(tokens).match.num_pages == 0  # (not fetched back: gone from the store)
+        a.tm.check_invariants()
+    finally:
+        a.close()
+        b.close()
 
 def test_write_back_puts_what_the_disk_tier_evicts(mooncake_store, tmp_path):
     """``policy = "write_back"``: nothing goes to the store until the disk tier evicts a

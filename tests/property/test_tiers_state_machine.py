@@ -119,6 +119,21 @@ class TiersMachine(RuleBasedStateMachine):
     def evict(self, tier, num_pages):
         self.tm.evict(tier, num_pages, 0 if tier == Tier.DEVICE else None)
 
+    @rule(ns=st.sampled_from(NAMESPACES))
+    def purge(self, ns):
+        """A tenant's namespace forgotten: every page of it that no lock holds leaves
+        every tier (its disk records with it: a restart brings none back); what stays is
+        exactly the locked paths', and the other namespaces keep every page."""
+        others = {n.node_id: dict(n.residency) for n in self.tm.tree.nodes() if n.namespace != ns}
+        out = self.tm.purge({ns})
+        left = [n for n in self.tm.tree.nodes() if n.namespace == ns and n.residency]
+        assert all(n.lock_total > 0 for n in left), [(n.node_id, n.residency) for n in left]
+        assert out["left"] == sum(n.num_pages for n in left)
+        assert {n.node_id: dict(n.residency) for n in self.tm.tree.nodes() if n.namespace != ns} == others
+        if not left:
+            self.tm.flush()
+            assert not any(meta.namespace == ns for _, meta in self.storage.iter_metadata()), "a record stayed"
+
     @rule()
     def flush_and_check_every_tier(self):
         self.driver.check_every_tier()

@@ -8,12 +8,17 @@ once and take turns, one request at a time — so that whatever else the machine
 falls on both sides of every comparison alike (run one after another, a busy minute in
 one engine's run and a quiet one in the other's moved the ratios by tens of percent):
 
-* **miss**: engine A (with the connector) generates ``--prompts`` prompts that share
+* **miss**: engine B (with the connector) generates ``--prompts`` prompts that share
   nothing, each alone, its prefix cache emptied: a miss in hicache and a store of every
   page (what hicache costs a prompt it cannot help), each right before or after (the
   order alternates) the **baseline** engine (without hicache) does the same prompt cold;
-* then engine A generates the benchmark's prompts: hicache stores their pages;
-* **hicache**: engine B (with the connector, its own prefix cache emptied before each
+* then engine A (the connector as a ``kv_producer``: it stores and never loads)
+  generates each of the benchmark's prompts alone, its prefix cache emptied: hicache
+  stores the pages of a cold prefill of each prompt, as the baseline computes them (a
+  producer that loaded a shared prefix, or ran the prompts in one batch, would compute
+  the rest in other chunks: KV equal but for the last bits, which the output comparison
+  below would see);
+* **hicache**: engine B (its own prefix cache emptied before each
   prompt) generates each prompt alone: all whole blocks but the last token's come from
   hicache's host tier; next to it the baseline engine runs the same prompt cold
   (**baseline**: its prefix cache emptied) and then again (**device hit**: vLLM's own
@@ -153,23 +158,25 @@ def main() -> None:
         cold_batches = [n + 1 + 2 * k for k in range(n)]  # the baseline's (each then again: a device hit)
         engines = Engines(work)
         try:
-            # A: warm-up, the misses, then every prompt (stored). The baseline: warm-up,
-            # the misses cold, then each prompt cold and again. B: warm-up, each prompt.
-            engines.start("a", {**base, "endpoint": endpoint,
-                                "batches": [[0]] + [[i] for i in misses] + [everything],
-                                "reset_prefix_cache": True})
+            # A (a producer): warm-up, then every prompt alone (stored). The baseline:
+            # warm-up, the misses cold, then each prompt cold and again. B: warm-up, the
+            # misses, then each prompt.
+            engines.start("a", {**base, "endpoint": endpoint, "kv_role": "kv_producer",
+                                "batches": [[0]] + [[i] for i in everything], "reset_prefix_cache": True})
             engines.start("baseline", {**base, "endpoint": None,
                                        "batches": [[0]] + [[i] for i in misses] + [[i] for i in everything for _ in
                                                                                    range(2)],
                                        "reset_prefix_cache": list(range(1, n + 1)) + cold_batches})
-            engines.start("b", {**base, "endpoint": endpoint, "batches": [[0]] + [[i] for i in everything],
+            engines.start("b", {**base, "endpoint": endpoint,
+                                "batches": [[0]] + [[i] for i in misses] + [[i] for i in everything],
                                 "reset_prefix_cache": True})
             for name in ("a", "baseline", "b"):
                 engines.step(name)  # warm-ups (B's loads A's warm-up prompt from hicache)
             for k in range(n):
-                for name in (("a", "baseline") if k % 2 == 0 else ("baseline", "a")):
+                for name in (("b", "baseline") if k % 2 == 0 else ("baseline", "b")):
                     engines.step(name)
-            engines.step("a")
+            for k in range(n):
+                engines.step("a")
             for k in range(n):
                 turns = (["b"], ["baseline", "baseline"])
                 for names in (turns if k % 2 == 0 else turns[::-1]):
@@ -186,10 +193,11 @@ def main() -> None:
     def req(result, batch):
         return result["batches"][batch]["requests"][0]
 
-    hicache = [req(hit, 1 + k) for k in range(n)]
+    hicache = [req(hit, 1 + n + k) for k in range(n)]
     cold = [req(plain, b) for b in cold_batches]
     warm = [req(plain, b + 1) for b in cold_batches]
-    missed = [req(store, 1 + k) for k in range(n)]
+    missed = [req(hit, 1 + k) for k in range(n)]
+    assert all(r["num_cached_tokens"] == 0 for r in (req(store, 1 + k) for k in range(n))), "the producer loaded"
     missed_cold = [req(plain, 1 + k) for k in range(n)]
     assert all(r["num_cached_tokens"] == 0 for r in missed), "a miss prompt hit"
     identical = all(h["tokens"] == w["tokens"] and h["logprobs"] == w["logprobs"] for h, w in zip(hicache, warm))

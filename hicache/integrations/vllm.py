@@ -68,6 +68,10 @@ the rank that holds least brought. A load's tickets travel per rank; a worker wa
 its own rank's, and reports what any rank failed to bring once its own copies into
 those blocks are over. (Pipeline parallelism: not yet — the connector turns itself off.)
 
+vLLM's ``kv_role`` is honoured: ``kv_producer`` (a prefill instance of a disaggregated
+deployment) stores and never matches, ``kv_consumer`` (a decode instance) matches and
+loads and never stores, ``kv_both`` does both.
+
 The namespace (``extra_key``) has what else vLLM's own prefix cache keys blocks on: the
 cache salt, the LoRA adapter (name and path), the multimodal inputs (identifier and
 place) and prompt embeddings (:func:`extra_key_of`); the spec's model identity has what
@@ -456,6 +460,11 @@ class HicacheConnector(KVConnectorBase_V1):
             if extra.get("hicache.recompute_on_load_error", True) and transfer.kv_load_failure_policy != "recompute":
                 # A best-effort cache: a load that falls short is recomputed, never an error.
                 transfer.kv_load_failure_policy = "recompute"
+            # vLLM's kv_role: a "kv_producer" (a prefill instance) stores and never loads,
+            # a "kv_consumer" (a decode instance) loads and never stores; "kv_both" does both.
+            kv_role = getattr(transfer, "kv_role", None) or "kv_both"
+            self._consumes = kv_role != "kv_producer"
+            self._produces = kv_role != "kv_consumer"
             self._requests: dict[str, _Request] = {}
             self._epoch = ""  # the cache epoch: see reset_cache
             self._matches: dict[str, tuple[Hit, int]] = {}  # req id -> (its match, num_computed_tokens)
@@ -556,7 +565,7 @@ class HicacheConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or ())
         limit = (len(tokens) - 1) // bs * bs  # whole blocks, never the last prompt token
         self._matches.pop(request.request_id, None)
-        if limit <= num_computed_tokens:
+        if limit <= num_computed_tokens or not self._consumes:
             return 0, False
         client = self._client  # None: not attached yet (a thread is at it): a miss, at once
         if client is None:
@@ -650,8 +659,9 @@ class HicacheConnector(KVConnectorBase_V1):
             self._report_stale(steps, meta)
         if self._unconfirmed:
             self._check_unconfirmed(steps, meta)
-        for req, num_computed, num_scheduled in steps:
-            self._store_if_due(req, num_computed, num_scheduled, meta)
+        if self._produces:
+            for req, num_computed, num_scheduled in steps:
+                self._store_if_due(req, num_computed, num_scheduled, meta)
 
     def _report_stale(self, steps: list[tuple["_Request", int, int]], meta: HicacheConnectorMetadata) -> None:
         """Blocks whose load failed hold stale KV until a request computes them again, yet

@@ -24,10 +24,11 @@ LAYER_STRIDE = NUM_BLOCKS * BLOCK_BYTES
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def vllm_config(endpoint: str, engine_id: str = "e1", *, tp: int = 1, rank: int = 0, **extra) -> SimpleNamespace:
+def vllm_config(endpoint: str, engine_id: str = "e1", *, tp: int = 1, rank: int = 0, kv_role: str = "kv_both",
+                **extra) -> SimpleNamespace:
     """An engine's config as its scheduler (rank 0) or the worker of global ``rank`` sees it."""
     transfer = SimpleNamespace(
-        kv_connector_extra_config={"hicache.endpoint": endpoint, **extra},
+        kv_connector_extra_config={"hicache.endpoint": endpoint, **extra}, kv_role=kv_role,
         engine_id=engine_id, kv_load_failure_policy="fail", is_kv_producer=False)
     model = SimpleNamespace(get_num_kv_heads=lambda parallel: HEADS, get_head_size=lambda: HEAD_DIM,
                             model="test/tiny", revision=None)
@@ -92,17 +93,18 @@ class Engine:
     rank 0's). A forward writes ``value + rank`` into each rank's blocks (a rank's
     shard of the heads differs from another's)."""
 
-    def __init__(self, endpoint: str, engine_id: str = "e1", *, tp: int = 1, **extra) -> None:
+    def __init__(self, endpoint: str, engine_id: str = "e1", *, tp: int = 1, kv_role: str = "kv_both",
+                 **extra) -> None:
         self.rank_caches = [kv_caches() for _ in range(tp)]
         self.workers = []
         for rank, caches in enumerate(self.rank_caches):
-            worker = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, rank=rank, **extra),
+            worker = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, rank=rank, kv_role=kv_role, **extra),
                                       KVConnectorRole.WORKER, kv_cache_config())
             worker.register_kv_caches(caches)
             self.workers.append(worker)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
-        self.scheduler = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, **extra), KVConnectorRole.SCHEDULER,
-                                          kv_cache_config())
+        self.scheduler = HicacheConnector(vllm_config(endpoint, engine_id, tp=tp, kv_role=kv_role, **extra),
+                                          KVConnectorRole.SCHEDULER, kv_cache_config())
 
     def block(self, layer: int, block: int, rank: int = 0) -> torch.Tensor:
         return self.rank_caches[rank][LAYER_NAMES[layer]][block]

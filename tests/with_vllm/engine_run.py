@@ -14,7 +14,8 @@ list, before the batches of those indices — so that hits come from hicache alo
 ``update_weights`` (batch indices: before each, the weights are changed in place —
 :func:`perturb_weights`, in-process engines only — and every cache reset, the
 connector's included: ``reset_prefix_cache(reset_connector=True)``), ``engine`` (extra
-``LLM`` keyword arguments), ``extra_config``.
+``LLM`` keyword arguments), ``extra_config``, ``kv_role`` (the connector's: default
+``kv_both``).
 
 The output (JSON): per batch, per request: ``tokens``, ``logprobs`` (per position, the
 logprob of every returned candidate, as ``[token, logprob]`` pairs), ``num_cached_tokens``,
@@ -123,7 +124,7 @@ def main(job_path: str, out_path: str) -> None:
         extra.update(job.get("extra_config", {}))
         engine_args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HicacheConnector", kv_connector_module_path="hicache.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_role=job.get("kv_role", "kv_both"), kv_connector_extra_config=extra)
     started = time.monotonic()
     llm = LLM(**engine_args)
     max_tokens = job["max_tokens"]

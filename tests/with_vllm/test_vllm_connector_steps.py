@@ -214,6 +214,32 @@ def test_after_vllm_resets_its_caches_it_loads_nothing_stored_before(daemon):
         a.close()
 
 
+
+def test_a_producer_only_stores_and_a_consumer_only_loads(daemon):
+    """vLLM's ``kv_role`` in a disaggregated deployment: the prefill instance
+    (``kv_producer``) stores what it computes and never loads — not even what hicache
+    holds — and the decode instance (``kv_consumer``) loads and never stores."""
+    producer = Engine(daemon.endpoint, "prefill", kv_role="kv_producer")
+    consumer = Engine(daemon.endpoint, "decode", kv_role="kv_consumer")
+    both = Engine(daemon.endpoint, "both")
+    try:
+        p = list(range(100, 100 + 4 * BS + 3))
+        first_request_stores(producer, p)  # (stores: value 7.0)
+        ext, _ = producer.prefill(request("again", p), [6, 7, 8, 9, 10], 8.0)
+        assert ext == 0  # (hicache holds it: a producer computes all the same)
+        ext, _ = consumer.prefill(request("r2", p), [1, 2, 3, 4, 5], 0.0)
+        assert ext == 4 * BS and consumer.values([1, 2, 3, 4]) == [{7.0}] * 4
+        q = list(range(900, 900 + 3 * BS + 1))
+        ext, _ = consumer.prefill(request("q", q), [11, 12, 13, 14], 5.0)
+        assert ext == 0
+        consumer.finish(request("q", q), [11, 12, 13, 14])
+        ext, _ = both.prefill(request("q2", q), [1, 2, 3, 4], 0.0)
+        assert ext == 0, "a consumer stored what it computed"
+    finally:
+        both.close()
+        consumer.close()
+        producer.close()
+
 def test_two_engines_configured_with_the_same_pool_name_each_load_into_their_own_blocks(daemon):
     """Two engines of one user started from one configuration (the same
     ``hicache.pool_name``): each registers a pool of its own (the name qualified by its

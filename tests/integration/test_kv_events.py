@@ -503,7 +503,9 @@ def test_a_namespace_whose_tenant_becomes_known_is_announced_once_on_its_tenants
 def test_a_reload_that_changes_an_identitys_tenants_starts_its_pools_stream_over(tmp_path, team_engines):
     """team-x is given tenant b too: its pool's stream starts over (``AllBlocksCleared``,
     then a snapshot) and shows b's host and disk blocks as well; the other streams go on
-    as they were. Taken away again: x's stream starts over without them."""
+    as they were. Taken away again: x's stream starts over without them. (A reload
+    takes the events sockets' connections anew: the router connects again after each,
+    and replays every stream's ring from its start.)"""
     context, engines = team_engines
     with _tenants_daemon(tmp_path, context) as (daemon, router, reload):
         sessions, pools = _register_teams(daemon, engines)
@@ -513,19 +515,23 @@ def test_a_reload_that_changes_an_identitys_tenants_starts_its_pools_stream_over
         next(iter(daemon.managers.values())).flush()
         _settle(daemon, router)
         _shows_what_its_tenants_could_hit(daemon, router, pools, _TEAMS)
-        x_topic = str(pools["team-x"]).encode()
-        before = {medium for medium, _ in router.blocks[x_topic]}
-        clears = dict(router.clears)
-        for teams in ({**_TEAMS, "team-x": ("a", "b")}, _TEAMS):
+        topics = {team: str(pool_id).encode() for team, pool_id in pools.items()}
+        assert router.clears == Counter(topics.values())  # (each stream's first batch)
+        before = {medium for medium, _ in router.blocks[topics["team-x"]]}
+        for reloads, teams in enumerate(({**_TEAMS, "team-x": ("a", "b")}, _TEAMS), start=1):
             reload(teams)
-            _settle(daemon, router)
-            _shows_what_its_tenants_could_hit(daemon, router, pools, teams)
-            assert router.clears - Counter(clears) == Counter([x_topic])
-            clears = dict(router.clears)
+            again = Subscriber(context, daemon)
+            try:
+                _settle(daemon, again)
+                _shows_what_its_tenants_could_hit(daemon, again, pools, teams)
+                assert again.clears == Counter({**Counter(topics.values()), topics["team-x"]: 1 + reloads})
+                blocks = again.blocks[topics["team-x"]]
+            finally:
+                again.close()
             if teams is not _TEAMS:
-                gained = router.blocks[x_topic] - residency(daemon, pools["team-x"], frozenset({"a"}))
+                gained = blocks - residency(daemon, pools["team-x"], frozenset({"a"}))
                 assert {medium for medium, _ in gained} == {"CPU", "STORAGE"}
-        assert {medium for medium, _ in router.blocks[x_topic]} == before
+        assert {medium for medium, _ in blocks} == before
 
 
 def test_every_stream_ends_when_the_daemon_closes(tmp_path):

@@ -128,10 +128,10 @@ class ManagerEvents:
         that comes to show it announces its host and disk pages; one that no longer
         does (never, as namespaces go: a namespace id is its tenant's alone) starts over."""
         for pool_id, stream in self.streams.items():
-            tenants = self._tenants[pool_id]
-            if tenants is None or (old in tenants) == (new in tenants):
+            was = self._shows(pool_id, old)
+            if was == self._shows(pool_id, new):
                 continue
-            if old in tenants:
+            if was:
                 self._restart(pool_id, stream)
                 continue
             snapshot = self._snapshots.get(pool_id)
@@ -143,12 +143,13 @@ class ManagerEvents:
     def _showing(self, namespace: NamespaceId) -> list[EventStream]:
         """The streams that show the namespace's host and disk pages."""
         group = self.manager.tree.group_of(namespace)
-        return [stream for pool_id, stream in self.streams.items()
-                if (tenants := self._tenants[pool_id]) is None or group in tenants]
+        return [stream for pool_id, stream in self.streams.items() if self._shows(pool_id, group)]
 
-    def _shows(self, pool_id: int, namespace: NamespaceId) -> bool:
+    def _shows(self, pool_id: int, group: str) -> bool:
+        """Does the pool's stream show the host and disk pages of a namespace of
+        ``group`` (its tenant; ``""``: not known)?"""
         tenants = self._tenants[pool_id]
-        return tenants is None or self.manager.tree.group_of(namespace) in tenants
+        return tenants is None or group in tenants
 
     def _stored(self, stream: EventStream, node: Node, medium: str) -> None:
         parent = None if node.parent is None or node.parent.is_root else _hashes(node.parent)[-1]
@@ -221,7 +222,7 @@ class ManagerEvents:
         while snapshot.pending:
             namespace = next(iter(snapshot.pending))
             whole = snapshot.pending.pop(namespace)
-            shown = self._shows(pool_id, namespace)
+            shown = self._shows(pool_id, tree.group_of(namespace))
             if not tree.has_namespace(namespace) or not (whole or shown):
                 continue
             seen: set[int] = set()

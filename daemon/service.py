@@ -460,7 +460,7 @@ class Daemon:
         rebuilt (its records are not all in the tree yet: some would stay)."""
         tenant = check_name("tenant", m.tenant)
         extra_key = None if m.extra_key is p.UNSET else m.extra_key
-        if extra_key is not None and (not isinstance(extra_key, str) or len(extra_key) > MAX_EXTRA_KEY):
+        if extra_key is not None and len(extra_key) > MAX_EXTRA_KEY:  # (a string: the decoder checked)
             raise InvalidArgument(f"extra_key must be a string of at most {MAX_EXTRA_KEY} characters")
         if self.specs.rebuilding:
             raise StorageUnavailable("a disk tier is being rebuilt: purge once it is done (see hicache status)")

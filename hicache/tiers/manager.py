@@ -651,11 +651,14 @@ class TierManager:
                     if self._backups.backup(pool, node, then_drop=True) or not self._backups.over_quota:
                         continue
                     # its tenant has no host room: the device copy just goes
-                self._core.misses.evicted(node, Tier.DEVICE)
-                pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
-                pool.allocator.free(pages)
-                freed += len(pages)
+                freed += self._drop_device(pool, node)
         return freed
+
+    def _drop_device(self, pool: DevicePoolState, node: Node) -> int:
+        self._core.misses.evicted(node, Tier.DEVICE)
+        pages = self.tree.drop(node, Tier.DEVICE, pool.pool_id)
+        pool.allocator.free(pages)
+        return len(pages)
 
     def _evict_host(self, num_pages: int, namespaces: set | None = None) -> int:
         """Free at least ``num_pages`` host pages if possible (of ``namespaces`` only,
@@ -753,10 +756,7 @@ class TierManager:
             with pool.allocator.free_group():
                 for node in tree.iter_evictable(Tier.DEVICE, pool.pool_id, namespaces=namespaces):
                     keys.update(node.page_key_list())
-                    self._core.misses.evicted(node, Tier.DEVICE)
-                    pages = tree.drop(node, Tier.DEVICE, pool.pool_id)
-                    pool.allocator.free(pages)
-                    out["device"] += len(pages)
+                    out["device"] += self._drop_device(pool, node)
         with self.host_alloc.free_group():
             for node in tree.iter_evictable(Tier.HOST, namespaces=namespaces):
                 keys.update(node.page_key_list())

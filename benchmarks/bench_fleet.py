@@ -170,7 +170,7 @@ def throughput(store: LocalMooncake, pages: int, repeat: int) -> dict[str, float
             a_host = a.tree.match(ns, tokens, 0, touch=False)
             b_host = b.tree.match(ns, tokens, 0, touch=False)
             assert a_host.num_pages == b_host.num_pages == pages
-            stored = [object_name(k) for n in a.tree.path(a_host.node) for k in n.page_key_list()]
+            stored = [object_name(ns, k) for n in a.tree.path(a_host.node) for k in n.page_key_list()]
             for (na, nb) in zip(a.tree.path(a_host.node), b.tree.path(b_host.node)):
                 assert na.num_pages == nb.num_pages
                 for ha, hb in zip(na.host_pages, nb.host_pages):

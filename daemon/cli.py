@@ -227,7 +227,8 @@ def _reload(args: argparse.Namespace) -> int:
 
 def _purge(args: argparse.Namespace) -> int:
     """Purge until nothing of the tenant is left or ``--wait`` has passed (what a lock
-    or a transfer holds goes once it is let go)."""
+    or a transfer holds goes once it is let go; the remote tier's store is asked again
+    while it was down)."""
     import time
 
     from hicache.errors import HicacheError
@@ -239,8 +240,10 @@ def _purge(args: argparse.Namespace) -> int:
         while True:
             figures = client.purge(args.tenant, args.extra_key)
             for key, value in figures.items():
-                totals[key] = value if key in ("namespaces", "left_pages") else totals.get(key, 0) + value
-            if not figures["left_pages"] or time.monotonic() >= deadline:
+                totals[key] = (value if key in ("namespaces", "left_pages", "remote_left_namespaces")
+                               else totals.get(key, 0) + value)
+            left = figures["left_pages"] or figures.get("remote_left_namespaces", 0)
+            if not left or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
     except HicacheError as exc:
@@ -250,9 +253,11 @@ def _purge(args: argparse.Namespace) -> int:
         client.close()
     what = f"tenant {args.tenant!r}" + ("" if args.extra_key is None else f", extra key {args.extra_key!r}")
     print(f"hicache purge: {what}: {totals['namespaces']} namespaces; pages dropped: {totals['device_pages']} device, "
-          f"{totals['host_pages']} host, {totals['disk_pages']} disk; {totals['remote_pages']} asked of the remote "
-          f"store; {totals['left_pages']} left")
-    return 0 if not totals["left_pages"] else 2
+          f"{totals['host_pages']} host, {totals['disk_pages']} disk, {totals['remote_pages']} from the remote "
+          f"store; {totals['left_pages']} left" + (f"; {totals['remote_left_namespaces']} namespaces not purged from "
+                                                  "the remote store (down)" if totals.get("remote_left_namespaces")
+                                                  else ""))
+    return 0 if not totals["left_pages"] and not totals.get("remote_left_namespaces") else 2
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -455,9 +455,13 @@ class Daemon:
 
         return self.when_idle(reply)
 
-    def _purge(self, m: p.Purge) -> p.PurgeReply:
-        """``purge``: see :meth:`TierManager.purge`. Refused while a disk tier is being
-        rebuilt (its records are not all in the tree yet: some would stay)."""
+    def _purge(self, m: p.Purge) -> Future:
+        """``purge``: see :meth:`TierManager.purge`; the tenant's namespaces are those
+        the tree or the tenant log (namespaces of this node's past: their pages may be
+        in the remote tier's store only) know, or the one of ``extra_key`` whether
+        known or not (another node may have stored under it). Answered once the remote
+        tier's store removed theirs. Refused while a disk tier is being rebuilt (its
+        records are not all in the tree yet: some would stay)."""
         tenant = check_name("tenant", m.tenant)
         extra_key = None if m.extra_key is p.UNSET else m.extra_key
         if extra_key is not None and len(extra_key) > MAX_EXTRA_KEY:  # (a string: the decoder checked)
@@ -465,22 +469,56 @@ class Daemon:
         if self.specs.rebuilding:
             raise StorageUnavailable("a disk tier is being rebuilt: purge once it is done (see hicache status)")
         totals: Counter = Counter()
+        removals: list[tuple[int, Future]] = []
         for manager in self.managers.values():
+            fingerprint = manager.spec.fingerprint
+            logged = self.tenant_log.tenants_of(fingerprint)
             if extra_key is None:
-                namespaces = manager.tree.namespaces_of({tenant})
+                namespaces = manager.tree.namespaces_of({tenant}) | {ns for ns, t in logged.items() if t == tenant}
+                found = namespaces
             else:
-                namespaces = {namespace_id(manager.spec.fingerprint, extra_key or None, tenant)}
-                namespaces &= set(manager.tree.namespaces())
-            if namespaces:
-                totals["namespaces"] += len(namespaces)
-                totals.update(manager.purge(namespaces))
-        logger.warning("purge of tenant %r%s: %d namespaces, pages dropped %d device, %d host, %d disk; %d asked of "
-                       "the remote store; %d left (held)", tenant,
-                       "" if extra_key is None else f" extra key {extra_key[:64]!r}", totals["namespaces"],
-                       totals["device"], totals["host"], totals["disk"], totals["remote"], totals["left"])
-        return p.PurgeReply(id=m.id, namespaces=totals["namespaces"], device_pages=totals["device"],
-                            host_pages=totals["host"], disk_pages=totals["disk"], remote_pages=totals["remote"],
-                            left_pages=totals["left"])
+                namespaces = {namespace_id(fingerprint, extra_key or None, tenant)}
+                found = {ns for ns in namespaces if manager.tree.has_namespace(ns) or ns in logged}
+            totals["namespaces"] += len(found)
+            if not namespaces:
+                continue
+            purged = manager.purge(namespaces)
+            totals.update(device=purged.device, host=purged.host, disk=purged.disk, left=purged.left)
+            if purged.remote is not None:
+                removals.append((len(namespaces), purged.remote))
+        what = f"tenant {tenant!r}" + ("" if extra_key is None else f" extra key {extra_key[:64]!r}")
+        answer: Future = Future()
+
+        def reply() -> None:
+            for count, removal in removals:
+                if removal.exception() is not None:
+                    totals["remote_left"] += count
+                    logger.error("purge of %s: the remote tier's store did not remove %d namespaces' pages: %s",
+                                 what, count, removal.exception())
+                else:
+                    totals["remote"] += removal.result()
+            logger.warning("purge of %s: %d namespaces, pages dropped %d device, %d host, %d disk, %d from the "
+                           "remote store; %d left (held)%s", what, totals["namespaces"], totals["device"],
+                           totals["host"], totals["disk"], totals["remote"], totals["left"],
+                           f"; {totals['remote_left']} namespaces left in the remote store" if totals["remote_left"]
+                           else "")
+            answer.set_result(p.PurgeReply(
+                id=m.id, namespaces=totals["namespaces"], device_pages=totals["device"], host_pages=totals["host"],
+                disk_pages=totals["disk"], remote_pages=totals["remote"], left_pages=totals["left"],
+                remote_left_namespaces=totals["remote_left"]))
+
+        waiting = [len(removals)]
+
+        def one_done(_: Future) -> None:  # (on the owner thread: the remote tier's completions)
+            waiting[0] -= 1
+            if not waiting[0]:
+                reply()
+
+        if not removals:
+            reply()
+        for _, removal in removals:
+            removal.add_done_callback(one_done)
+        return answer
 
     def _check(self, m: p.Check) -> p.Ok:
         """Every structure's invariants; a broken one is answered as an INTERNAL error

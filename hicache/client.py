@@ -1032,8 +1032,10 @@ class CacheClient:
         """Forget ``tenant``'s cached pages — all of its namespaces, or the one of
         ``extra_key`` — on every tier and in the remote tier's store (administrators
         only): ``namespaces``, ``device_pages``, ``host_pages``, ``disk_pages``,
-        ``remote_pages`` (asked of the store), ``left_pages`` (held by a lock or a
-        transfer now: purge again once they are let go)."""
+        ``remote_pages`` (removed from the store: every node's copies),
+        ``left_pages`` (held by a lock or a transfer now: purge again once they are let
+        go), ``remote_left_namespaces`` (the store could not be asked now: purge
+        again)."""
         reply = self._admin(p.Purge(id=0, tenant=tenant, extra_key=p.UNSET if extra_key is None else extra_key),
                             timeout_s=60.0)
         return {k: v for k, v in p.as_dict(reply).items() if k not in ("op", "id")}

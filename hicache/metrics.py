@@ -63,7 +63,7 @@ hicache_remote_pages_total                      op, result (get: hit, missing �
                                                 read as missing; put: ok, deferred — the
                                                 queue full: put later —, skipped — the
                                                 tier down, too much deferred, no room)
-hicache_remote_errors_total                     op (lookup, get, put): calls that failed
+hicache_remote_errors_total                     op (lookup, get, put, purge): calls that failed
 hicache_remote_up                      (gauge)  — (0 while the remote tier is marked down;
                                                 only with a remote tier)
 hicache_sessions_ended_total                    reason (bye, lease_expired, replaced: its
@@ -147,7 +147,7 @@ FAILED_DIRECTIONS = ("d2h", "host_to_disk")  # (a failed load is a miss: load_fa
 REMOTE_LOOKUPS = ("hit", "miss", "recent_miss", "unavailable", "busy")
 REMOTE_PAGES = (("get", "hit"), ("get", "missing"), ("get", "corrupt"), ("put", "ok"), ("put", "deferred"),
                 ("put", "skipped"))
-REMOTE_OPS = ("lookup", "get", "put")
+REMOTE_OPS = ("lookup", "get", "put", "purge")
 QUEUES = ("backup_deferred", "host_staging", "disk_write", "disk_write_deferred", "load_waiting")
 BOUNDED_QUEUES = ("host_staging", "disk_write")
 MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "evicted_disk", "namespace_unknown",

@@ -334,8 +334,9 @@ class Reload(_Request, tag="reload"):
 class Purge(_Request, tag="purge"):
     """Forget a tenant's cached pages: every namespace of ``tenant`` (whose tenant the
     daemon knows), or the one of ``extra_key`` under it, on every tier and in the remote
-    tier's store. Administrators only. What a lock or a transfer holds now stays (the
-    reply's ``left_pages``): purge again once it is let go."""
+    tier's store (every node's copies). Administrators only. What a lock or a transfer
+    holds now stays (the reply's ``left_pages``), and so does what the remote tier's
+    store could not be asked to remove (``remote_left_namespaces``): purge again."""
 
     tenant: str
     extra_key: str | UnsetType = UNSET
@@ -538,8 +539,9 @@ class PurgeReply(_Reply, tag="purged"):
     device_pages: int  # pages dropped from pools of hicache's own
     host_pages: int
     disk_pages: int  # records deleted
-    remote_pages: int  # pages the remote tier's store was asked to remove
+    remote_pages: int  # pages the remote tier's store removed (whichever node of the fleet put them)
     left_pages: int  # pages of those namespaces still cached: held by a lock or a transfer
+    remote_left_namespaces: int = 0  # namespaces the remote tier's store could not be asked to purge now (down)
 
 
 Reply = Union[

@@ -3,9 +3,13 @@
 Mooncake Store (``mooncake-transfer-engine-non-cuda`` on CPU machines, the CUDA wheel
 on GPU machines: the optional ``remote`` extra) keeps objects in memory segments that
 its clients contribute, indexed by a master (``mooncake_master``) that also grants
-leases and evicts. hicache stores one object per page, named by its page key — equal on
-every machine for the same namespace and tokens — so node B finds what node A stored by
-asking for the keys that follow its own hit.
+leases and evicts. hicache stores one object per page, named by its namespace and page
+key (``hicache/2/<namespace hex>/<page key hex>``) — equal on every machine for the same
+namespace and tokens — so node B finds what node A stored by asking for the keys that
+follow its own hit, and one call removes a namespace's pages from the whole fleet
+(:meth:`MooncakeBackend.purge`, whichever node stored them). (Objects of the first
+naming, ``hicache/1/<page key hex>``, are no longer read: the master evicts them in
+time.)
 
 An object is a record header, the page's token ids, then the host page as is::
 
@@ -66,7 +70,8 @@ RECORD_VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQ16s16s16sI4xQ")
 HEADER_BYTES = _HEADER.size  # 96
 _CHECKSUM_OFFSET = HEADER_BYTES - 8
-KEY_PREFIX = "hicache/1/"  # object names: this prefix and the page key in hex
+KEY_PREFIX = "hicache/2/"  # object names: this prefix, the namespace id in hex, "/", the page key in hex
+PURGE_BATCH = 64  # namespaces per remove-by-pattern call at most (the master scans every object per call)
 
 # Mooncake's error codes: object not found (missing, not bad), RPC failure (the store is
 # unreachable), no segment with room (a put skipped). Any other failure of a get — a
@@ -80,8 +85,14 @@ class RemoteUnavailable(StorageUnavailable):
     """The remote store did not answer (its master or a segment is unreachable)."""
 
 
-def object_name(key: bytes) -> str:
-    return KEY_PREFIX + key.hex()
+def object_name(namespace: bytes, key: bytes) -> str:
+    return f"{KEY_PREFIX}{namespace.hex()}/{key.hex()}"
+
+
+def namespace_pattern(namespaces: Sequence[bytes]) -> str:
+    """The regular expression the master matches the names of these namespaces'
+    objects with (hex digits only: nothing to escape)."""
+    return f"^{KEY_PREFIX}({'|'.join(ns.hex() for ns in namespaces)})/"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,12 +281,13 @@ class MooncakeBackend:
 
     # -- the remote tier's calls ----------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` the store holds now (one master RPC per :attr:`BATCH`)."""
+    def contains(self, keys: Sequence[bytes], *, namespace: bytes) -> list[bool]:
+        """Which of ``keys`` (pages of ``namespace``) the store holds now (one master RPC
+        per :attr:`BATCH`)."""
         store = self._client()
         found: list[bool] = []
         for start in range(0, len(keys), self.BATCH):
-            names = [object_name(k) for k in keys[start : start + self.BATCH]]
+            names = [object_name(namespace, k) for k in keys[start : start + self.BATCH]]
             codes = store.batch_is_exist(names)
             if any(c < 0 for c in codes):
                 raise RemoteUnavailable(f"the store did not answer is_exist (codes {sorted(set(codes))})")
@@ -321,7 +333,7 @@ class MooncakeBackend:
                 header[HEADER_BYTES:] = np.frombuffer(tokens, dtype=np.uint8)
                 checksum = _checksum(header, tokens, source[row])
                 struct.pack_into("<Q", header, _CHECKSUM_OFFSET, checksum)
-                names.append(object_name(key))
+                names.append(object_name(batch.namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES], key))
                 ptrs.append([area_ptr + j * header_bytes, base + row * payload])
                 sizes.append([header_bytes, payload])
             codes = store.batch_put_from_multi_buffers(names, ptrs, sizes)
@@ -344,29 +356,29 @@ class MooncakeBackend:
                           source, np.arange(len(records)))
         return self.put_batch(batch, fingerprint=fingerprint)
 
-    def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes,
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, fingerprint: bytes, namespace: bytes,
             token_bytes: int | None = None) -> list[bool]:
-        """Copy each stored, intact object into its buffer (the payload only); ``False``
-        where it is missing or fails a check. ``token_bytes``: the tokens a record of
-        this spec carries (by default, whatever the object says)."""
+        """Copy each stored, intact object (pages of ``namespace``) into its buffer (the
+        payload only); ``False`` where it is missing or fails a check. ``token_bytes``:
+        the tokens a record of this spec carries (by default, whatever the object says)."""
         store = self._client()
         if len(keys) != len(buffers):
             raise InvalidArgument("one buffer per key")
         found: list[bool] = []
         for start in range(0, len(keys), self.BATCH):
-            found.extend(self._get(store, keys[start : start + self.BATCH], buffers[start : start + self.BATCH],
+            found.extend(self._get(store, [object_name(namespace, k) for k in keys[start : start + self.BATCH]],
+                                   keys[start : start + self.BATCH], buffers[start : start + self.BATCH],
                                    fingerprint, token_bytes))
         return found
 
-    def _get(self, store, keys, buffers, fingerprint: bytes, token_bytes: int | None) -> list[bool]:
+    def _get(self, store, names, keys, buffers, fingerprint: bytes, token_bytes: int | None) -> list[bool]:
         addresses = [_address(b) for b in buffers]
         if token_bytes is None:
-            sizes = [store.get_size(object_name(k)) for k in keys]
+            sizes = [store.get_size(name) for name in names]
             token_bytes = max([s - HEADER_BYTES - a[1] for s, a in zip(sizes, addresses)] + [0])
         header_bytes = HEADER_BYTES + token_bytes
         area = self._scratch(header_bytes)
         area_ptr = area.ctypes.data
-        names = [object_name(k) for k in keys]
         ptrs = [[area_ptr + j * header_bytes, addresses[j][0]] for j in range(len(keys))]
         sizes = [[header_bytes, addresses[j][1]] for j in range(len(keys))]
 
@@ -406,15 +418,32 @@ class MooncakeBackend:
 
     # -- the rest of the storage port -----------------------------------------------------
 
-    def delete(self, keys: Sequence[bytes]) -> Future[int]:
-        """Remove ``keys`` (objects under a lease stay until it ends: Mooncake's rule)."""
+    def delete(self, keys: Sequence[bytes], *, namespace: bytes) -> Future[int]:
+        """Remove ``keys`` (pages of ``namespace``; objects under a lease stay until it
+        ends: Mooncake's rule)."""
         future: Future = Future()
         try:
-            codes = self._client().batch_remove([object_name(k) for k in keys]) if keys else []
+            codes = self._client().batch_remove([object_name(namespace, k) for k in keys]) if keys else []
             future.set_result(sum(1 for c in codes if c == 0))
         except BaseException as exc:
             future.set_exception(exc)
         return future
+
+    def purge(self, namespaces: Sequence[bytes]) -> int:
+        """Remove every object of ``namespaces`` from the store — whichever node put it,
+        leased or not (a reader whose object goes mid-transfer finds it fails its
+        checks: read as missing) — and return how many went. Synchronous (the tier
+        manager calls from its remote write thread): one master call per
+        :data:`PURGE_BATCH` namespaces, each a scan of the master's objects."""
+        store = self._client()
+        namespaces = list(namespaces)
+        removed = 0
+        for start in range(0, len(namespaces), PURGE_BATCH):
+            count = store.remove_by_regex(namespace_pattern(namespaces[start : start + PURGE_BATCH]), True)
+            if count < 0:
+                raise RemoteUnavailable(f"the store did not remove the namespaces' objects (code {count})")
+            removed += count
+        return removed
 
     def iter_metadata(self, batch: int | None = None) -> Iterator[tuple[bytes, PageMeta]]:
         """A remote store is asked, not listed: nothing."""

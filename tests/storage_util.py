@@ -187,6 +187,15 @@ class InProcessMooncake:
     def batch_remove(self, names: list[str], force: bool = False) -> list[int]:
         return [0 if self.objects.pop(name, None) is not None else self.NOT_FOUND for name in names]
 
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        import re
+
+        self._wait("remove_by_regex")
+        names = [name for name in self.objects if re.search(pattern, name)]
+        for name in names:
+            del self.objects[name]
+        return len(names)
+
     def close(self) -> int:
         return 0
 

@@ -57,7 +57,7 @@ from hicache.tiers.rebuild import REBUILD_PROGRESS_EVERY
 from hicache.tiers.prefetch import answer_after
 from hicache.tiers.quotas import SpaceQuotas
 from hicache.tiers.remote import NoRemote, RemoteSettings, RemoteTier
-from hicache.tiers.results import Hit, LoadTiming, TierAccount
+from hicache.tiers.results import Hit, LoadTiming, Purged, TierAccount
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import InFlight, Kind
 from hicache.tiers.windows import Windows, cut_match
@@ -739,42 +739,33 @@ class TierManager:
             return self._evict_host(num_pages)
         return self.disk.evict(num_pages)
 
-    def purge(self, namespaces: set[NamespaceId]) -> dict[str, int]:
+    def purge(self, namespaces: set[NamespaceId]) -> Purged:
         """Forget ``namespaces`` (a tenant's data to be deleted): every page of theirs
         that nothing holds now leaves every tier — each device pool of hicache's own, host,
-        disk (its records deleted) — none of it written anywhere first, and the remote
-        tier's store is asked to remove those pages too. Pages that a lock or a transfer
-        holds stay (``left``): a purge again, once they are let go, takes them. Returns
-        the pages dropped per tier (``device``, ``host``, ``disk``), ``remote`` (pages the
-        remote store was asked to remove) and ``left``."""
+        disk (its records deleted, those waiting to be written back to the remote tier
+        too) — none of it written anywhere first, and the remote tier's store removes
+        every page of theirs, whichever node of the fleet put it (:meth:`RemoteTier.purge`:
+        ``namespaces`` this tree never held too). Pages that a lock or a transfer holds
+        stay (``left``): a purge again, once they are let go, takes them."""
         tree = self.tree
-        out = dict.fromkeys(("device", "host", "disk", "remote", "left"), 0)
-        keys: set[bytes] = set()
+        out = Purged()
         for pool in self.pools:
             if pool.owned or pool.retired:
                 continue
             with pool.allocator.free_group():
                 for node in tree.iter_evictable(Tier.DEVICE, pool.pool_id, namespaces=namespaces):
-                    keys.update(node.page_key_list())
-                    out["device"] += self._drop_device(pool, node)
+                    out.device += self._drop_device(pool, node)
         with self.host_alloc.free_group():
             for node in tree.iter_evictable(Tier.HOST, namespaces=namespaces):
-                keys.update(node.page_key_list())
-                out["host"] += self._drop_host(node)
-        on_disk = self.disk.purge(namespaces)
-        out["disk"] = len(on_disk)
-        keys.update(on_disk)
-        if self._core.remote.enabled and keys:
-            if self._core.remote.remove(sorted(keys)):
-                out["remote"] = len(keys)
-            else:
-                logger.warning("purge: the remote tier cannot be asked now; %d pages stay in its store", len(keys))
+                out.host += self._drop_host(node)
+        out.disk = len(self.disk.purge(namespaces)) + self.remote.drop_waiting(namespaces)
+        out.remote = self.remote.purge(namespaces)
         for namespace in namespaces:
             if tree.has_namespace(namespace):
                 stack = list(tree.root(namespace).children.values())
                 while stack:
                     node = stack.pop()
-                    out["left"] += node.num_pages if node.residency else 0
+                    out.left += node.num_pages if node.residency else 0
                     stack.extend(node.children.values())
         return out
 

@@ -42,6 +42,11 @@ and evicts on its own, so what this node could record would go stale. Instead:
   0): lookups answer "miss" and writes are skipped meanwhile; the next call after that
   is the probe that brings it back. Calls queue at most ``max_queued`` deep: a slow
   store means misses, not a backlog.
+* **Purges** (:meth:`RemoteTier.purge`): objects are named by namespace (see
+  :mod:`hicache.storage.mooncake_backend`), so one call removes every page of the
+  purged namespaces from the store — whichever node put it, held here or not. It runs
+  on the write lane, behind the puts already started (their pages land, then go);
+  write-backs not started yet drop those pages, and a fetch in flight keeps none.
 
 Pages read from the remote tier join the tree only under a prefix that is on host (a
 disk-only prefix is read to host first: the match's disk prefetch); a hit whose last
@@ -55,13 +60,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hicache.errors import HicacheError, InvalidArgument, RecordsUnreadable, ResidencyError
+from hicache.errors import HicacheError, InvalidArgument, RecordsUnreadable, ResidencyError, StorageUnavailable
 from hicache.keys import PAGE_KEY_BYTES, ROOT_PARENT_KEY, TOKEN_BYTES, NamespaceId, chain_page_keys
 from hicache.tiers.core import Core
 from hicache.tiers.disk_writes import path_batch
@@ -122,6 +127,7 @@ class Fetch:
     after: Fetch | None = None
     shared: int = 0
     done: bool = False
+    purged: bool = False  # its namespace was purged meanwhile: what it reads is not kept
     pages: int = 0
     waiters: list[Callable[[], None]] = field(default_factory=list)
 
@@ -171,6 +177,24 @@ class _WriteBack:
         self.last -= first.last
         return first
 
+    def drop(self, namespaces: set[NamespaceId]) -> list[bytes]:
+        """Take out the pages of ``namespaces``; returns the keys of those whose records
+        it was to delete (its own: not written again meanwhile). O(pages)."""
+        def slot(column: bytes, i: int) -> bytes:
+            return column[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES]
+
+        keep = [i for i in range(len(self.keys)) if slot(self.namespaces, i) not in namespaces]
+        if len(keep) == len(self.keys):
+            return []
+        gone = set(self.keys).difference(self.keys[i] for i in keep)
+        out = [k for k in self.keys if k in gone and k in self.doomed]
+        self.keys = [self.keys[i] for i in keep]
+        self.namespaces = b"".join(slot(self.namespaces, i) for i in keep)
+        self.parents = b"".join(slot(self.parents, i) for i in keep)
+        self.doomed -= gone
+        self.last -= gone
+        return out
+
     def delete_records(self) -> None:
         """Delete its records from the disk (but those written again meanwhile)."""
         self.storage.delete([k for k in self.keys if k in self.doomed])
@@ -190,9 +214,11 @@ class _Lane:
         self._queued = 0
         self._lock = threading.Lock()
 
-    def submit(self, core: Core, work: Callable, done: Callable) -> bool:
+    def submit(self, core: Core, work: Callable, done: Callable, *, bounded: bool = True) -> bool:
+        """Queue ``work`` (``done(result, error)`` on the owner thread after it); False
+        if the queue is full — unless ``bounded`` is off (a call that must not be shed)."""
         with self._lock:
-            if self._queued >= self._limit:
+            if bounded and self._queued >= self._limit:
                 return False
             self._queued += 1
 
@@ -234,8 +260,11 @@ class NoRemote:
     def fetch(self, namespace: NamespaceId, packed: bytes, result: MatchResult) -> Fetch | None:
         return None
 
-    def remove(self, keys: list[bytes]) -> bool:
-        return False
+    def drop_waiting(self, namespaces: set[NamespaceId]) -> int:
+        return 0
+
+    def purge(self, namespaces: set[NamespaceId]) -> None:
+        return None
 
     def close(self) -> None:
         pass
@@ -480,32 +509,56 @@ class RemoteTier:
         self.pending += total
         return True
 
-    def remove(self, keys: list[bytes]) -> bool:
-        """Remove these pages from the store (a purge: see :meth:`TierManager.purge`), on
-        the write lane; False when it cannot be asked now (the tier down, the lane
-        full). What the store held under a lease stays until the lease ends (Mooncake's
-        rule)."""
-        if not keys:
-            return True
+    def purge(self, namespaces: set[NamespaceId]) -> Future:
+        """Remove every page of ``namespaces`` from the store — the whole fleet's copies,
+        whichever node put them (see :meth:`TierManager.purge`). On the write lane, so
+        after every put this tier started before (its queue's bound does not apply: an
+        administrator's call is not a put to shed; :meth:`drop_waiting` first takes
+        the pages not started yet); fetches in flight for them keep nothing they read. The future (done on the owner thread): the objects removed,
+        or the store's error (the tier down: not asked)."""
+        future: Future = Future()
+        for fetch in self._fetches.values():
+            if fetch.namespace in namespaces:
+                fetch.purged = True
+        if not namespaces:
+            future.set_result(0)
+            return future
         if not self._usable():
-            return False
+            future.set_exception(StorageUnavailable("the remote tier is down (retried every "
+                                                   f"{self.settings.retry_s:g} s)"))
+            return future
         core, store = self.core, self.store
-        # (in flight like a put: a flush waits for it)
-        removal = Transfer(Kind.REMOTE_WRITE, None, [], None)
+        removal = Transfer(Kind.REMOTE_WRITE, None, [], None)  # (in flight like a put: a flush waits for it)
         core.inflight.add_detached(removal)
 
         def done(result, error):
             core.inflight.remove_detached(removal)
             if error is not None:
-                self._failed("delete", error)
-                logger.error("purge: %d pages not removed from the remote store: %s", len(keys), error)
+                self._failed("purge", error)
+                future.set_exception(error)
             else:
                 self._answered()
+                future.set_result(result)
 
-        if self._writes.submit(core, lambda: store.delete(keys).result(), done):
-            return True
-        core.inflight.remove_detached(removal)
-        return False
+        self._writes.submit(core, lambda: store.purge(sorted(namespaces)), done, bounded=False)
+        return future
+
+    def drop_waiting(self, namespaces: set[NamespaceId]) -> int:
+        """Take the pages of ``namespaces`` out of the write-backs waiting for staging
+        pages and delete their records (a purge: they are put nowhere); returns how
+        many. O(pages waiting)."""
+        dropped = 0
+        for part in self._waiting:
+            before = len(part.keys)
+            doomed = part.drop(namespaces)
+            dropped += before - len(part.keys)
+            if doomed:
+                part.storage.delete(doomed)
+        if dropped:
+            self._waiting_pages -= dropped
+            self._waiting = deque(part for part in self._waiting if part.keys)
+            self.on_disk_freed()
+        return dropped
 
     def keep_on_disk(self, nodes: list[Node]) -> set[bytes]:
         """The disk tier writes ``nodes`` again (pages it evicted stayed on host): a
@@ -653,7 +706,7 @@ class RemoteTier:
             # deadline rather than join a lane stuck in the store)
             lookup = Transfer(Kind.REMOTE_READ, None, [], anchor)
             core.inflight.add_detached(lookup)
-            if not self._reads.submit(core, lambda: store.contains(key_list),
+            if not self._reads.submit(core, lambda: store.contains(key_list, namespace=namespace),
                                       lambda found, error: self._looked_up(fetch, lookup, found, error)):
                 core.inflight.remove_detached(lookup)
                 self._lookup("busy")
@@ -733,12 +786,13 @@ class RemoteTier:
         keys = [fetch.asked[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in range(count)]
         buffers = [core.host_pool.page_array(int(h)) for h in pages]
         store, fingerprint, token_bytes = self.store, core.spec.fingerprint, self._token_bytes
+        namespace = fetch.namespace
 
         def work():
             # (the store's count moves by this get's bad records: this tier's reads run on
             # one thread — another spec's manager sharing the store may blur it)
             before = getattr(store, "corrupt_records", 0)
-            found = store.get(keys, buffers, fingerprint=fingerprint, token_bytes=token_bytes)
+            found = store.get(keys, buffers, fingerprint=fingerprint, namespace=namespace, token_bytes=token_bytes)
             return found, getattr(store, "corrupt_records", 0) - before
 
         def done(result, error):
@@ -786,7 +840,9 @@ class RemoteTier:
                 return
         landed = 0
         core.host_staging -= len(pages)
-        if len(pages):
+        if len(pages) and fetch.purged:  # (read before the purge removed them: not kept)
+            core.host_alloc.free(pages)
+        elif len(pages):
             start = fetch.first + fetch.shared
             end = (start + len(pages)) * self._token_bytes
             try:

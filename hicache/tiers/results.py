@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from hicache.counters import Ticket
@@ -32,6 +34,20 @@ class LoadResult(NamedTuple):
     num_loaded_pages: int
     wait: tuple[Ticket, ...]
     state: bool = False
+
+
+@dataclass
+class Purged:
+    """What a purge dropped, per tier: pages of hicache's own device pools, host pages,
+    disk records; ``left``: pages still cached, held by a lock or a transfer.
+    ``remote``: the remote tier's removal (the objects it removed from the store,
+    once done: its error if it could not), ``None`` without a remote tier."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    left: int = 0
+    remote: Future | None = None
 
 
 class TierAccount(NamedTuple):

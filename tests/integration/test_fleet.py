@@ -167,7 +167,7 @@ def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_stor
         ps = CONFIG.page_size
         ns = namespace_id(CONFIG.spec.fingerprint)
         keys = chain_page_keys(ns, ROOT_PARENT_KEY, pack_tokens(prompt[: 4 * ps]), ps)
-        name = object_name(keys[32:48])
+        name = object_name(ns, keys[32:48])
         blob = bytearray(raw.get(name))
         assert blob, "node A's page is not in the store"
         blob[-5] ^= 0x40
@@ -181,3 +181,71 @@ def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_stor
         a.stop()
         b.stop()
         plain.close()
+
+
+def test_a_purge_on_any_node_removes_the_pages_every_node_put(tmp_path, mooncake_store, model):
+    """Node A computes prompts (written through to the store). Node B, which never saw
+    them, purges one user's (their extra key): the store holds none of its pages. Node
+    A restarts with its pages' records gone but its tenant log kept: a purge of the
+    whole tenant — a namespace no tier of A holds, only the log names — removes the
+    other user's pages from the store too. With the store's master down, a purge says
+    what it could not do (exit 2), and does it once the master is back."""
+    from daemon_util import HICACHE, run_hicache
+    from hicache.keys import namespace_id, page_keys
+    from hicache.storage.mooncake_backend import object_name
+
+    a, b = (Node(tmp_path / name, mooncake_store, model).launch() for name in "ab")  # side by side
+    a.ready()
+    b.ready()
+    raw = mooncake_store.client()
+    rng = np.random.default_rng(3)
+    ps = CONFIG.page_size
+    prompts = {user: rng.integers(0, CONFIG.vocab, 4 * ps + 1).tolist() for user in ("user-1", "user-2")}
+
+    def stored(user: str) -> list[int]:
+        ns = namespace_id(CONFIG.spec.fingerprint, user)
+        return [raw.is_exist(object_name(ns, key)) for key in page_keys(ns, prompts[user], ps)]
+
+    def purge(node: Node, *extra: str) -> "subprocess.CompletedProcess":
+        (done,) = run_hicache([HICACHE, "purge", "--endpoint", node.daemon.endpoint, "--tenant", "default",
+                               "--wait", "0.1", *extra])
+        return done
+
+    try:
+        for user, prompt in prompts.items():
+            a.engine.generate(prompt, 2, extra_key=user)
+        a.engine.client.flush()
+        assert stored("user-1") == stored("user-2") == [1] * 4
+
+        done = purge(b, "--extra-key", "user-1")
+        assert done.returncode == 0 and "0 namespaces" in done.stdout and "4 from the remote store" in done.stdout, (
+            done.stdout, done.stderr)
+        assert stored("user-1") == [0] * 4 and stored("user-2") == [1] * 4
+
+        a.stop()
+        for path in (tmp_path / "a" / "lmdb").iterdir():  # (the records go; the tenant log stays)
+            if path.name != "tenants":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        a.start()
+        done = purge(a)
+        assert done.returncode == 0 and "4 from the remote store" in done.stdout, (done.stdout, done.stderr)
+        assert stored("user-2") == [0] * 4
+
+        mooncake_store.kill_master()
+        done = purge(a, "--extra-key", "user-2")
+        assert done.returncode == 2 and "1 namespaces not purged from the remote store" in done.stdout, (
+            done.stdout, done.stderr)
+        mooncake_store.start_master()
+        mooncake_store.wait_segment()
+        for _ in range(100):  # (until node A's store client is back: paced attempts, no wall-clock bound)
+            done = purge(a, "--extra-key", "user-2")
+            if done.returncode == 0:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the purge never reached the store again: {done.stdout}")
+        assert "0 from the remote store" in done.stdout, done.stdout
+    finally:
+        raw.close()
+        a.stop()
+        b.stop()

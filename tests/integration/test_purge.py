@@ -68,7 +68,8 @@ def test_a_purged_extra_key_is_gone_from_every_tier_and_after_a_restart_and_noth
         assert out["left_pages"] == 0 and out["disk_pages"] == len(held) // PS, out
         assert _cached(engine, held, "user-42") == 0
         assert admin.purge("default", "user-42") == {"namespaces": 1, "device_pages": 0, "host_pages": 0,
-                                                     "disk_pages": 0, "remote_pages": 0, "left_pages": 0}
+                                                     "disk_pages": 0, "remote_pages": 0, "left_pages": 0,
+                                                     "remote_left_namespaces": 0}
         assert admin.purge("default", "never-used")["namespaces"] == 0
         admin.check()
     finally:

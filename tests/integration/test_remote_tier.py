@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache.metrics import Metrics
-from hicache.keys import namespace_id, page_keys
+from hicache.keys import namespace_id, pack_tokens, page_keys
 from hicache.tiers.config import TierConfig
 from hicache.tiers.manager import TierManager
 from hicache.tiers.remote import RemoteSettings
@@ -108,15 +108,53 @@ def test_a_purge_removes_the_pages_from_the_remote_store_too(mooncake_store):
         a.tm.flush()
         assert a.tm.remote.counts["pages_put"] == 12
         out = a.tm.purge({NS})
-        assert out["remote"] == 6 and out["left"] == 0 and out["device"] + out["host"] >= 6, out
+        assert out.left == 0 and out.device + out.host >= 6, out
         a.tm.flush()  # (the removal runs on the remote tier's write lane)
-        assert a.store.contains(page_keys(other, tokens, PS)) == [True] * 6
-        assert a.store.contains(page_keys(NS, tokens, PS)) == [False] * 6
+        assert out.remote.result() == 6
+        assert a.store.contains(page_keys(other, tokens, PS), namespace=other) == [True] * 6
+        assert a.store.contains(page_keys(NS, tokens, PS), namespace=NS) == [False] * 6
         assert b.lookup(tokens).match.num_pages == 0  # (not fetched back: gone from the store)
         a.tm.check_invariants()
     finally:
         a.close()
         b.close()
+
+
+def test_a_purge_removes_every_nodes_copies_of_pages_it_no_longer_holds(mooncake_store):
+    """The pages a node wrote through long ago are off its tiers (evicted) but in the
+    store, and another node put pages of the same namespace (a longer prompt after the
+    prefix it fetched): a purge on the first node, which holds nothing of the namespace
+    any more, removes both nodes' objects — a third node misses all of them — and
+    nothing of another namespace."""
+    a, b, c = Node(mooncake_store), Node(mooncake_store), Node(mooncake_store)
+    other = namespace_id(SPEC.fingerprint, "other")
+    try:
+        prefix, more = list(range(3000, 3000 + 6 * PS)), list(range(9000, 9000 + 3 * PS))
+        a.prefill(prefix)
+        a.tm.add_namespace(other)
+        new = a.tm.alloc(0, 6)
+        a.engine.compute(other, prefix, new)
+        a.tm.insert(other, prefix, 0, new)
+        a.tm.flush()
+        a.tm.evict(Tier.DEVICE, 12, 0)
+        a.tm.evict(Tier.HOST, 12)
+        assert a.tm.tree.sizes(Tier.HOST).cached == 0 and a.tm.tree.sizes(Tier.DEVICE, 0).cached == 0
+        assert b.load(prefix)[0].remote_pages == 6
+        b.prefill(prefix + more)  # (B puts the three pages after the prefix)
+        b.tm.flush()
+        assert b.tm.remote.counts["pages_put"] == 3
+        out = a.tm.purge({NS})
+        assert (out.device, out.host, out.disk, out.left) == (0, 0, 0, 0), out
+        a.tm.flush()
+        assert out.remote.result() == 9
+        assert c.lookup(prefix + more).match.num_pages == 0
+        assert a.store.contains(page_keys(NS, prefix + more, PS), namespace=NS) == [False] * 9
+        assert a.store.contains(page_keys(other, prefix, PS), namespace=other) == [True] * 6
+        a.tm.check_invariants()
+    finally:
+        a.close()
+        b.close()
+        c.close()
 
 def test_write_back_puts_what_the_disk_tier_evicts(mooncake_store, tmp_path):
     """``policy = "write_back"``: nothing goes to the store until the disk tier evicts a
@@ -469,6 +507,93 @@ def test_a_write_back_while_another_holds_the_staging_rows_waits_for_them(tmp_pa
         for tokens in (first, second):
             hit, _ = b.load(tokens)
             assert hit.remote_pages == len(tokens) // PS
+    finally:
+        raw.release()
+        a.close()
+        b.close()
+
+
+def test_a_purge_during_write_backs_leaves_nothing_of_the_namespace_in_the_store_or_on_disk(tmp_path):
+    """A purge while one write-back is stuck in the store's put and another waits for
+    staging rows: the waiting one's pages go now (records deleted, put nowhere); the
+    stuck put lands, and the removal — queued behind it on the write lane — takes it
+    out of the store. Nothing of the namespace is left anywhere; another namespace's
+    write-back waiting beside it is still put."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.storage.mooncake_backend import KEY_PREFIX
+    from hicache.tiers.remote import STAGING_PAGES
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=4 * (STAGING_PAGES + 8) * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, pages=STAGING_PAGES + 8, policy="write_back")
+    other = namespace_id(SPEC.fingerprint, "other")
+    try:
+        first, second = list(range(100, 100 + STAGING_PAGES * PS)), list(range(50_000, 50_000 + 4 * PS))
+        _on_disk_only(a, [first, second])
+        a.tm.add_namespace(other)
+        new = a.tm.alloc(0, 2)
+        a.engine.compute(other, second[: 2 * PS], new)
+        a.tm.insert(other, second[: 2 * PS], 0, new)
+        a.tm.flush()
+        a.tm.evict(Tier.DEVICE, 2, 0)
+        a.tm.evict(Tier.HOST, 2)
+        raw.hold("batch_put_from_multi_buffers")
+        assert a.tm.evict(Tier.DISK, STAGING_PAGES) == STAGING_PAGES  # (the least recent: the first)
+        assert raw.entered.wait(60)
+        assert a.tm.evict(Tier.DISK, 6) == 6  # (the second prompt's and the other namespace's: waiting)
+        out = a.tm.purge({NS})
+        assert out.disk == 4 and out.left == 0, out
+        raw.release()
+        a.tm.flush()
+        assert out.remote.result() == STAGING_PAGES  # (the stuck put's pages, removed after it)
+        assert a.tm.remote.counts["pages_put"] == STAGING_PAGES + 2
+        assert not [name for name in raw.objects if name.startswith(f"{KEY_PREFIX}{NS.hex()}/")]
+        assert len([name for name in raw.objects if name.startswith(f"{KEY_PREFIX}{other.hex()}/")]) == 2
+        assert not list(disk.iter_metadata())
+        a.tm.check_invariants()
+    finally:
+        raw.release()
+        a.close()
+
+
+def test_pages_a_fetch_reads_while_their_namespace_is_purged_are_not_kept():
+    """Node B's fetch of a namespace's pages has read them from the store, but not yet
+    put them in its tree, when B purges the namespace: what it read is not kept (the
+    purge would otherwise be undone by a read that began before it), and the store
+    holds none."""
+    import threading
+
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    a, b = StandInNode(raw), StandInNode(raw, prefetch_policy="best_effort")
+    read = threading.Event()
+    get = raw.batch_get_into_multi_buffers
+
+    def reading(*args):
+        try:
+            return get(*args)
+        finally:
+            read.set()
+
+    raw.batch_get_into_multi_buffers = reading
+    try:
+        tokens = list(range(1000, 1000 + 6 * PS))
+        a.prefill(tokens)
+        a.tm.flush()
+        raw.hold("batch_get_into_multi_buffers")
+        assert b.lookup(tokens).match.num_pages == 0  # (best_effort: answered, the fetch goes on)
+        _until(b, raw.entered.is_set)  # (the lookup's answer starts the read)
+        raw.release()
+        assert read.wait(60)  # (read; what lands it waits for B's owner thread)
+        out = b.tm.purge({NS})
+        b.tm.flush()
+        assert out.remote.result() == 6
+        assert b.tm.tree.sizes(Tier.HOST).cached == 0
+        assert b.tm.tree.match(NS, pack_tokens(tokens), 0, touch=False).num_pages == 0
+        assert b.lookup(tokens).match.num_pages == 0
+        b.tm.check_invariants()
     finally:
         raw.release()
         a.close()

@@ -128,7 +128,7 @@ class TiersMachine(RuleBasedStateMachine):
         out = self.tm.purge({ns})
         left = [n for n in self.tm.tree.nodes() if n.namespace == ns and n.residency]
         assert all(n.lock_total > 0 for n in left), [(n.node_id, n.residency) for n in left]
-        assert out["left"] == sum(n.num_pages for n in left)
+        assert out.left == sum(n.num_pages for n in left)
         assert {n.node_id: dict(n.residency) for n in self.tm.tree.nodes() if n.namespace != ns} == others
         if not left:
             self.tm.flush()

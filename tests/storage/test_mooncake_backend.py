@@ -39,15 +39,16 @@ def test_put_get_bytes_equal_across_clients(mooncake_store):
         batch, keys, source = _pages(40)
         writer.register(source)
         assert writer.put_batch(batch, fingerprint=FINGERPRINT).result().written == 40
-        assert reader.contains(keys + [bytes(16)]) == [True] * 40 + [False]
+        assert reader.contains(keys + [bytes(16)], namespace=NAMESPACE) == [True] * 40 + [False]
         out = np.zeros((40, PAYLOAD), np.uint8)
         reader.register(out)
-        found = reader.get(keys, [out[i] for i in range(40)], fingerprint=FINGERPRINT, token_bytes=PAGE_SIZE * 4)
+        found = reader.get(keys, [out[i] for i in range(40)], fingerprint=FINGERPRINT, namespace=NAMESPACE,
+                           token_bytes=PAGE_SIZE * 4)
         assert found == [True] * 40
         assert np.array_equal(out, source)
         # Without token_bytes the reader learns the record's size from the store.
         out2 = np.zeros(PAYLOAD, np.uint8)
-        assert reader.get(keys[:1], [out2], fingerprint=FINGERPRINT) == [True]
+        assert reader.get(keys[:1], [out2], fingerprint=FINGERPRINT, namespace=NAMESPACE) == [True]
         assert np.array_equal(out2, source[0])
         assert reader.corrupt_records == 0
     finally:
@@ -64,22 +65,22 @@ def test_bad_records_read_as_missing_and_are_counted(mooncake_store):
         backend.put_batch(batch, fingerprint=FINGERPRINT).result()
         out = np.zeros((4, PAYLOAD), np.uint8)
         # Another spec's fingerprint: missing, and counted (never another spec's bytes).
-        assert backend.get(keys[:1], [out[0]], fingerprint=bytes(16), token_bytes=64) == [False]
+        assert backend.get(keys[:1], [out[0]], fingerprint=bytes(16), namespace=NAMESPACE, token_bytes=64) == [False]
         assert backend.corrupt_records == 1
         # A flipped payload byte, written by a raw Mooncake client over the object.
         raw = backend._store
-        blob = bytearray(raw.get(object_name(keys[1])))
+        blob = bytearray(raw.get(object_name(NAMESPACE, keys[1])))
         assert len(blob) == 96 + 64 + PAYLOAD
         blob[-1] ^= 0xFF
-        assert raw.upsert(object_name(keys[1]), bytes(blob)) == 0
+        assert raw.upsert(object_name(NAMESPACE, keys[1]), bytes(blob)) == 0
         # A value of the wrong size under a good key.
-        assert raw.upsert(object_name(keys[2]), b"short") == 0
-        found = backend.get(keys, [out[i] for i in range(4)], fingerprint=FINGERPRINT, token_bytes=64)
+        assert raw.upsert(object_name(NAMESPACE, keys[2]), b"short") == 0
+        found = backend.get(keys, [out[i] for i in range(4)], fingerprint=FINGERPRINT, namespace=NAMESPACE, token_bytes=64)
         assert found == [True, False, False, True]
         assert np.array_equal(out[0], source[0]) and np.array_equal(out[3], source[3])
         assert backend.corrupt_records == 3
         # A key nobody stored is missing, not corrupt.
-        assert backend.get([bytes(16)], [out[0]], fingerprint=FINGERPRINT, token_bytes=64) == [False]
+        assert backend.get([bytes(16)], [out[0]], fingerprint=FINGERPRINT, namespace=NAMESPACE, token_bytes=64) == [False]
         assert backend.corrupt_records == 3
     finally:
         backend.close()
@@ -94,13 +95,13 @@ def test_master_down_raises_unavailable_and_recovers(mooncake_store):
         backend.put_batch(batch, fingerprint=FINGERPRINT).result()
         mooncake_store.kill_master()
         with pytest.raises(RemoteUnavailable):
-            backend.contains(keys)
+            backend.contains(keys, namespace=NAMESPACE)
         mooncake_store.start_master()
         mooncake_store.wait_segment()  # the holder re-mounts its segment on the new master
         # The new master knows nothing stored before: misses, and puts work again.
-        assert backend.contains(keys) == [False, False]
+        assert backend.contains(keys, namespace=NAMESPACE) == [False, False]
         assert backend.put_batch(batch, fingerprint=FINGERPRINT).result().written == 2
-        assert backend.contains(keys) == [True, True]
+        assert backend.contains(keys, namespace=NAMESPACE) == [True, True]
     finally:
         backend.close()
 
@@ -128,7 +129,7 @@ def test_records_one_by_one_round_trip(mooncake_store):
                                                              batch.tokens[64 * i : 64 * i + 64])) for i in range(3)]
         assert backend.put(records, fingerprint=FINGERPRINT).result().written == 3
         out = np.zeros((3, PAYLOAD), np.uint8)
-        assert backend.get(keys, [out[i] for i in range(3)], fingerprint=FINGERPRINT, token_bytes=64) == [True] * 3
+        assert backend.get(keys, [out[i] for i in range(3)], fingerprint=FINGERPRINT, namespace=NAMESPACE, token_bytes=64) == [True] * 3
         assert np.array_equal(out, source)
     finally:
         backend.close()
@@ -148,7 +149,7 @@ def test_an_unregistered_buffer_frees_its_range(mooncake_store):
             backend.register(memory[:2])
             backend.unregister(memory[:2])
             backend.register(memory[1:])
-            assert backend.contains([bytes(16)]) == [False]
+            assert backend.contains([bytes(16)], namespace=NAMESPACE) == [False]
     finally:
         joined.close()
         lazy.close()

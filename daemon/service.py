@@ -507,11 +507,12 @@ class Daemon:
                 disk_pages=totals["disk"], remote_pages=totals["remote"], left_pages=totals["left"],
                 remote_left_namespaces=totals["remote_left"]))
 
-        waiting = [len(removals)]
+        waiting = len(removals)
 
         def one_done(_: Future) -> None:  # (on the owner thread: the remote tier's completions)
-            waiting[0] -= 1
-            if not waiting[0]:
+            nonlocal waiting
+            waiting -= 1
+            if not waiting:
                 reply()
 
         if not removals:

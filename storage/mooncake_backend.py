@@ -419,11 +419,10 @@ class MooncakeBackend:
     # -- the rest of the storage port -----------------------------------------------------
 
     def delete(self, keys: Sequence[bytes], *, namespace: bytes) -> Future[int]:
-        """Remove ``keys`` (pages of ``namespace``; objects under a lease stay until it
-        ends: Mooncake's rule)."""
+        """Remove ``keys`` (pages of ``namespace``), leased or not (as :meth:`purge`)."""
         future: Future = Future()
         try:
-            codes = self._client().batch_remove([object_name(namespace, k) for k in keys]) if keys else []
+            codes = self._client().batch_remove([object_name(namespace, k) for k in keys], True) if keys else []
             future.set_result(sum(1 for c in codes if c == 0))
         except BaseException as exc:
             future.set_exception(exc)

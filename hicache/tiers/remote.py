@@ -514,8 +514,9 @@ class RemoteTier:
         whichever node put them (see :meth:`TierManager.purge`). On the write lane, so
         after every put this tier started before (its queue's bound does not apply: an
         administrator's call is not a put to shed; :meth:`drop_waiting` first takes
-        the pages not started yet); fetches in flight for them keep nothing they read. The future (done on the owner thread): the objects removed,
-        or the store's error (the tier down: not asked)."""
+        the pages not started yet); fetches in flight for them keep nothing they read.
+        The future (done on the owner thread): the objects removed, or the store's
+        error (the tier down: not asked)."""
         future: Future = Future()
         for fetch in self._fetches.values():
             if fetch.namespace in namespaces:

@@ -86,6 +86,34 @@ def test_bad_records_read_as_missing_and_are_counted(mooncake_store):
         backend.close()
 
 
+def test_a_purge_removes_every_object_of_its_namespaces_and_no_other(mooncake_store):
+    """Objects are named by namespace: a purge removes all of a namespace's — leased
+    ones too (just read by another client) — and none of another namespace's, nor a
+    key of the purged namespace's that another namespace holds; ``delete`` removes
+    single pages of one namespace (leased too: the lookups just asked for them)."""
+    other = bytes([7]) * 16
+    writer, reader = _backend(mooncake_store), _backend(mooncake_store)
+    try:
+        batch, keys, source = _pages(8, seed=6)
+        writer.register(source)
+        assert writer.put_batch(batch, fingerprint=FINGERPRINT).result().written == 8
+        theirs = PageBatch(batch.keys, other * 8, batch.parents, batch.tokens, source, batch.rows)
+        assert writer.put_batch(theirs, fingerprint=FINGERPRINT).result().written == 8
+        out = np.zeros((8, PAYLOAD), np.uint8)
+        reader.register(out)
+        assert reader.get(keys, [out[i] for i in range(8)], fingerprint=FINGERPRINT, namespace=NAMESPACE,
+                          token_bytes=64) == [True] * 8  # (leased now)
+        assert writer.purge([NAMESPACE, bytes([9]) * 16]) == 8
+        assert reader.contains(keys, namespace=NAMESPACE) == [False] * 8
+        assert reader.contains(keys, namespace=other) == [True] * 8
+        assert writer.purge([NAMESPACE]) == 0
+        assert writer.delete(keys[:3], namespace=other).result() == 3
+        assert reader.contains(keys, namespace=other) == [False] * 3 + [True] * 5
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_master_down_raises_unavailable_and_recovers(mooncake_store):
     from hicache.storage.mooncake_backend import RemoteUnavailable
 
@@ -96,6 +124,8 @@ def test_master_down_raises_unavailable_and_recovers(mooncake_store):
         mooncake_store.kill_master()
         with pytest.raises(RemoteUnavailable):
             backend.contains(keys, namespace=NAMESPACE)
+        with pytest.raises(RemoteUnavailable):
+            backend.purge([NAMESPACE])
         mooncake_store.start_master()
         mooncake_store.wait_segment()  # the holder re-mounts its segment on the new master
         # The new master knows nothing stored before: misses, and puts work again.

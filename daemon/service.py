@@ -469,34 +469,48 @@ class Daemon:
         if self.specs.rebuilding:
             raise StorageUnavailable("a disk tier is being rebuilt: purge once it is done (see hicache status)")
         totals: Counter = Counter()
-        removals: list[tuple[int, Future]] = []
+        waits: list[tuple[str, int, Future]] = []  # (what, namespaces, its future)
         for manager in self.managers.values():
-            fingerprint = manager.spec.fingerprint
-            logged = self.tenant_log.tenants_of(fingerprint)
-            if extra_key is None:
-                namespaces = manager.tree.namespaces_of({tenant}) | {ns for ns, t in logged.items() if t == tenant}
-                found = namespaces
-            else:
-                namespaces = {namespace_id(fingerprint, extra_key or None, tenant)}
-                found = {ns for ns in namespaces if manager.tree.has_namespace(ns) or ns in logged}
+            namespaces, found = self._namespaces_to_purge(manager.spec.fingerprint, tenant, extra_key,
+                                                          manager.tree.namespaces_of({tenant}),
+                                                          manager.tree.has_namespace)
             totals["namespaces"] += len(found)
             if not namespaces:
                 continue
             purged = manager.purge(namespaces)
             totals.update(device=purged.device, host=purged.host, disk=purged.disk, left=purged.left)
             if purged.remote is not None:
-                removals.append((len(namespaces), purged.remote))
+                waits.append(("remote", len(namespaces), purged.remote))
+        # Specs no manager serves now (the tenant log's): the records of the namespaces it
+        # knows are walked for in the store; the remote store is asked for them all.
+        on_disk: dict[bytes, set[bytes]] = {}
+        remote: set[bytes] = set()
+        for fingerprint in self.tenant_log.fingerprints():
+            if fingerprint not in self.managers:
+                namespaces, found = self._namespaces_to_purge(fingerprint, tenant, extra_key, set(), lambda ns: False)
+                totals["namespaces"] += len(found)
+                remote |= namespaces
+                if found:
+                    on_disk[fingerprint] = found
+        if on_disk and self.storage is not None:
+            waits.append(("disk", 0, self.specs.store_purges.start(on_disk)))
+        if remote and self.remote is not None:
+            waits.append(("remote", len(remote), self._remote_purge(remote)))
         what = f"tenant {tenant!r}" + ("" if extra_key is None else f" extra key {extra_key[:64]!r}")
         answer: Future = Future()
 
         def reply() -> None:
-            for count, removal in removals:
-                if removal.exception() is not None:
+            for kind, count, future in waits:
+                error = future.exception()
+                if error is None:
+                    totals[kind] += future.result()
+                elif kind == "remote":
                     totals["remote_left"] += count
                     logger.error("purge of %s: the remote tier's store did not remove %d namespaces' pages: %s",
-                                 what, count, removal.exception())
+                                 what, count, error)
                 else:
-                    totals["remote"] += removal.result()
+                    answer.set_exception(StorageUnavailable(f"purge of {what}: the store failed: {error}"))
+                    return
             logger.warning("purge of %s: %d namespaces, pages dropped %d device, %d host, %d disk, %d from the "
                            "remote store; %d left (held)%s", what, totals["namespaces"], totals["device"],
                            totals["host"], totals["disk"], totals["remote"], totals["left"],
@@ -507,19 +521,50 @@ class Daemon:
                 disk_pages=totals["disk"], remote_pages=totals["remote"], left_pages=totals["left"],
                 remote_left_namespaces=totals["remote_left"]))
 
-        waiting = len(removals)
+        waiting = len(waits)
 
-        def one_done(_: Future) -> None:  # (on the owner thread: the remote tier's completions)
+        def one_done(_: Future) -> None:  # (on the owner thread: completions)
             nonlocal waiting
             waiting -= 1
             if not waiting:
                 reply()
 
-        if not removals:
+        if not waits:
             reply()
-        for _, removal in removals:
-            removal.add_done_callback(one_done)
+        for _, _, future in waits:
+            future.add_done_callback(one_done)
         return answer
+
+    def _namespaces_to_purge(self, fingerprint: bytes, tenant: str, extra_key: str | None, in_tree: set,
+                             known: Callable[[bytes], bool]) -> tuple[set[bytes], set[bytes]]:
+        """A purge's namespaces of one spec, and those of them this daemon knows: the
+        tenant's in the tree (``in_tree``) or the tenant log; or the extra key's,
+        known (``known``: in the tree) or not."""
+        logged = self.tenant_log.tenants_of(fingerprint)
+        if extra_key is None:
+            namespaces = in_tree | {ns for ns, t in logged.items() if t == tenant}
+            return namespaces, namespaces
+        namespaces = {namespace_id(fingerprint, extra_key or None, tenant)}
+        return namespaces, {ns for ns in namespaces if known(ns) or ns in logged}
+
+    def _remote_purge(self, namespaces: set[bytes]) -> Future:
+        """Purge ``namespaces`` from the remote tier's store, off the owner thread (no
+        tier manager's lane serves them); the future is done on the owner thread."""
+        import threading
+
+        done: Future = Future()
+        store = self.remote
+
+        def run() -> None:
+            try:
+                removed = store.purge(sorted(namespaces))
+            except Exception as exc:
+                self.completions.post(lambda: done.set_exception(exc))
+            else:
+                self.completions.post(lambda: done.set_result(removed))
+
+        threading.Thread(target=run, name="hicache-purge", daemon=True).start()
+        return done
 
     def _check(self, m: p.Check) -> p.Ok:
         """Every structure's invariants; a broken one is answered as an INTERNAL error
@@ -630,13 +675,15 @@ class Daemon:
             for session in self.specs.waiting_sessions():  # their clients wait for the answer: no heartbeats
                 self.sessions.hold_lease(session)
             self.specs.run_rebuild()
+        elif self.specs.store_purges.busy:
+            self.specs.store_purges.run_slice()
         return ran
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's
         timer), if ever."""
-        if self.specs.rebuilding or self.completions.pending:
-            return self.clock()  # a rebuild's next slice, the next slice of completions
+        if self.specs.rebuilding or self.specs.store_purges.busy or self.completions.pending:
+            return self.clock()  # a rebuild's or a purge's next slice, the next slice of completions
         due = [self.sessions.next_lease_check] if self.sessions else []
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
         return min(due, default=None)

@@ -93,6 +93,10 @@ class TenantLog:
         if extra_key and self._keeps_extra_keys:
             self._extra_keys[namespace] = extra_key
 
+    def fingerprints(self) -> list[bytes]:
+        """The specs whose namespaces it names."""
+        return list(self._by_spec)
+
     def tenants_of(self, fingerprint: bytes) -> dict[bytes, str]:
         """Namespace -> tenant, of one spec."""
         return dict(self._by_spec.get(fingerprint, {}))

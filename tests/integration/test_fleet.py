@@ -186,9 +186,10 @@ def test_a_corrupt_remote_value_is_a_miss_never_wrong_kv(tmp_path, mooncake_stor
 def test_a_purge_on_any_node_removes_the_pages_every_node_put(tmp_path, mooncake_store, model):
     """Node A computes prompts (written through to the store). Node B, which never saw
     them, purges one user's (their extra key): the store holds none of its pages. Node
-    A restarts with its pages' records gone but its tenant log kept: a purge of the
-    whole tenant — a namespace no tier of A holds, only the log names — removes the
-    other user's pages from the store too. With the store's master down, a purge says
+    A restarts with its pages' records gone but its tenant log kept, and no engine
+    registered yet: a purge of the whole tenant — a namespace no tier of A holds, of a
+    spec no tier manager serves, only the log names — removes the other user's pages
+    from the store too. With the store's master down, a purge says
     what it could not do (exit 2), and does it once the master is back."""
     from daemon_util import HICACHE, run_hicache
     from hicache.keys import namespace_id, page_keys
@@ -226,10 +227,12 @@ def test_a_purge_on_any_node_removes_the_pages_every_node_put(tmp_path, mooncake
         for path in (tmp_path / "a" / "lmdb").iterdir():  # (the records go; the tenant log stays)
             if path.name != "tenants":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-        a.start()
-        done = purge(a)
+        a.launch()
+        a.daemon.wait_ready()
+        done = purge(a)  # (no engine registered yet: no tier manager, the store asked off the owner thread)
         assert done.returncode == 0 and "4 from the remote store" in done.stdout, (done.stdout, done.stderr)
         assert stored("user-2") == [0] * 4
+        a.ready()
 
         mooncake_store.kill_master()
         done = purge(a, "--extra-key", "user-2")

@@ -141,3 +141,52 @@ def test_purge_is_for_administrators_and_checks_what_it_is_given(tmp_path):
     finally:
         client.close()
         d.stop()
+
+
+def test_a_purge_reaches_the_records_of_a_spec_no_engine_serves_now(daemon):
+    """After a restart no engine has registered yet, so no tier manager holds the spec's
+    pages: they are records in the store, which a registration would bring back. A
+    purge of a user's (extra key) and then of a whole tenant finds their namespaces in
+    the tenant log and deletes their records from the store: once an engine registers,
+    and after another restart, they miss; another user's pages still hit."""
+    engine = ClientEngine(daemon.endpoint)
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    user, other, shared = _tokens(5, 3), _tokens(6, 2), _tokens(7, 2)
+    try:
+        engine.prefill(user, "user-42")
+        engine.prefill(other, "user-7")
+        engine.prefill(shared)
+        assert admin.flush()["not_on_disk_pages"] == 0
+    finally:
+        engine.close()
+        admin.close()
+    daemon.stop()
+    daemon.start()
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        out = admin.purge("default", "user-42")
+        assert out["namespaces"] == 1 and out["disk_pages"] == len(user) // PS, out
+        assert out["device_pages"] == out["host_pages"] == out["left_pages"] == 0, out
+        engine = ClientEngine(daemon.endpoint)  # (the spec's tier manager: rebuilt from the store)
+        try:
+            assert _cached(engine, user, "user-42") == 0
+            assert _cached(engine, other, "user-7") == len(other) and _cached(engine, shared) == len(shared)
+        finally:
+            engine.close()
+    finally:
+        admin.close()
+    daemon.stop()
+    daemon.start()
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        out = admin.purge("default")  # (the tenant's namespaces that the log names: user-42's again, gone)
+        assert out["disk_pages"] == (len(other) + len(shared)) // PS, out
+        engine = ClientEngine(daemon.endpoint)
+        try:
+            for tokens, extra_key in ((user, "user-42"), (other, "user-7"), (shared, "")):
+                assert _cached(engine, tokens, extra_key) == 0, extra_key
+        finally:
+            engine.close()
+        admin.check()
+    finally:
+        admin.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import traceback
 from collections import Counter
@@ -550,8 +551,6 @@ class Daemon:
     def _remote_purge(self, namespaces: set[bytes]) -> Future:
         """Purge ``namespaces`` from the remote tier's store, off the owner thread (no
         tier manager's lane serves them); the future is done on the owner thread."""
-        import threading
-
         done: Future = Future()
         store = self.remote
 

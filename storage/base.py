@@ -80,6 +80,7 @@ class PutResult(NamedTuple):
 
     written: int
     evicted: tuple[bytes, ...]
+    refused: tuple[bytes, ...] = ()  # keys the store did not take (a remote store without room for them)
 
 
 class StorageStats(NamedTuple):

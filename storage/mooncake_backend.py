@@ -299,16 +299,18 @@ class MooncakeBackend:
         manager calls from its remote thread); the future is done when they are."""
         future: Future = Future()
         try:
-            future.set_result(PutResult(self._put(batch, fingerprint), ()))
+            written, refused = self._put(batch, fingerprint)
+            future.set_result(PutResult(written, (), refused))
         except BaseException as exc:  # (delivered through the future, as the port says)
             future.set_exception(exc)
         return future
 
-    def _put(self, batch: PageBatch, fingerprint: bytes) -> int:
+    def _put(self, batch: PageBatch, fingerprint: bytes) -> tuple[int, tuple[bytes, ...]]:
+        """The objects written, and the keys of those the store refused."""
         store = self._client()
         n = batch.num_records
         if n == 0:
-            return 0
+            return 0, ()
         if len(batch.tokens) % n:
             raise InvalidArgument("the batch's tokens are not equal slices")
         token_bytes = len(batch.tokens) // n
@@ -319,6 +321,7 @@ class MooncakeBackend:
         area = self._scratch(header_bytes)
         area_ptr = area.ctypes.data
         written = 0
+        refused: list[bytes] = []
         for start in range(0, n, self.BATCH):
             stop = min(n, start + self.BATCH)
             names, ptrs, sizes = [], [], []
@@ -340,10 +343,12 @@ class MooncakeBackend:
             if codes and all(c == _RPC_FAIL for c in codes):
                 raise RemoteUnavailable("the store did not answer a put")
             written += sum(1 for c in codes if c == 0)
+            refused.extend(batch.keys[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES]
+                           for i, c in zip(range(start, stop), codes) if c != 0)
             if any(c not in (0, _NO_SPACE) for c in codes):
                 logger.warning("remote put: %d of %d objects refused (codes %s)",
                                sum(1 for c in codes if c != 0), len(codes), sorted(set(codes)))
-        return written
+        return written, tuple(refused)
 
     def put(self, records: Sequence[PageRecord], *, fingerprint: bytes) -> Future[PutResult]:
         """:meth:`put_batch` of records given one by one (tests, tools)."""

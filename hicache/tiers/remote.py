@@ -465,14 +465,16 @@ class RemoteTier:
             except Exception as exc:  # (whatever the local store raises: told apart from the store's)
                 raise _DiskReadFailed(str(exc)) from exc
             keep = [i for i in range(total) if found[i] and tokens[i] is not None]
+            unread = {keys[i] for i in range(total) if not found[i] or tokens[i] is None}
             if not keep:
-                return 0
+                return 0, unread
             pick = np.asarray(keep)
             batch = PageBatch(b"".join(keys[i] for i in keep),
                               b"".join(namespaces[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(parents[i * PAGE_KEY_BYTES : (i + 1) * PAGE_KEY_BYTES] for i in keep),
                               b"".join(tokens[i] for i in keep), staging, rows[pick])
-            return store.put_batch(batch, fingerprint=fingerprint).result().written
+            put = store.put_batch(batch, fingerprint=fingerprint).result()
+            return put.written, unread.union(put.refused)  # (what was written, and which keys were not)
 
         def done(result, error):
             core.inflight.remove_detached(transfer)
@@ -491,13 +493,13 @@ class RemoteTier:
                 self._failed("put", error)
                 self._skip_write_back(part)
             else:
-                written = result
+                written, not_put = result
                 self._answered()
                 core.report(transfer, written)
                 self.counts["pages_put"] += written
                 core.metrics.remote_pages("put", "ok", written)
-                if written < total:
-                    self._skip_write_back(part, total - written)
+                if not_put:
+                    self._skip_write_back(part, not_put)
             self._start_write_backs()
             self.on_disk_freed()
 
@@ -640,16 +642,14 @@ class RemoteTier:
         self.counts["put_skipped"] += pages
         self.core.metrics.remote_pages("put", "skipped", pages)
 
-    def _skip_write_back(self, part: _WriteBack, pages: int | None = None) -> None:
-        """``pages`` of write-back ``part`` (all of them by default) not put: skipped,
-        and those that were on this node's disk only are dropped from the cache now —
-        their eviction counted them evicted, not dropped (but those the disk tier wrote
-        again meanwhile: cached again). Which pages a store took of a part it took only
-        some of is not known: those not put count as pages on disk only, as far as the
-        part has them."""
-        pages = len(part.keys) if pages is None else pages
-        self._skip_write(pages)
-        self.core.metrics.dropped(Tier.DISK, min(pages, len(part.last & part.doomed)))
+    def _skip_write_back(self, part: _WriteBack, keys: set[bytes] | None = None) -> None:
+        """The pages of write-back ``part`` with these ``keys`` (all of them by default)
+        not put: skipped, and those that were on this node's disk only are dropped from
+        the cache now — their eviction counted them evicted, not dropped (but those the
+        disk tier wrote again meanwhile: cached again)."""
+        self._skip_write(len(part.keys) if keys is None else len(keys))
+        alone = part.last & part.doomed
+        self.core.metrics.dropped(Tier.DISK, len(alone if keys is None else alone & keys))
 
     def _written(self, transfer: Transfer, result, error: BaseException | None) -> None:
         core = self.core

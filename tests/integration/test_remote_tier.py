@@ -719,6 +719,47 @@ def test_pages_a_write_back_puts_are_evicted_from_disk_not_dropped_from_the_cach
         b.close()
 
 
+@pytest.mark.parametrize("refused", ["alone", "shared"])
+def test_a_write_back_the_store_takes_part_of_drops_only_the_refused_pages_on_disk_alone(tmp_path, refused):
+    """The store has no room for some objects of a write-back (Mooncake's "no space"
+    for them, the rest put): the pages it refused are skipped, and dropped from the
+    cache only where they were on this node's disk alone — not those with a host copy
+    (which a count of the refused pages alone would have taken for pages on disk
+    only)."""
+    from hicache.storage.lmdb_backend import LmdbBackend
+    from hicache.storage.mooncake_backend import object_name
+    from storage_util import InProcessMooncake
+
+    raw = InProcessMooncake()
+    disk = LmdbBackend(tmp_path / "lmdb", capacity_bytes=64 * SPEC.host_page_bytes)
+    a = StandInNode(raw, disk=disk, policy="write_back", retry_s=3600.0)
+    try:
+        prompts = {"alone": list(range(5000, 5000 + 3 * PS)), "shared": list(range(9000, 9000 + 2 * PS))}
+        _on_disk_only(a, [prompts["alone"]])
+        a.prefill(prompts["shared"])  # (on the device, on host and on disk)
+        a.tm.flush()
+        no_room = {object_name(NS, key) for key in page_keys(NS, prompts[refused], PS)}
+        put = raw.batch_put_from_multi_buffers
+
+        def partly(names, all_ptrs, all_sizes):
+            took = [i for i, name in enumerate(names) if name not in no_room]
+            put([names[i] for i in took], [all_ptrs[i] for i in took], [all_sizes[i] for i in took])
+            return [-200 if name in no_room else 0 for name in names]  # (-200: no segment has room)
+
+        raw.batch_put_from_multi_buffers = partly
+        assert a.tm.evict(Tier.DISK, 5) == 5  # (one write-back: alone's 3, then shared's 2)
+        a.tm.flush()
+        a.tm.check_invariants()
+        skipped = len(prompts[refused]) // PS
+        assert (a.tm.remote.counts["pages_put"], a.tm.remote.counts["put_skipped"]) == (5 - skipped, skipped)
+        assert len(raw.objects) == 5 - skipped
+        dropped = a.metrics.registry.get_sample_value("hicache_pages_dropped_total", {"tier": "disk"})
+        assert dropped == (skipped if refused == "alone" else 0)
+        assert a.tm.tree.sizes(Tier.HOST).cached == 2
+    finally:
+        a.close()
+
+
 def _until(node: StandInNode, done) -> None:
     """Run ``node``'s completions until ``done()`` holds (its flush would wait for a
     put the test holds in the store)."""

@@ -55,7 +55,7 @@ from hicache.errors import (
     VersionMismatch,
 )
 from hicache.fdpass import FdExchange
-from hicache.jobs import Completions
+from hicache.jobs import Completions, when_all
 from hicache.keys import namespace_id
 from hicache.metrics import Metrics, NullMetrics
 
@@ -522,18 +522,8 @@ class Daemon:
                 disk_pages=totals["disk"], remote_pages=totals["remote"], left_pages=totals["left"],
                 remote_left_namespaces=totals["remote_left"]))
 
-        waiting = len(waits)
-
-        def one_done(_: Future) -> None:  # (on the owner thread: completions)
-            nonlocal waiting
-            waiting -= 1
-            if not waiting:
-                reply()
-
-        if not waits:
-            reply()
-        for _, _, future in waits:
-            future.add_done_callback(one_done)
+        # (each future is done on the owner thread: the remote tier's and the walk's completions)
+        when_all([future for _, _, future in waits]).add_done_callback(lambda _: reply())
         return answer
 
     def _namespaces_to_purge(self, fingerprint: bytes, tenant: str, extra_key: str | None, in_tree: set,

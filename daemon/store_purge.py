@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from hicache.jobs import Completions
+from hicache.jobs import Completions, when_all
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ WALK_SLICE_S = 0.005  # owner-thread time a walk takes between two looks at the 
 class _Walk:
     targets: dict[bytes, set[bytes]]  # spec fingerprint -> the namespaces whose records go
     steps: Generator[None, None, None]
-    done: Future  # the records deleted, once their deletes are committed
 
 
 class StorePurges:
@@ -52,7 +51,7 @@ class StorePurges:
         that no manager serves). The future: how many, once committed (or the store's
         error)."""
         done: Future = Future()
-        self._walks.append(_Walk(targets, self._walk(targets, done), done))
+        self._walks.append(_Walk(targets, self._walk(targets, done)))
         return done
 
     def finish(self, fingerprint: bytes) -> None:
@@ -104,26 +103,11 @@ class StorePurges:
     def _when_committed(self, deletes: list[Future], done: Future) -> None:
         """Resolve ``done`` with the records the ``deletes`` removed, once all are
         committed (on the owner thread)."""
-        waiting = len(deletes)
-        deleted = 0
-        failed: list[BaseException] = []
-        if not deletes:
-            done.set_result(0)
-            return
 
-        def one(result, error) -> None:
-            nonlocal waiting, deleted
-            waiting -= 1
+        def committed(counts, error) -> None:
             if error is not None:
-                failed.append(error)
+                done.set_exception(error)
             else:
-                deleted += result
-            if waiting:
-                return
-            if failed:
-                done.set_exception(failed[0])
-            else:
-                done.set_result(deleted)
+                done.set_result(sum(counts))
 
-        for future in deletes:
-            self._completions.forward(future, one)
+        self._completions.forward(when_all(deletes), committed)

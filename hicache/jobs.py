@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -24,6 +25,33 @@ T = TypeVar("T")
 Done = Callable[[Any, "BaseException | None"], None]
 
 logger = logging.getLogger(__name__)
+
+
+def when_all(futures: list[Future]) -> Future:
+    """A future done once every one of ``futures`` is, on the thread that finished the
+    last: their results in order, or the first error among them."""
+    out: Future = Future()
+    left = len(futures)
+    lock = threading.Lock()
+    if not left:
+        out.set_result([])
+        return out
+
+    def one(_: Future) -> None:
+        nonlocal left
+        with lock:  # (futures may finish on different threads)
+            left -= 1
+            if left:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result([f.result() for f in futures])
+
+    for future in futures:
+        future.add_done_callback(one)
+    return out
 
 
 class Completions:

@@ -1,6 +1,7 @@
 """A purge's walk of the store for specs no tier manager serves (``StorePurges``), over a
 real LMDB store: exactly the records of its (spec, namespace) pairs go, in slices or at
-once when the spec's manager is about to read the store; a store that fails says so."""
+once when the spec's manager is about to read the store; a store that fails says so.
+And ``when_all``, which a purge's answer waits on."""
 
 from __future__ import annotations
 
@@ -89,3 +90,30 @@ def test_a_store_that_fails_to_read_fails_the_walk(store, monkeypatch):
         purges.run_slice()
     with pytest.raises(OSError):
         done.result(0)
+
+
+def test_when_all_waits_for_every_future_from_any_thread_and_keeps_the_first_error():
+    import threading
+    from concurrent.futures import Future
+
+    from hicache.jobs import when_all
+
+    assert when_all([]).result(0) == []
+    futures = [Future() for _ in range(8)]
+    together = when_all(futures)
+    threads = [threading.Thread(target=f.set_result, args=(i,)) for i, f in enumerate(futures[1:], 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not together.done()  # (the first is not done yet)
+    futures[0].set_result(0)
+    assert together.result(0) == list(range(8))
+    failing = [Future(), Future(), Future()]
+    together = when_all(failing)
+    failing[1].set_exception(OSError("second"))
+    failing[2].set_exception(OSError("third"))
+    assert not together.done()
+    failing[0].set_result(0)
+    with pytest.raises(OSError, match="second"):
+        together.result(0)

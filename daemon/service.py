@@ -512,6 +512,8 @@ class Daemon:
                 else:
                     answer.set_exception(StorageUnavailable(f"purge of {what}: the store failed: {error}"))
                     return
+            for tier in ("device", "host", "disk", "remote"):
+                self.metrics.purged(tier, totals[tier])
             logger.warning("purge of %s: %d namespaces, pages dropped %d device, %d host, %d disk, %d from the "
                            "remote store; %d left (held)%s", what, totals["namespaces"], totals["device"],
                            totals["host"], totals["disk"], totals["remote"], totals["left"],

@@ -51,6 +51,9 @@ hicache_pages_dropped_total                     tier (device, host, disk): pages
                                                 write-back: those it did not put, skipped
                                                 or failed); device / host: never written to
                                                 disk (lost, under write-through)
+hicache_purged_pages_total                      tier (device, host, disk, remote): pages a
+                                                purge (an administrator's) deleted — remote:
+                                                objects removed from the remote tier's store
 hicache_backups_deferred_total                  — (device -> host backups the host tier
                                                 had no room for yet: retried, not dropped)
 hicache_disk_writes_deferred_total              — (host -> disk writes over the writer's
@@ -141,6 +144,7 @@ from hicache.tree import Tier
 logger = logging.getLogger(__name__)
 
 TIERS = tuple(tier.label for tier in Tier)  # device, host, disk
+PURGED_TIERS = (*TIERS, "remote")
 STATES = ("free", "private", "cached_evictable", "cached_protected", "staging")
 DIRECTIONS = ("d2h", "h2d", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 FAILED_DIRECTIONS = ("d2h", "host_to_disk")  # (a failed load is a miss: load_failed; a remote call, remote_errors)
@@ -199,6 +203,9 @@ class Metrics:
         self.dropped_pages = Counter("hicache_pages_dropped",
                                      "Pages that left the cache from their last tier, by that tier", ["tier"],
                                      registry=r)
+        self.purged_pages = Counter("hicache_purged_pages", "Pages purges deleted, by tier", ["tier"], registry=r)
+        for tier in PURGED_TIERS:
+            self.purged_pages.labels(tier)
         self.backups_deferred = Counter("hicache_backups_deferred",
                                         "Backups the host tier had no room for yet (retried, not dropped)", registry=r)
         self.disk_writes_deferred = Counter(
@@ -288,6 +295,10 @@ class Metrics:
         if num_pages:
             self.dropped_pages.labels(tier.label).inc(num_pages)
 
+    def purged(self, tier: str, num_pages: int) -> None:
+        if num_pages:
+            self.purged_pages.labels(tier).inc(num_pages)
+
     def backup_deferred(self) -> None:
         self.backups_deferred.inc()
 
@@ -370,6 +381,7 @@ class NullMetrics:
     def first_layer(self, seconds: float) -> None: ...
     def evicted(self, tier: Tier, num_pages: int) -> None: ...
     def dropped(self, tier: Tier, num_pages: int) -> None: ...
+    def purged(self, tier: str, num_pages: int) -> None: ...
     def backup_deferred(self) -> None: ...
     def disk_write_deferred(self) -> None: ...
     def disk_unreadable(self, num_pages: int) -> None: ...

@@ -222,6 +222,7 @@ def test_a_purge_on_any_node_removes_the_pages_every_node_put(tmp_path, mooncake
         assert done.returncode == 0 and "0 namespaces" in done.stdout and "4 from the remote store" in done.stdout, (
             done.stdout, done.stderr)
         assert stored("user-1") == [0] * 4 and stored("user-2") == [1] * 4
+        assert b.metric("hicache_purged_pages_total", tier="remote") == 4
 
         a.stop()
         for path in (tmp_path / "a" / "lmdb").iterdir():  # (the records go; the tenant log stays)
@@ -232,6 +233,7 @@ def test_a_purge_on_any_node_removes_the_pages_every_node_put(tmp_path, mooncake
         done = purge(a)  # (no engine registered yet: no tier manager, the store asked off the owner thread)
         assert done.returncode == 0 and "4 from the remote store" in done.stdout, (done.stdout, done.stderr)
         assert stored("user-2") == [0] * 4
+        assert a.metric("hicache_purged_pages_total", tier="remote") == 4
         a.ready()
 
         mooncake_store.kill_master()

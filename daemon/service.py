@@ -472,9 +472,7 @@ class Daemon:
         totals: Counter = Counter()
         waits: list[tuple[str, int, Future]] = []  # (what, namespaces, its future)
         for manager in self.managers.values():
-            namespaces, found = self._namespaces_to_purge(manager.spec.fingerprint, tenant, extra_key,
-                                                          manager.tree.namespaces_of({tenant}),
-                                                          manager.tree.has_namespace)
+            namespaces, found = self._namespaces_to_purge(manager.spec.fingerprint, tenant, extra_key, manager.tree)
             totals["namespaces"] += len(found)
             if not namespaces:
                 continue
@@ -488,7 +486,7 @@ class Daemon:
         remote: set[bytes] = set()
         for fingerprint in self.tenant_log.fingerprints():
             if fingerprint not in self.managers:
-                namespaces, found = self._namespaces_to_purge(fingerprint, tenant, extra_key, set(), lambda ns: False)
+                namespaces, found = self._namespaces_to_purge(fingerprint, tenant, extra_key)
                 totals["namespaces"] += len(found)
                 remote |= namespaces
                 if found:
@@ -528,17 +526,19 @@ class Daemon:
         when_all([future for _, _, future in waits]).add_done_callback(lambda _: reply())
         return answer
 
-    def _namespaces_to_purge(self, fingerprint: bytes, tenant: str, extra_key: str | None, in_tree: set,
-                             known: Callable[[bytes], bool]) -> tuple[set[bytes], set[bytes]]:
+    def _namespaces_to_purge(self, fingerprint: bytes, tenant: str, extra_key: str | None,
+                             tree=None) -> tuple[set[bytes], set[bytes]]:
         """A purge's namespaces of one spec, and those of them this daemon knows: the
-        tenant's in the tree (``in_tree``) or the tenant log; or the extra key's,
-        known (``known``: in the tree) or not."""
+        tenant's in the spec's ``tree`` (``None``: no manager serves it) or the tenant
+        log; or the extra key's, known or not."""
         logged = self.tenant_log.tenants_of(fingerprint)
         if extra_key is None:
-            namespaces = in_tree | {ns for ns, t in logged.items() if t == tenant}
+            namespaces = {ns for ns, t in logged.items() if t == tenant}
+            if tree is not None:
+                namespaces |= tree.namespaces_of({tenant})
             return namespaces, namespaces
         namespaces = {namespace_id(fingerprint, extra_key or None, tenant)}
-        return namespaces, {ns for ns in namespaces if known(ns) or ns in logged}
+        return namespaces, {ns for ns in namespaces if ns in logged or (tree is not None and tree.has_namespace(ns))}
 
     def _remote_purge(self, namespaces: set[bytes]) -> Future:
         """Purge ``namespaces`` from the remote tier's store, off the owner thread (no

@@ -126,22 +126,25 @@ class CacheOps:
         (``no_room``); the rest of the request as missed, with the reason for its first
         missing page."""
         num_tokens = len(tokens) // TOKEN_BYTES
+        metrics = session.manager.metrics  # (a TP engine's ranks but the first count no tokens)
+        if not metrics.counts_tokens:
+            return
         if hit is None or hit.match.node is None:
-            self.metrics.missed("never_stored" if sharing_off else "namespace_unknown", num_tokens)
+            metrics.missed("never_stored" if sharing_off else "namespace_unknown", num_tokens)
             return
         m = hit.match
         ps = m.page_size
         # Device pages are served now; host and disk pages count once a load delivers
         # them (the tier manager counts those).
-        self.metrics.matched(m.num_device_pages * ps, 0, 0)
+        metrics.matched(m.num_device_pages * ps, 0, 0)
         full = hit.unclipped or m
         if full is not m:
-            self.metrics.missed("no_room", (full.num_pages - m.num_pages) * ps)
+            metrics.missed("no_room", (full.num_pages - m.num_pages) * ps)
         missing = num_tokens - full.num_tokens
         if not missing:
             return
         reason = session.manager.why_missed(namespace, tokens, full)
-        self.metrics.missed(reason, missing)
+        metrics.missed(reason, missing)
 
     def _match_reply(self, session: Session, hit: Hit | None) -> p.MatchReply:
         node = None if hit is None else hit.match.node

@@ -157,7 +157,8 @@ class Registrar:
         layout = ForeignLayout.from_dict(data)
         buffers = tuple(SharedMemory(b.kind, b.nbytes, b.token or b"", p.as_dict(b.cuda_ipc) if b.cuda_ipc else None)
                         for b in m.buffers)
-        handle = OwnedPoolHandle(layout, buffers, m.name or "", kv_events=m.kv_events is not False)
+        handle = OwnedPoolHandle(layout, buffers, m.name or "", kv_events=m.kv_events is not False,
+                                 counts_tokens=m.counts_tokens is not False)
         if handle.name and self.owned_pool(session, handle.name) is not None:
             raise InvalidArgument(f"a pool named {handle.name!r} is registered already")
         return handle
@@ -254,7 +255,7 @@ class Registrar:
                 if name and self.owned_pool(session, name) is not None:  # (registered while this one waited)
                     raise InvalidArgument(f"a pool named {name!r} is registered already")
                 counters = _out_of_fds(manager.register_owned_pool, pool_id, ranks[0], _scoped(session, name),
-                                       kv_events=owned.kv_events)
+                                       kv_events=owned.kv_events, counts_tokens=owned.counts_tokens)
             else:
                 counters = _out_of_fds(manager.register_pool, pool_id, ranks)
         except BaseException:

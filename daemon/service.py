@@ -401,7 +401,7 @@ class Daemon:
                             daemon=f"hicache {__version__}", lease_s=self.sessions.lease_s,
                             fd_socket=str(self.fds.path) if self.fds is not None else "", store_deadlines=True,
                             load_unlocked=True, load_deadlines=True, copy_deadlines=True, device_uuids=True,
-                            owned_kv_events=True,
+                            owned_kv_events=True, owned_counts_tokens=True,
                             max_message_bytes=self.config.server.max_message_bytes, replace_sessions=True)
 
     def _register(self, m: p.Register) -> p.RegisterReply | Future:

@@ -496,6 +496,12 @@ class CacheClient:
             else:  # (an older daemon refuses the field: the pool gets a stream of its own there)
                 logger.info("the daemon at %s publishes KV events for every pool: pool %r has a stream too",
                             self.endpoint, pool.name)
+        if not pool.counts_tokens:
+            if hello.owned_counts_tokens:
+                message["counts_tokens"] = False
+            else:  # (likewise: its tokens count there)
+                logger.info("the daemon at %s counts every pool's tokens: pool %r's count too",
+                            self.endpoint, pool.name)
         return p.from_dict(p.OwnedPoolMsg, message)
 
     def _register_call(self, registration, hello: p.HelloReply, fd_socket: str, in_use: Sequence[int]) -> p.Reply:

@@ -200,14 +200,18 @@ class SharedMemory:
 class OwnedPoolHandle:
     """What an engine registers for an engine-owned pool: its layout, one buffer per
     allocation (in the layout's order), a name its other sessions attach by ("" for
-    none), and whether the pool has a KV event stream of its own (``kv_events``: a TP
-    engine's ranks but the first have none, so that a router sees one stream per
-    engine)."""
+    none), whether the pool has a KV event stream of its own (``kv_events``), and
+    whether the tokens it serves and misses count in the daemon's token figures
+    (``counts_tokens``: ``hicache_matched_tokens_total``, ``_missed_``, ``_load_short_``).
+    A TP engine's ranks but the first register with both off: each rank's pool holds
+    its shard of the same tokens, and the first rank's speaks for the engine — a router
+    sees one stream per engine, and an operator each token once."""
 
     layout: ForeignLayout
     buffers: tuple[SharedMemory, ...]
     name: str = ""
     kv_events: bool = True
+    counts_tokens: bool = True
 
     def __post_init__(self) -> None:
         if len(self.buffers) != len(self.layout.allocations):
@@ -220,8 +224,9 @@ class OwnedPoolHandle:
                 raise InvalidArgument(f"unknown buffer kind {buffer.kind!r}")
         if not isinstance(self.name, str) or len(self.name) > MAX_NAME:
             raise InvalidArgument(f"a pool name is a str of at most {MAX_NAME} characters")
-        if not isinstance(self.kv_events, bool):
-            raise InvalidArgument(f"kv_events is a bool, got {self.kv_events!r}")
+        for flag in ("kv_events", "counts_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidArgument(f"{flag} is a bool, got {getattr(self, flag)!r}")
 
 
 class ForeignPool:

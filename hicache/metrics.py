@@ -367,6 +367,36 @@ def _values(counter: Counter) -> dict[tuple[str, ...], int]:
     return {tuple(s.labels.values()): int(s.value) for s in family.samples if s.name.endswith("_total")}
 
 
+class SpecMetrics:
+    """A tier manager's metrics: the daemon's (:attr:`metrics`), every call passed on,
+    but the token figures (:meth:`~Metrics.matched`, :meth:`~Metrics.missed`,
+    :meth:`~Metrics.load_short`) count only while :attr:`counts_tokens`. It is off for a
+    spec whose serving pools all are a TP engine's ranks but the first (registered with
+    ``counts_tokens=False``: see :class:`hicache.foreign.OwnedPoolHandle`): each rank's
+    spec holds its shard of the same tokens, and the first rank's spec counts them. The
+    rest — bytes moved, pages evicted, dropped — count in every spec: they are each
+    shard's own."""
+
+    def __init__(self, metrics: "Metrics | NullMetrics") -> None:
+        self.metrics = metrics
+        self.counts_tokens = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metrics, name)
+
+    def matched(self, device: int, host: int, disk: int) -> None:
+        if self.counts_tokens:
+            self.metrics.matched(device, host, disk)
+
+    def missed(self, reason: str, tokens: int) -> None:
+        if self.counts_tokens:
+            self.metrics.missed(reason, tokens)
+
+    def load_short(self, tokens: int) -> None:
+        if self.counts_tokens:
+            self.metrics.load_short(tokens)
+
+
 class NullMetrics:
     """Metrics off: the same calls, doing nothing."""
 

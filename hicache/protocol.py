@@ -168,6 +168,9 @@ class OwnedPoolMsg(_Part):
     # False: no KV event stream of its own (a TP rank but the first: one engine, one
     # stream); sent only to daemons whose hello says ``owned_kv_events``.
     kv_events: bool | UnsetType = UNSET
+    # False: its tokens count in no token figure (a TP rank but the first: the first
+    # rank's pool counts them); sent only to daemons whose hello says ``owned_counts_tokens``.
+    counts_tokens: bool | UnsetType = UNSET
 
 
 class Hello(_Request, tag="hello"):
@@ -385,6 +388,7 @@ class HelloReply(_Reply, tag="hello"):
     copy_deadlines: bool = False  # honours LoadInto.copy_deadline_ns (likewise)
     device_uuids: bool = False  # takes CudaIpcMsg.device_uuid (likewise)
     owned_kv_events: bool = False  # takes OwnedPoolMsg.kv_events (likewise)
+    owned_counts_tokens: bool = False  # takes OwnedPoolMsg.counts_tokens (likewise)
 
 
 class CountersMsg(msgspec.Struct, kw_only=True, gc=False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -84,6 +86,18 @@ def _toml(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return repr(value)
+
+
+def scraped(port: int, name: str, **labels: str) -> float:
+    """The sum of a daemon's ``/metrics`` samples ``name`` (on 127.0.0.1:``port``) whose
+    labels include ``labels``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}(?:{{(.*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def io_threads(pid: int | str = "self") -> dict[int, int]:

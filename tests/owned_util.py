@@ -63,12 +63,14 @@ class OwnedEngine:
     """A worker with its own blocks in shared memory, registered as an engine-owned pool."""
 
     def __init__(self, endpoint: str, layout: ForeignLayout, name: str = "", *, kv_events: bool = True,
-                 **client_args) -> None:
+                 counts_tokens: bool = True, **client_args) -> None:
         self.layout = layout
+        self.name = name
         self.exported = export_owned_pool(layout, name=name)
         self.client = CacheClient(endpoint, **client_args)
         try:
-            self.client.register_owned(layout.spec, dataclasses.replace(self.exported.handle, kv_events=kv_events))
+            self.client.register_owned(layout.spec, dataclasses.replace(self.exported.handle, kv_events=kv_events,
+                                                                       counts_tokens=counts_tokens))
         except BaseException:
             self.close()
             raise

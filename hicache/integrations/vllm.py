@@ -66,7 +66,9 @@ share pages); the scheduler attaches to all of them (:class:`RankClients`), matc
 each — a prefix is a hit as far as every rank holds it — and loads on every rank what
 the rank that holds least brought. A load's tickets travel per rank; a worker waits on
 its own rank's, and reports what any rank failed to bring once its own copies into
-those blocks are over. (Pipeline parallelism: not yet — the connector turns itself off.)
+those blocks are over. Rank 0's pool speaks for the engine: the others register with
+no KV event stream and no token figures (the daemon's hits and misses count each token
+once). (Pipeline parallelism: not yet — the connector turns itself off.)
 
 vLLM's ``kv_role`` is honoured: ``kv_producer`` (a prefill instance of a disaggregated
 deployment) stores and never matches, ``kv_consumer`` (a decode instance) matches and
@@ -784,8 +786,10 @@ class HicacheConnector(KVConnectorBase_V1):
             return
         self._cuda = next(iter(kv_caches.values())).is_cuda
         name = self._rank_pool_name(self._rank)
-        # One KV event stream per engine: rank 0's (the ranks' pools age alike).
-        handle = OwnedPoolHandle(layout, self._shared.memory, name, kv_events=self._rank == 0)
+        # One KV event stream per engine, and its tokens counted once: rank 0's (the
+        # ranks' pools age alike, and hold shards of the same tokens).
+        first = self._rank == 0
+        handle = OwnedPoolHandle(layout, self._shared.memory, name, kv_events=first, counts_tokens=first)
         client = self._new_client("vllm-worker")
         self._start_connecting(client, lambda: client.register_owned(spec, handle),
                                f"register pool {name!r} ({layout.num_blocks} blocks, spec "

@@ -48,6 +48,7 @@ class DevicePoolState:
     owned: bool = False  # engine-owned: see the module docstring
     name: str = ""  # an engine-owned pool's name, which the engine's other sessions attach by
     kv_events: bool = True  # has a KV event stream (an engine-owned pool may go without)
+    counts_tokens: bool = True  # its tokens count in the token figures (see hicache.metrics.SpecMetrics)
     # The state slots its engine lent for checkpoints (hicache.tiers.checkpoints), if any.
     checkpoint_slots: PageAllocator | None = None
     # Loads of this pool waiting for disk reads (hicache.tiers.loads, .owned), each with
@@ -136,7 +137,7 @@ class DevicePools:
         return state
 
     def register_owned(self, pool_id: PoolId, pool: ForeignPool, name: str = "", *,
-                       kv_events: bool = True) -> DevicePoolState:
+                       kv_events: bool = True, counts_tokens: bool = True) -> DevicePoolState:
         """An engine-owned pool (see the module docstring)."""
         if pool_id in self._pools:
             raise InvalidArgument(f"pool {pool_id} is already registered")
@@ -153,7 +154,7 @@ class DevicePools:
         # Nothing per block: the engine allocates them, and may claim billions of them.
         state = DevicePoolState(pool_id, [pool], [mover], NullPageAllocator(pool.num_pages),
                                 np.zeros(0, dtype=bool), counters, self._engines.for_device(device),
-                                owned=True, name=name, kv_events=kv_events)
+                                owned=True, name=name, kv_events=kv_events, counts_tokens=counts_tokens)
         self._pools[pool_id] = state
         return state
 

@@ -36,7 +36,7 @@ from hicache.errors import InvalidArgument
 from hicache.jobs import Completions, Workers
 from hicache.keys import TOKEN_BYTES, NamespaceId, PageKey, Tokens, pack_tokens
 from hicache.kernels.copy_plan import CpuCopyWorkers
-from hicache.metrics import NullMetrics
+from hicache.metrics import NullMetrics, SpecMetrics
 from hicache.pages import PageAllocator, PageIds, PageIdsLike
 from hicache.pools import DevicePool, HostPool
 from hicache.spec import KVSpec
@@ -92,7 +92,7 @@ class TierManager:
         ``remote_settings`` (see :mod:`hicache.tiers.remote`)."""
         self.spec = spec
         self.config = config or TierConfig()
-        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.metrics = SpecMetrics(metrics if metrics is not None else NullMetrics())
         self.writes = self.config.writes()
         self.disk_policy = self.config.disk()
         self.prefetch = self.config.prefetch()
@@ -200,14 +200,28 @@ class TierManager:
     def register_pool(self, pool_id: PoolId, ranks: list[DevicePool]) -> LayerCounters:
         """Adopt an engine's device pool (one :class:`DevicePool` per TP rank, in rank
         order). Returns the pool's layer counters, whose handle goes to the engine."""
-        return self.pools.register(pool_id, ranks).counters
+        counters = self.pools.register(pool_id, ranks).counters
+        self._count_tokens()
+        return counters
 
     def register_owned_pool(self, pool_id: PoolId, pool: ForeignPool, name: str = "", *,
-                            kv_events: bool = True) -> LayerCounters:
+                            kv_events: bool = True, counts_tokens: bool = True) -> LayerCounters:
         """Adopt an engine-owned pool (:mod:`hicache.foreign`): the engine keeps its
         blocks; pages move only by :meth:`store` and :meth:`load_into`. ``kv_events``:
-        whether the pool has a KV event stream (:mod:`hicache.daemon.kv_events`)."""
-        return self.pools.register_owned(pool_id, pool, name, kv_events=kv_events).counters
+        whether the pool has a KV event stream (:mod:`hicache.daemon.kv_events`);
+        ``counts_tokens``: whether its tokens count in the token figures (see
+        :class:`~hicache.metrics.SpecMetrics`)."""
+        counters = self.pools.register_owned(pool_id, pool, name, kv_events=kv_events,
+                                             counts_tokens=counts_tokens).counters
+        self._count_tokens()
+        return counters
+
+    def _count_tokens(self) -> None:
+        """The spec's tokens count while one of its serving pools' does; with none
+        serving, as they did (the transfers of a pool gone still end, and count so)."""
+        serving = [pool.counts_tokens for pool in self.pools if not pool.retired]
+        if serving:
+            self.metrics.counts_tokens = any(serving)
 
     def owned_pool(self, name: str) -> PoolId | None:
         """The serving engine-owned pool registered under ``name``, if any."""
@@ -276,6 +290,7 @@ class TierManager:
         :meth:`poll`). The caller has released the session's locks."""
         pool = self.pools.get(pool_id)
         pool.retired = True
+        self._count_tokens()
         if self.checkpoints is not None:
             self.checkpoints.discard_pool(pool_id)
         self._loads.cancel_parked(pool)

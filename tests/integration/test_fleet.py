@@ -8,15 +8,13 @@ disabled: logits bit-identical, whichever tier the prefix came from.
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 
-from daemon_util import DaemonProcess
+from daemon_util import DaemonProcess, scraped
 from engine_util import same_generation
 from hicache.client import CacheClient
 from hicache.engine.reference import ModelConfig, ReferenceEngine, TinyTransformer
@@ -67,13 +65,7 @@ class Node:
             assert self.daemon.stop() == 0
 
     def metric(self, name: str, **labels) -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"{name}(?:{{(.*)}})? (\S+)$", line)
-            if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return scraped(self.port, name, **labels)
 
 
 

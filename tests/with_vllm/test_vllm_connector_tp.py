@@ -245,3 +245,36 @@ def test_a_router_sees_one_stream_per_engine_rank_0s(tmp_path):
         e.close()
         if d.proc is not None:
             d.stop()
+
+
+def test_the_daemon_counts_a_tp_engine_s_tokens_once(tmp_path):
+    """Both ranks match, load and miss the same tokens (each its own shard); the
+    daemon's token figures are the engine's: the first request's four whole pages are
+    missed once, the next one's 4-page hit is 4 pages of host hits — as a TP=1 engine's
+    would be."""
+    from daemon_util import DaemonProcess, scraped
+    from hicache.storage.mooncake_local import free_port
+
+    port = free_port()
+    d = DaemonProcess(tmp_path, host={"bytes": 64 << 20}, disk={"enabled": False},
+                      metrics={"enabled": True, "address": "127.0.0.1", "port": port}).start()
+    e = Engine(d.endpoint, tp=2)
+
+    def figures() -> tuple[float, float]:
+        client = CacheClient(d.endpoint, heartbeat=False)
+        try:
+            client.flush()  # (every load's completion has run: its hits are counted)
+        finally:
+            client.close()
+        return scraped(port, "hicache_matched_tokens_total", tier="host"), scraped(
+            port, "hicache_missed_tokens_total")
+
+    try:
+        first_request_stores(e, prompt())
+        assert figures() == (0, 4 * BS)  # (the scheduler matches whole pages only)
+        hits_each_ranks_own(e, "r2", prompt(), [6, 7, 8, 9, 10], 7.0)
+        assert figures() == (4 * BS, 4 * BS)
+    finally:
+        e.close()
+        if d.proc is not None:
+            d.stop()

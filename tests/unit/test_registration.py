@@ -130,6 +130,28 @@ def test_an_engine_owned_pool_keeps_no_bookkeeping_per_block(daemon, allocators)
     assert allocators == [], f"device allocators of {allocators} pages for engine-owned pools"
 
 
+@pytest.mark.parametrize("flag", [1, "false", None, [False], {"x": False}])
+def test_counts_tokens_other_than_a_bool_is_refused_and_registers_nothing(daemon, flag):
+    handle, segment = owned(daemon, 16)
+    try:
+        reply = register(daemon, OWNED_SPEC, owned=handle | {"counts_tokens": flag})
+    finally:
+        segment.close()
+    assert isinstance(reply, p.Error) and reply.code == ErrorCode.INVALID_ARGUMENT, reply
+    assert [list(m.pools) for m in daemon.specs.all_managers()] in ([], [[]])
+
+
+def test_a_pool_that_counts_no_tokens_turns_its_spec_s_token_figures_off(daemon):
+    handle, segment = owned(daemon, 16)
+    try:
+        reply = register(daemon, OWNED_SPEC, owned=handle | {"counts_tokens": False})
+    finally:
+        segment.close()
+    assert isinstance(reply, p.RegisterReply), reply
+    (manager,) = daemon.specs.all_managers()
+    assert manager.metrics.counts_tokens is False
+
+
 def test_max_pool_pages_bounds_a_pool_and_the_checkpoint_slots_it_lends(tmp_path):
     from test_checkpoints import SPEC as HYBRID, STATE_SLOTS
 

@@ -13,10 +13,14 @@ authentication protocol, RFC 27) before any of its messages reaches the loop:
   identity.
 
 The KV events sockets (:mod:`hicache.daemon.events`) are on the server's context and
-ask the same handler, in their own domain (:data:`EVENTS_ZAP_DOMAIN`): a subscriber is
-admitted as above, and then only when its identity may read the events (``admin`` or
-``events``) — they carry every tenant's token ids, and a PUB socket cannot keep a topic
-from one subscriber.
+ask the same handler, in domains of their own: a subscriber is admitted as above, and
+then only when its identity may read what the socket carries. The PUB socket
+(:data:`EVENTS_ZAP_DOMAIN`) carries every tenant's token ids, and a PUB socket cannot
+keep a topic from one subscriber: ``admin`` or ``events`` identities only. An identity
+with an ``events_endpoint`` has a PUB socket of its own there (:func:`own_events_domain`:
+that identity alone), which carries the streams of its own tenants' engines. The replay
+socket (:data:`EVENTS_REPLAY_ZAP_DOMAIN`) admits both kinds; it answers each request by
+its connection's identity (the user id below), with the streams that identity reads.
 
 The handler names the admitted connection in its ZAP reply's user id —
 ``<identity>|<mechanism>|<peer address>|<public key>`` — which libzmq attaches to each
@@ -51,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by libzmq: one handler per context
 ZAP_DOMAIN = b"hicache"  # set on the router so that plain connections are asked about too
-EVENTS_ZAP_DOMAIN = b"hicache-events"  # the KV events sockets': admins and identities with events only
+EVENTS_ZAP_DOMAIN = b"hicache-events"  # the KV events PUB socket: admins and identities with events only
+EVENTS_REPLAY_ZAP_DOMAIN = b"hicache-events-replay"  # those, and identities with an events_endpoint
+_OWN_EVENTS_PREFIX = b"hicache-events@"  # + an identity's name: its own events socket, for it alone
 _POLL_MS = 200
 
 
@@ -69,17 +75,26 @@ class Identity:
     disk_pages: int = 0
     keys: frozenset[bytes] = field(default=frozenset())
     events: bool = False
+    events_endpoint: str = ""  # its own KV events socket ("": none)
 
     @classmethod
     def from_config(cls, c: IdentityConfig, max_sessions: int = 0) -> "Identity":
         """``max_sessions``: the default of an identity that names none."""
         return cls(c.name, tuple(c.tenants), c.admin, c.max_locks, c.max_sessions or max_sessions, c.requests_per_s,
-                   c.host_pages, c.disk_pages, frozenset(key.encode() for key in c.public_keys), c.events)
+                   c.host_pages, c.disk_pages, frozenset(key.encode() for key in c.public_keys), c.events,
+                   c.events_endpoint)
 
     @property
     def reads_events(self) -> bool:
         """May subscribe to the KV events (every tenant's blocks and token ids)."""
         return self.admin or self.events
+
+    @property
+    def event_tenants(self) -> frozenset[str] | None:
+        """The tenants whose engines' streams it reads on its own events socket and
+        replays — ``None``: every stream (:attr:`reads_events`; then its own socket
+        carries the same streams as its tenants' only)."""
+        return None if self.reads_events else frozenset(self.tenants)
 
     @property
     def default_tenant(self) -> str:
@@ -143,6 +158,11 @@ class IdentityTable:
         return self.by_uid.get(uid) or self.by_gid.get(gid) or self.default
 
 
+def own_events_domain(name: str) -> bytes:
+    """The ZAP domain of identity ``name``'s own KV events socket."""
+    return _OWN_EVENTS_PREFIX + name.encode()
+
+
 def user_id(identity: Identity, mechanism: str, address: str, key: bytes) -> bytes:
     return f"{identity.name}|{mechanism}|{address}|{key.decode()}".encode()
 
@@ -200,17 +220,27 @@ class ZapHandler:
             key = z85.encode(request[6])
         peer = address.decode("ascii", "replace")
         identity = None
-        if domain in (ZAP_DOMAIN, EVENTS_ZAP_DOMAIN):
+        own = domain.startswith(_OWN_EVENTS_PREFIX)
+        if own or domain in (ZAP_DOMAIN, EVENTS_ZAP_DOMAIN, EVENTS_REPLAY_ZAP_DOMAIN):
             identity = self._table().resolve(mechanism, peer, key)
         if identity is None:
             self._refused("unknown_key" if mechanism == "CURVE" else "unknown_user")
             logger.warning("refused a %s connection from %s%s", mechanism, peer or "?",
                            f" (key {key.decode()} is not listed)" if key else "")
             return [version, request_id, b"400", b"not allowed", b"", b""]
-        if domain == EVENTS_ZAP_DOMAIN and not identity.reads_events:
+        if own:
+            allowed = bool(identity.events_endpoint) and domain == own_events_domain(identity.name)
+            why = f"the socket is {domain[len(_OWN_EVENTS_PREFIX):].decode('utf-8', 'replace')!r}'s own"
+        elif domain == EVENTS_ZAP_DOMAIN:
+            allowed, why = identity.reads_events, "admin or events = true"
+        elif domain == EVENTS_REPLAY_ZAP_DOMAIN:
+            allowed, why = identity.reads_events or bool(identity.events_endpoint), "admin, events or events_endpoint"
+        else:
+            allowed, why = True, ""
+        if not allowed:
             self._refused("events")
-            logger.warning("refused a KV events subscriber from %s: identity %r may not read the events "
-                           "(admin or events = true)", peer or "?", identity.name)
+            logger.warning("refused a KV events subscriber from %s: identity %r may not read the events (%s)",
+                           peer or "?", identity.name, why)
             return [version, request_id, b"400", b"not allowed", b"", b""]
         return [version, request_id, b"200", b"OK", user_id(identity, mechanism, peer, key), b""]
 

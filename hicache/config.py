@@ -192,7 +192,8 @@ class EventsConfig:
     replay ROUTER. They carry every tenant's token ids: their subscribers are admitted as
     the server's peers are, and only identities allowed ``events`` (or ``admin``); a
     ``tcp://`` endpoint takes CURVE (``[auth].secret_key_file``) or, readable by anyone
-    who reaches it, ``insecure_tcp = true``."""
+    who reaches it, ``insecure_tcp = true``. An identity with an ``events_endpoint``
+    reads its own tenants' engines' streams on a socket of its own instead."""
 
     enabled: bool = False
     endpoint: str = ""  # "" = ipc://<the server socket's directory>/hicache-events.sock
@@ -272,6 +273,9 @@ class IdentityConfig:
     tenants: tuple[str, ...] = (DEFAULT_TENANT,)
     admin: bool = False  # may call stats, flush, check and reload (and read the KV events)
     events: bool = False  # may subscribe to the KV events: every tenant's token ids (routers)
+    # Its own KV events: the streams of its tenants' engines only, published on this
+    # endpoint (ipc:// or tcp://, CURVE on tcp://) for this identity alone; "": none.
+    events_endpoint: str = ""
     max_locks: int = 0  # node locks its sessions hold together
     max_sessions: int = 0  # sessions (each with its pool) its clients hold together; 0: [auth]'s default
     requests_per_s: float = 0.0  # sustained; bursts of up to one second's worth
@@ -293,6 +297,9 @@ class IdentityConfig:
         for limit in ("max_locks", "max_sessions", "requests_per_s", "host_pages", "disk_pages"):
             if getattr(self, limit) < 0:
                 raise InvalidArgument(f"identity {self.name!r}: {limit} must be >= 0 (0: no limit)")
+        if self.events_endpoint and not self.events_endpoint.startswith(("ipc://", "tcp://")):
+            raise InvalidArgument(f"identity {self.name!r}: events_endpoint is ipc:// or tcp://, "
+                                  f"got {self.events_endpoint!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,6 +324,9 @@ class AuthConfig:
         keys = [key for identity in self.identities for key in identity.public_keys]
         if len(set(keys)) != len(keys):
             raise InvalidArgument("a public key belongs to one identity only")
+        own = [identity.events_endpoint for identity in self.identities if identity.events_endpoint]
+        if len(set(own)) != len(own):
+            raise InvalidArgument("an events_endpoint belongs to one identity only")
         if self.default_identity:
             check_name("identity", self.default_identity)
 
@@ -346,6 +356,16 @@ class DaemonConfig:
         if self.events.uses_tcp and not (self.auth.curve or self.events.insecure_tcp):
             raise InvalidArgument("[events] on tcp:// needs CURVE ([auth].secret_key_file) or, since it then sends "
                                   "token ids in the clear to whoever reaches it, [events].insecure_tcp = true")
+        for identity in self.auth.identities:
+            own = identity.events_endpoint
+            if own and not self.events.enabled:
+                raise InvalidArgument(f"identity {identity.name!r}: an events_endpoint needs the KV events "
+                                      "([events] enabled = true)")
+            if own.startswith("tcp://") and not self.auth.curve:
+                raise InvalidArgument(f"identity {identity.name!r}: an events_endpoint on tcp:// needs CURVE "
+                                      "([auth].secret_key_file): its subscribers are told apart by their keys")
+            if own and own in (*self.events.endpoints(self.server.socket_path), *self.server.endpoints):
+                raise InvalidArgument(f"identity {identity.name!r}: events_endpoint {own!r} is taken by the daemon")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "DaemonConfig":

@@ -13,7 +13,9 @@ import zmq
 from hicache import protocol as p
 from hicache.auth import ClientKeys, read_secret, write_keypair
 from hicache.config import DaemonConfig
-from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler
+from hicache.daemon.auth import (
+    EVENTS_REPLAY_ZAP_DOMAIN, EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler, own_events_domain,
+)
 from hicache.errors import ErrorCode, InvalidArgument
 from hicache.keys import namespace_id
 from test_daemon_service import Clock, engines, error, ok, session  # noqa: F401 (engines: a fixture)
@@ -62,6 +64,34 @@ def test_the_auth_section_is_validated(tmp_path):
                    "auth": {"secret_key_file": str(tmp_path / "server.key_secret")}}).events.uses_tcp  # CURVE
     with pytest.raises(InvalidArgument):
         make_daemon_with(auth({"name": "a"}, default_identity="nobody"), tmp_path)
+
+
+def test_an_events_endpoint_is_validated_against_the_daemons_sockets(tmp_path):
+    """An identity's own KV events socket: ipc:// or tcp:// (with CURVE: its subscribers
+    are told apart by key), one identity's only, none of the daemon's own endpoints, and
+    only with the KV events on."""
+    key_file = str(tmp_path / "server.key_secret")
+    own = {"name": "r", "tenants": ["a"], "events_endpoint": "ipc:///run/r-events.sock"}
+    on = {"events": {"enabled": True}}
+    c = config({**auth(own), **on})
+    assert c.auth.identities[0].events_endpoint == "ipc:///run/r-events.sock"
+    assert config({**auth({**own, "events_endpoint": "tcp://127.0.0.1:7402"}, secret_key_file=key_file), **on})
+    bad = [
+        ("events_endpoint is ipc", {**auth({**own, "events_endpoint": "udp://x"}), **on}),
+        ("events_endpoint must be str", {**auth({**own, "events_endpoint": 7402}), **on}),
+        ("one identity only", {**auth(own, {**own, "name": "s"}), **on}),
+        ("needs CURVE", {**auth({**own, "events_endpoint": "tcp://127.0.0.1:7402"}), **on}),
+        ("enabled = true", auth(own)),
+        ("taken by the daemon", {**auth({**own, "events_endpoint": "ipc:///run/e.sock"}),
+                                 "events": {"enabled": True, "endpoint": "ipc:///run/e.sock"}}),
+        ("taken by the daemon", {**auth({**own, "events_endpoint": "ipc:///run/h.sock"}),
+                                 "server": {"socket": "/run/h.sock"}, **on}),
+        ("taken by the daemon", {**auth({**own, "events_endpoint": "ipc:///run/hicache-events-replay.sock"}),
+                                 "server": {"socket": "/run/h.sock"}, **on}),
+    ]
+    for match, data in bad:
+        with pytest.raises(InvalidArgument, match=match):
+            config(data)
 
 
 def make_daemon_with(data, directory, clock=None):
@@ -153,6 +183,43 @@ def test_the_zap_handler_admits_to_the_events_only_identities_allowed_to_read_th
         assert refused == ["events", "unknown_user"]
         table = IdentityTable(config({}).auth)  # no [auth]: every local peer is the default administrator
         assert status(EVENTS_ZAP_DOMAIN, b"NULL", b"localhost:7:7:9") == b"200"
+    finally:
+        zap.close()
+        context.term()
+
+
+def test_an_identitys_own_events_socket_admits_that_identity_alone():
+    """Identity "tenant-router" reads its tenants' streams on a socket of its own: its
+    domain admits it and nobody else — not an administrator, not another identity with
+    its own socket; the daemon's PUB socket does not admit it (every tenant's streams);
+    the replay socket admits both kinds of reader and nobody else."""
+    table = IdentityTable(config({**auth({"name": "tenant-router", "public_keys": [KEY], "tenants": ["a"],
+                                          "events_endpoint": "ipc:///run/own.sock"},
+                                         {"name": "other", "public_keys": [KEY2], "tenants": ["b"],
+                                          "events_endpoint": "ipc:///run/other.sock"},
+                                         {"name": "ops", "uids": [1001], "admin": True},
+                                         {"name": "engine", "uids": [1002]}, default_identity=""),
+                                  "events": {"enabled": True}}).auth)
+    refused = []
+    context = zmq.Context()
+    zap = ZapHandler(context, lambda: table, refused.append)
+
+    def status(domain: bytes, mechanism: bytes, address: bytes, key: str = "") -> bytes:
+        credentials = [zmq.utils.z85.decode(key.encode())] if key else []
+        return zap.answer([b"1.0", b"1", domain, address, b"", mechanism, *credentials])[2]
+
+    router, other = (b"CURVE", b"127.0.0.1", KEY), (b"CURVE", b"127.0.0.1", KEY2)
+    ops, engine = (b"NULL", b"localhost:1001:5:9"), (b"NULL", b"localhost:1002:5:9")
+    try:
+        mine = own_events_domain("tenant-router")
+        assert [status(mine, *who) for who in (router, other, ops, engine)] == [b"200", b"400", b"400", b"400"]
+        assert status(own_events_domain("no-such-identity"), *ops) == b"400"
+        assert [status(EVENTS_ZAP_DOMAIN, *who) for who in (router, ops)] == [b"400", b"200"]
+        replay = [status(EVENTS_REPLAY_ZAP_DOMAIN, *who) for who in (router, other, ops, engine)]
+        assert replay == [b"200", b"200", b"200", b"400"]
+        assert refused == ["events"] * 6
+        assert table.by_name["tenant-router"].event_tenants == frozenset({"a"})
+        assert table.by_name["ops"].event_tenants is None
     finally:
         zap.close()
         context.term()

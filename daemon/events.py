@@ -55,7 +55,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
 from pathlib import Path
@@ -64,6 +64,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from hicache.daemon.auth import EVENTS_REPLAY_ZAP_DOMAIN, EVENTS_ZAP_DOMAIN, own_events_domain, parse_user_id
 from hicache.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,29 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
 class _Reply:
     """A replay request being answered: the batches of stream ``topic`` from
     ``next_seq`` up to (without) ``end_seq`` — those published before it was asked —
-    then the end marker. ``topic`` None: the end marker alone (nothing to replay)."""
+    then the end marker. ``topic`` None: the end marker alone (nothing to replay).
+    ``tenants``: those whose streams its asker reads (None: every stream)."""
 
     topic: bytes | None
     next_seq: int = 0
     end_seq: int = 0
+    tenants: frozenset[str] | None = None
+
+
+@dataclass(eq=False)
+class _OwnSocket:
+    """An identity's own PUB socket: the streams of its tenants' engines (see
+    :meth:`EventPublisher.set_readers`). ``shown``: the topics it has carried a batch
+    of; ``hiding``: those it no longer carries, each told ``AllBlocksCleared`` at its
+    stream's batches until when."""
+
+    name: str
+    endpoint: str  # as configured
+    bound: str  # as bound (a tcp:// port 0 resolved)
+    tenants: frozenset[str] | None
+    sock: zmq.Socket
+    shown: set[bytes] = field(default_factory=set)
+    hiding: dict[bytes, float] = field(default_factory=dict)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -263,6 +282,11 @@ class EventStream:
         self.data_parallel_rank = data_parallel_rank
         self.max_queue_events = max_queue_events
         self.next_seq = first_seq
+        # The tenants whose engines' blocks the stream shows (None: anyone's, or not
+        # known), since batch ``scope_seq``: who else than every stream's readers may
+        # read it (see :meth:`EventPublisher.set_readers`).
+        self.scope: frozenset[str] | None = None
+        self.scope_seq = first_seq
         self.needs_resync = False  # set when events were lost; the owner clears it and re-announces
         self.dropped = 0  # events that never reached the wire
         self.batches_sent = 0
@@ -277,6 +301,18 @@ class EventStream:
     def num_pending(self) -> int:
         """Events the next batch holds."""
         return len(self._pending) + self._clear_first
+
+    def rescope(self, tenants: frozenset[str] | None) -> None:
+        """The stream shows the blocks of ``tenants``' engines from its next batch on
+        (:attr:`scope`); the owner starts it over (``AllBlocksCleared``, then what it
+        shows now): a replay for a reader of those tenants only begins there, so that
+        no batch of an earlier scope reaches it."""
+        self.scope = tenants
+        self.scope_seq = self.next_seq
+
+    def visible_to(self, tenants: frozenset[str] | None) -> bool:
+        """May a reader of ``tenants``' streams (None: of every stream) read it?"""
+        return tenants is None or (bool(self.scope) and self.scope <= tenants)
 
     def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int,
                medium: str, lora_name: str | None = None, extra_keys: Sequence[Any] | None = None) -> None:
@@ -379,20 +415,21 @@ def _bind_again(sock: zmq.Socket, endpoint: str) -> None:
 
 
 class EventPublisher:
-    """A PUB socket bound to ``endpoint`` carrying several streams (one per topic), and
-    optionally the replay ROUTER bound to ``replay_endpoint``. Runs on its owner's
-    thread: the owner calls :meth:`publish` and, when its poller sees a socket of
-    :meth:`sockets` readable, :meth:`serve_replay`. Not thread-safe; no threads."""
+    """A PUB socket bound to ``endpoint`` carrying several streams (one per topic),
+    optionally the replay ROUTER bound to ``replay_endpoint``, and the PUB sockets of
+    identities that read their own tenants' streams (:meth:`set_readers`). Runs on its
+    owner's thread: the owner calls :meth:`publish` and, when its poller sees a socket
+    of :meth:`sockets` readable, :meth:`serve_replay`. Not thread-safe; no threads."""
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, hwm: int = HWM,
                  max_queue_events: int = MAX_QUEUE_EVENTS, buffer_steps: int = BUFFER_STEPS,
-                 context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str], None] | None = None,
+                 context: zmq.Context | None = None, secure: Callable[[zmq.Socket, str, bytes], None] | None = None,
                  clock: Callable[[], float] = time.time, first_seq: Callable[[], int] = lambda: 0,
                  ledger: StreamLedger | None = None, left_clear_s: float = LEFT_CLEAR_S,
                  idle_beat_s: float = IDLE_BEAT_S, monotonic: Callable[[], float] = time.monotonic) -> None:
         """``context``: the sockets' (the daemon's server's, whose ZAP handler admits
-        the subscribers); ``secure(socket, endpoint)``: sets a socket's security options
-        (CURVE, ZAP domain) before it binds ``endpoint``; ``clock``: the batches'
+        the subscribers); ``secure(socket, endpoint, ZAP domain)``: sets a socket's
+        security options (CURVE, the domain) before it binds ``endpoint``; ``clock``: the batches'
         timestamps (wall-clock seconds, as vLLM's); ``first_seq()``: a new stream's
         first sequence number (see :func:`seq_from_clock`); ``ledger``: a restarting
         publisher's record of its streams (then it gives the first seqs). The streams
@@ -429,13 +466,18 @@ class EventPublisher:
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         self._replies: dict[bytes, deque[_Reply]] = {}  # client identity -> its replies not yet sent whole
+        # identity -> the tenants whose streams it replays (None: every stream); None: no
+        # identities told (a publisher no ZAP handler guards: every request answered)
+        self._readers: dict[str, frozenset[str] | None] | None = None
+        self._own: dict[str, _OwnSocket] = {}  # identity -> its own PUB socket
         context = context if context is not None else zmq.Context.instance()
+        self._context, self._secure, self._hwm = context, secure, hwm
         self._pub = context.socket(zmq.PUB)
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             if secure is not None:
-                secure(self._pub, endpoint)
+                secure(self._pub, endpoint, EVENTS_ZAP_DOMAIN)
             self._pub.bind(endpoint)
             self.endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # port 0 resolved
             if replay_endpoint is not None:
@@ -448,7 +490,7 @@ class EventPublisher:
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
                 if secure is not None:
-                    secure(self._replay, replay_endpoint)
+                    secure(self._replay, replay_endpoint, EVENTS_REPLAY_ZAP_DOMAIN)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except zmq.ZMQError:
@@ -468,7 +510,9 @@ class EventPublisher:
         it missed meanwhile: it sees the gap at the next batch, which each stream sends
         every :data:`LEFT_RESEND_S` for ``left_clear_s`` (with no event if it has none;
         an idle stream would show none)."""
-        for sock, endpoint in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
+        bound = [(self._pub, self.endpoint), (self._replay, self.replay_endpoint),
+                 *((own.sock, own.bound) for own in self._own.values())]
+        for sock, endpoint in bound:
             if sock is not None:
                 sock.unbind(endpoint)
                 _bind_again(sock, endpoint)
@@ -477,6 +521,60 @@ class EventPublisher:
             if topic not in self._left and topic not in self._ending:
                 self._nudging[topic] = now + self._left_clear_s
         self._left_next = min(self._left_next, now + LEFT_RESEND_S) if self._left else now + LEFT_RESEND_S
+
+    def set_readers(self, readers: dict[str, frozenset[str] | None] | None,
+                    own: dict[str, tuple[str, frozenset[str] | None]]) -> list[str]:
+        """Who reads what, by identity name. ``readers``: the identities whose replay
+        requests are answered, each with the tenants whose streams it reads (a stream
+        whose :attr:`~EventStream.scope` is within them) or None (every stream); an
+        identity not named gets the end marker alone. ``None`` (as before the first
+        call): every request is answered in full (no identities listed, or a publisher
+        no ZAP handler guards).
+        ``own``: the identities with a PUB socket of their own, its endpoint and the
+        tenants whose streams it carries (None: every stream). A socket whose endpoint
+        is unchanged is kept, with its subscribers (:meth:`rebind` admits them anew); a
+        stream it carried and no longer may is told ``AllBlocksCleared`` there at that
+        stream's batches for ``left_clear_s``, and nothing else. Returns the endpoints
+        that could not be bound (each logged; the others serve)."""
+        self._readers = None if readers is None else dict(readers)
+        for name in [n for n, s in self._own.items() if n not in own or own[n][0] != s.endpoint]:
+            self._own.pop(name).sock.close(linger=0)
+        failed = []
+        until = self._monotonic() + self._left_clear_s
+        for name, (endpoint, tenants) in own.items():
+            found = self._own.get(name)
+            if found is None:
+                try:
+                    self._own[name] = self._bind_own(name, endpoint, tenants)
+                except zmq.ZMQError as exc:
+                    logger.error("KV events of identity %r: cannot listen on %s (%s)", name, endpoint, exc)
+                    failed.append(endpoint)
+                continue
+            found.tenants = tenants
+            for topic in list(found.shown):
+                stream = self._streams.get(topic)
+                if stream is None or not stream.visible_to(tenants):
+                    found.shown.discard(topic)
+                    found.hiding[topic] = until
+        return failed
+
+    def _bind_own(self, name: str, endpoint: str, tenants: frozenset[str] | None) -> _OwnSocket:
+        sock = self._context.socket(zmq.PUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            if self._secure is not None:
+                self._secure(sock, endpoint, own_events_domain(name))
+            sock.bind(endpoint)
+            return _OwnSocket(name, endpoint, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), tenants, sock)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+
+    @property
+    def own_endpoints(self) -> dict[str, str]:
+        """Identity -> where its own socket listens (``tcp://`` port 0 resolved)."""
+        return {name: own.bound for name, own in self._own.items()}
 
     def stream(self, topic: str | bytes = b"", data_parallel_rank: int = 0) -> EventStream:
         """The stream of ``topic``, created on first use (the oldest one a pool speaks on
@@ -557,6 +655,8 @@ class EventPublisher:
             except zmq.Again:
                 stream.lost(num_events)
                 continue
+            for own in self._own.values():
+                self._send_own(own, stream, seq, payload, now, beat)
             stream.batches_sent += 1
             stream.events_sent += num_events
             sent += 1
@@ -566,6 +666,29 @@ class EventPublisher:
             if self._ledger is not None:
                 self._ledger.closed(topic)
         return sent
+
+    def _send_own(self, own: _OwnSocket, stream: EventStream, seq: int, payload: bytes, now: float,
+                  beat: float) -> None:
+        """A batch on an identity's own socket: as it is, if the identity reads the
+        stream; ``AllBlocksCleared`` in its place (same seq), if the socket carried the
+        stream before and may no more (for ``left_clear_s``: subscribers that reconnect
+        after a reload get it too); else nothing."""
+        topic = stream.topic
+        if stream.visible_to(own.tenants):
+            own.shown.add(topic)
+            own.hiding.pop(topic, None)
+        else:
+            if topic in own.shown:
+                own.shown.discard(topic)
+                own.hiding[topic] = beat + self._left_clear_s
+            until = own.hiding.get(topic)
+            if until is None:
+                return
+            if beat >= until:
+                del own.hiding[topic]
+                return
+            payload = _ENCODER.encode((float(now), [_CLEARED], stream.data_parallel_rank))
+        own.sock.send_multipart([topic, seq.to_bytes(8, "big"), payload], _NOBLOCK, copy=False)
 
     def _clear_left(self) -> None:
         """The last run's streams no pool took up say ``AllBlocksCleared`` again; those
@@ -605,6 +728,9 @@ class EventPublisher:
                 self.end(self._streams[key])
 
     def _forget(self, topic: bytes) -> None:
+        for own in self._own.values():  # (its last batch, a clear, went to those it showed)
+            own.shown.discard(topic)
+            own.hiding.pop(topic, None)
         stream = self._streams.pop(topic)
         self._ended_batches += stream.batches_sent
         self._ended_events += stream.events_sent
@@ -623,32 +749,54 @@ class EventPublisher:
         served = 0
         while limit is None or served < limit:
             try:
-                frames = self._replay.recv_multipart(_NOBLOCK)
+                frames = self._replay.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return served
             served += 1
-            identity = frames[0]
+            identity = frames[0].bytes
             replies = self._replies.setdefault(identity, deque())
             if len(replies) >= MAX_REPLIES_WAITING:
                 logger.debug("replay request of %r dropped: %d replies wait for it to read", identity, len(replies))
                 continue
-            replies.append(self._reply_to(frames[1:]))
+            allowed, tenants = self._reader(frames[-1])
+            replies.append(self._reply_to([f.bytes for f in frames[1:]], tenants) if allowed else _Reply(None))
             if len(replies) == 1:
                 self._send_replies(identity)
         return served
 
-    def _reply_to(self, body: list[bytes]) -> _Reply:
+    def _reader(self, frame: zmq.Frame) -> tuple[bool, frozenset[str] | None]:
+        """Whether the connection that sent ``frame`` may replay, and the tenants whose
+        streams it reads (None: every stream) — by the identity its ZAP handler named
+        in the frame's user id (see :meth:`set_readers`)."""
+        if self._readers is None:
+            return True, None
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:  # no handler was asked (a plain tcp:// socket: whoever reaches it reads)
+            return True, None
+        parsed = parse_user_id(user)
+        if parsed is None or parsed[0] not in self._readers:
+            return False, None
+        return True, self._readers[parsed[0]]
+
+    def _reply_to(self, body: list[bytes], tenants: frozenset[str] | None = None) -> _Reply:
         if body and not body[0]:  # the empty delimiter of a REQ socket (or a DEALER that mimics one)
             body = body[1:]
         stream = None
-        if len(body) == 1:  # (the oldest stream a pool speaks on: not a last run's being cleared)
-            stream = next((s for topic, s in self._streams.items() if topic not in self._left),
-                          next(iter(self._streams.values()), None))
+        if len(body) == 1:  # (the oldest stream a pool speaks on, that the asker reads: not a last run's)
+            readable = [(topic, s) for topic, s in self._streams.items() if s.visible_to(tenants)]
+            stream = next((s for topic, s in readable if topic not in self._left),
+                          next((s for _, s in readable), None))
         elif len(body) == 2:
             stream = self._streams.get(body[0])
+            if stream is not None and not stream.visible_to(tenants):
+                stream = None
         if stream is None or len(body[-1]) != 8:
             return _Reply(None)
-        return _Reply(stream.topic, int.from_bytes(body[-1], "big"), stream.next_seq)
+        start = int.from_bytes(body[-1], "big")
+        if tenants is not None:  # (nothing from before the stream showed what it shows now)
+            start = max(start, stream.scope_seq)
+        return _Reply(stream.topic, start, stream.next_seq, tenants)
 
     def _send_replies(self, identity: bytes) -> None:
         """Send ``identity``'s replies in order, each ending with the end marker, until
@@ -659,6 +807,11 @@ class EventPublisher:
             while replies:
                 reply = replies[0]
                 stream = self._streams.get(reply.topic) if reply.topic is not None else None
+                if stream is not None and reply.tenants is not None:  # (its scope may have changed since)
+                    if not stream.visible_to(reply.tenants):
+                        stream = None
+                    else:
+                        reply.next_seq = max(reply.next_seq, stream.scope_seq)
                 if stream is not None:
                     for seq, payload in stream.iter_replay(reply.next_seq):
                         if seq >= reply.end_seq:
@@ -684,6 +837,8 @@ class EventPublisher:
         drops it at the hang-up.) A replay in progress is cut short."""
         if self._pub is not None:
             self._pub.close(linger=max(0, int(linger_s * 1000)))
+        for own in self._own.values():
+            own.sock.close(linger=max(0, int(linger_s * 1000)))
         if self._replay is not None:
             self._replay.close(linger=0)
 

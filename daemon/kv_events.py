@@ -15,6 +15,9 @@ stream whose engine could hit them. A pool's stream shows the host and disk page
 its identity's tenants' namespaces (the registering session's identity; a reload that
 changes its tenants starts the stream over), not another tenant's: a router is not told
 an engine holds blocks it cannot hit, nor given their token ids on that engine's topic.
+Those tenants are the stream's scope (:attr:`EventStream.scope`): an identity that reads
+its own tenants' streams (``events_endpoint``) reads the streams whose scope is within
+its tenants, on a socket of its own (:meth:`EventPublisher.set_readers`).
 A namespace whose tenant the daemon does not know yet (restored from disk, or fetched
 from the remote tier, with no tenant on record) shows on no stream until a session
 names it; then its tenant's streams announce its pages. With no identities listed (one
@@ -183,6 +186,7 @@ class ManagerEvents:
                 stream = self.publisher.stream(f"{self.topic}{pool_id}", data_parallel_rank=pool_id)
                 self.streams[pool_id] = stream
                 self._tenants[pool_id] = self._tenants_of(self.manager, pool_id)
+                stream.rescope(self._tenants[pool_id])
                 self._restart(pool_id, stream)
 
     def retenant(self) -> None:
@@ -192,6 +196,7 @@ class ManagerEvents:
             tenants = self._tenants_of(self.manager, pool_id)
             if tenants != self._tenants[pool_id]:
                 self._tenants[pool_id] = tenants
+                stream.rescope(tenants)
                 self._restart(pool_id, stream)
 
     def _end(self, pool_id: int) -> None:

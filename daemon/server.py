@@ -79,7 +79,7 @@ import zmq
 
 from hicache.auth import read_secret
 from hicache.config import AuthConfig, DaemonConfig
-from hicache.daemon.auth import EVENTS_ZAP_DOMAIN, ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
+from hicache.daemon.auth import ZAP_DOMAIN, IdentityTable, ZapHandler, parse_user_id
 from hicache import protocol as p, transport
 from hicache.daemon.collector import Collector
 from hicache.daemon.connections import ConnectionShedder
@@ -220,13 +220,15 @@ class Server:
             sock.setsockopt(zmq.ZAP_DOMAIN, domain)
         return curve
 
-    def _secure_events(self, sock: zmq.Socket, endpoint: str) -> None:
-        """The KV events sockets: as the server's, in the events' own ZAP domain — but a
-        plain ``tcp://`` endpoint (``[events].insecure_tcp``) asks nobody: whoever
-        reaches it reads (and replays) the events, as its setting says. (Such a socket
-        gets no ZAP domain at all: libzmq 4.3.5 refuses to set an empty one.)"""
+    def _secure_events(self, sock: zmq.Socket, endpoint: str, domain: bytes) -> None:
+        """The KV events sockets: as the server's, in ``domain`` (the events' own ZAP
+        domains: see :mod:`hicache.daemon.auth`) — but a plain ``tcp://`` endpoint
+        (``[events].insecure_tcp``) asks nobody: whoever reaches it reads (and replays)
+        the events, as its setting says. (Such a socket gets no ZAP domain at all:
+        libzmq 4.3.5 refuses to set an empty one. An identity's own events socket is
+        never one: its tcp:// needs CURVE.)"""
         plain_tcp = endpoint.startswith("tcp://") and self._server_keys is None
-        self._secure(sock, endpoint, None if plain_tcp else EVENTS_ZAP_DOMAIN)
+        self._secure(sock, endpoint, None if plain_tcp else domain)
         if plain_tcp:
             logger.warning("KV events on %s with NO AUTHENTICATION ([events].insecure_tcp): whoever reaches it "
                            "reads every tenant's token ids", endpoint)

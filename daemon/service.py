@@ -373,8 +373,7 @@ class Daemon:
             except zmq.ZMQError as exc:
                 logger.error("reload: the KV events sockets could not listen again (%s): no events until a "
                              "restart", exc)
-            else:
-                self._restrict_events(self.events.publisher)
+            self._set_event_readers(self.events.publisher, table, announce=True)
         logger.info("reloaded [auth]: %d identities, %d sessions ended", len(table.by_name), ended)
         return len(table.by_name), ended
 
@@ -606,7 +605,7 @@ class Daemon:
                                    max_queue_events=config.events.max_queue_events,
                                    buffer_steps=config.events.buffer_steps, context=context, secure=secure,
                                    ledger=ledger)
-        self._restrict_events(publisher)
+        self._set_event_readers(publisher, self.identities, announce=True)
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "none")
         self.events = KvEvents(publisher, config.events.topic, kept=self.tenant_log.extra_key,
                                tenants=self._pool_tenants)
@@ -621,9 +620,23 @@ class Daemon:
         identity = None if owner is None else owner.creds.identity
         return frozenset() if identity is None else frozenset(identity.tenants)
 
+    def _set_event_readers(self, publisher: EventPublisher, table: IdentityTable, *, announce: bool = False) -> None:
+        """Who reads which KV events (see :meth:`EventPublisher.set_readers`): the
+        identities that read every stream, and those that read their own tenants'
+        streams on sockets of their own (``events_endpoint``)."""
+        identities = table.by_name.values() if table.auth.identities else ()
+        # (without identities listed: one tenant, and whoever the handler admits reads it all)
+        readers = {i.name: i.event_tenants for i in identities if i.reads_events or i.events_endpoint}
+        own = {i.name: (i.events_endpoint, i.event_tenants) for i in identities if i.events_endpoint}
+        publisher.set_readers(readers if identities else None, own)
+        self._restrict_events(publisher)
+        if announce:
+            for name, endpoint in publisher.own_endpoints.items():
+                logger.info("KV events of identity %r on %s", name, endpoint)
+
     def _restrict_events(self, publisher: EventPublisher) -> None:
         """The events' ipc:// sockets (token ids) no wider open than the server's."""
-        for bound in (publisher.endpoint, publisher.replay_endpoint):
+        for bound in (publisher.endpoint, publisher.replay_endpoint, *publisher.own_endpoints.values()):
             if bound and bound.startswith("ipc://"):
                 os.chmod(bound[len("ipc://"):], self.config.server.socket_mode)
 

@@ -19,7 +19,7 @@ from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
 from hicache.errors import ErrorCode, Unavailable
-from kv_event_shapes import BlockStored, decode
+from kv_event_shapes import AllBlocksCleared, BlockStored, decode
 from owned_util import OwnedEngine, layer_major
 from tiers_util import SPEC
 
@@ -651,4 +651,153 @@ def test_unlisted_local_users_are_no_administrators_once_identities_are_listed(t
             assert _code(excinfo) == ErrorCode.PERMISSION_DENIED
     finally:
         engine.close()
+        d.stop()
+
+
+# -- KV events of an identity's own tenants, on a socket of its own ----------------------
+
+
+def _own_events_auth(keys, tenants=("a",)) -> dict:
+    auth = _auth(keys)
+    auth["identities"].append({"name": "router-a", "public_keys": [keys["router"]["z85"]],
+                               "tenants": list(tenants), "events_endpoint": keys["own_endpoint"]})
+    return auth
+
+
+def _own_events_daemon(tmp_path, keys) -> tuple[DaemonProcess, str, str]:
+    """A daemon with its events on tcp:// (CURVE) and identity "router-a" (tenant a, no
+    ``events`` right) reading its own tenants' streams on a socket of its own:
+    (daemon, the daemon's events PUB endpoint, its replay endpoint)."""
+    endpoint, pub, replay_endpoint, own = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(4))
+    keys["own_endpoint"] = own
+    d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=_own_events_auth(keys),
+                      events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint},
+                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+    d.tcp = endpoint
+    return d.start(), pub, replay_endpoint
+
+
+def _received(sock: zmq.Socket, until, what: str) -> list[list[bytes]]:
+    """What ``sock`` receives until ``until(messages so far)`` holds."""
+    out: list[list[bytes]] = []
+    deadline = time.monotonic() + 60.0  # (a guard against hanging: a stream's beats come forever)
+    while not until(out):
+        assert time.monotonic() < deadline and sock.poll(30_000), f"never received {what}; received: " + ", ".join(
+            f"{m[0].decode()}#{int.from_bytes(m[1], 'big')}: {[type(e).__name__ for e in decode(m[2]).events]}"
+            for m in out)
+        out.append(sock.recv_multipart())
+    return out
+
+
+def _joined(engine: ClientEngine, *subs: zmq.Socket) -> None:
+    """Until each of ``subs`` has its subscription in place (a batch published before
+    that is lost to it), ``engine`` stores a page of its own: then what it received is
+    read and dropped."""
+    waiting = set(subs)
+    for seed in range(1000, 1100):
+        engine.prefill(_tokens(seed, 1))
+        waiting -= {sub for sub in waiting if sub.poll(200)}
+        if not waiting:
+            break
+    assert not waiting, "a subscriber never joined"
+    for sub in subs:
+        while sub.poll(200):
+            sub.recv_multipart()
+
+
+def _stored_tokens(messages, topic: str | None = None) -> set[int]:
+    return token_ids([m[2] for m in messages if topic is None or m[0] == topic.encode()])
+
+
+def test_an_identity_reads_its_own_tenants_streams_on_its_own_socket(tmp_path, keys):
+    """router-a (tenant a, no ``events`` right) subscribes to its ``events_endpoint``:
+    it reads team-x's engine's stream (tenant a) and never team-y's (tenants b, b2); the
+    daemon's events socket refuses it; its own socket refuses everyone else, an
+    administrator included. The replay socket answers it for x's stream only: a
+    one-frame (vLLM) request gets x's stream though y's is older, y's topic nothing."""
+    d, pub, replay_endpoint = _own_events_daemon(tmp_path, keys)
+    own = keys["own_endpoint"]
+    subs = {who: events_socket(zmq.SUB, own, keys, who) for who in ("router", "x", "y", "stranger")}
+    main = {who: events_socket(zmq.SUB, pub, keys, who) for who in ("router", "y")}
+    replay, replay_monitor = events_socket(zmq.DEALER, replay_endpoint, keys, "router")
+    engines = {}
+    try:
+        assert {who: handshake(m) for who, (_, m) in subs.items()} == {
+            "router": "admitted", "x": "refused", "y": "refused", "stranger": "refused"}
+        assert {who: handshake(m) for who, (_, m) in main.items()} == {"router": "refused", "y": "admitted"}
+        assert handshake(replay_monitor) == "admitted"
+        for who in ("y", "x"):  # (y's pool, and stream, first)
+            engines[who] = ClientEngine(d.tcp, **_creds(keys, who))
+        _joined(engines["x"], subs["router"][0], main["y"][0])
+        secrets = {"y": _tokens(97, 2), "x": _tokens(96, 2)}
+        for who in ("y", "x"):
+            engines[who].prefill(secrets[who])
+        topics = {who: str(engine.client.pool_id) for who, engine in engines.items()}
+        # The administrator sees both streams; by then router-a's socket has had every batch it carries.
+        _received(main["y"][0], lambda got: set(secrets["x"]) | set(secrets["y"]) <= _stored_tokens(got),
+                  "both engines' blocks on the daemon's events socket")
+        mine = _received(subs["router"][0], lambda got: set(secrets["x"]) <= _stored_tokens(got),
+                         "team-x's blocks on router-a's socket")
+        while subs["router"][0].poll(500):
+            mine.append(subs["router"][0].recv_multipart())
+        assert {m[0] for m in mine} == {topics["x"].encode()}
+        assert not _stored_tokens(mine) & set(secrets["y"])
+        assert not any(s.poll(0) for who, (s, _) in subs.items() if who != "router")
+        assert set(secrets["x"]) <= token_ids(replayed(replay))  # (the oldest stream router-a reads)
+        assert set(secrets["x"]) <= token_ids(replayed(replay, topics["x"]))
+        assert replayed(replay, topics["y"]) == []
+        log = d.log.read_text()
+        assert "identity 'router-a' may not read the events (admin or events = true)" in log
+        assert "identity 'team-y' may not read the events (the socket is 'router-a''s own)" in log
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for sock, monitor in (*subs.values(), *main.values(), (replay, replay_monitor)):
+            sock.close(0)
+            monitor.close(0)
+        d.stop()
+
+
+def test_a_reload_that_moves_an_identity_to_other_tenants_clears_what_it_read(tmp_path, keys):
+    """router-a moves from tenant a to team-y's tenants (b, b2): on its socket team-x's stream says
+    ``AllBlocksCleared`` (and no block of x's any more), team-y's stream shows; the
+    replay socket answers it for y's stream now (its blocks stored after the reload),
+    and for x's nothing."""
+    d, pub, replay_endpoint = _own_events_daemon(tmp_path, keys)
+    sub, monitor = events_socket(zmq.SUB, keys["own_endpoint"], keys, "router")
+    replay, replay_monitor = events_socket(zmq.DEALER, replay_endpoint, keys, "router")
+    admin = _client(d, keys, "y")
+    engines = {who: ClientEngine(d.tcp, **_creds(keys, who)) for who in ("x", "y")}
+    try:
+        assert handshake(monitor) == "admitted" and handshake(replay_monitor) == "admitted"
+        topics = {who: str(engine.client.pool_id).encode() for who, engine in engines.items()}
+        _joined(engines["x"], sub)
+        first = _tokens(95, 2)
+        engines["x"].prefill(first)
+        _received(sub, lambda got: set(first) <= _stored_tokens(got), "team-x's blocks before the reload")
+        d.rewrite(server={"tcp": d.tcp}, auth=_own_events_auth(keys, tenants=("b", "b2")),
+                  events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint})
+        admin.reload()
+        # (the sockets take their connections anew: what comes after is read once both are back)
+        assert handshake(monitor) == "admitted" and handshake(replay_monitor) == "admitted"
+        later = {"x": _tokens(94, 2), "y": _tokens(93, 2)}
+        engines["x"].prefill(later["x"])
+        engines["y"].prefill(later["y"])
+        # (a batch sent before the socket has its subscription again is lost to it: y's blocks
+        # may be, and come by replay — a stream new to a subscriber is one it replays)
+        after = _received(sub, lambda got: any(m[0] == topics["y"] for m in got)
+                          and any(m[0] == topics["x"] and decode(m[2]).events == [AllBlocksCleared()] for m in got),
+                          "team-y's stream and team-x's clear")
+        on_x = [decode(m[2]).events for m in after if m[0] == topics["x"]]
+        cleared = on_x.index([AllBlocksCleared()])  # (before it: x's batches of before the reload)
+        assert all(events == [AllBlocksCleared()] for events in on_x[cleared:]), on_x
+        assert not _stored_tokens(after) & set(later["x"])
+        assert set(later["y"]) <= token_ids(replayed(replay, topics["y"].decode()))
+        assert replayed(replay, topics["x"].decode()) == []
+    finally:
+        admin.close()
+        for engine in engines.values():
+            engine.close()
+        for sock in (sub, monitor, replay, replay_monitor):
+            sock.close(0)
         d.stop()

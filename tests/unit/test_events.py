@@ -11,6 +11,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -813,3 +814,111 @@ def test_vllms_one_frame_replay_after_a_restart_answers_from_the_first_pools_str
         dealer.close(linger=0)
     finally:
         again.close()
+
+
+# -- an identity's own socket: the streams of its tenants' engines ------------------------
+
+
+def _own_subscriber(context, publisher: EventPublisher, name: str, tenants: frozenset[str]) -> zmq.Socket:
+    """A SUB socket on identity ``name``'s own socket that has joined (probes of a
+    stream scoped to ``tenants`` until one arrives, then drained)."""
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(publisher.own_endpoints[name])
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    probe = publisher.stream(PROBE + name.encode())
+    probe.rescope(tenants)
+    deadline = time.monotonic() + WAIT_S
+    while not sub.poll(20):
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        probe.removed([1], MEDIUM_CPU)
+        publisher.publish()
+    while sub.poll(20):
+        assert sub.recv_multipart()[0].startswith(PROBE)
+    publisher.end(probe)
+    publisher.publish()
+    assert sub.poll(int(WAIT_S * 1000)) and decode(sub.recv_multipart()[2]).events == [AllBlocksCleared()]
+    return sub
+
+
+def test_an_identitys_own_socket_carries_the_streams_within_its_tenants(context, tmp_path):
+    """Reader "r" of tenants a and a2: its socket carries the streams scoped to a, to
+    a2, to both — never one scoped to b, to a and b, or to nobody known (None: a pool
+    whose tenants are not known yet). The daemon's socket carries them all."""
+    now = [0.0]
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", context=context, monotonic=lambda: now[0]) as publisher:
+        publisher.set_readers({"r": frozenset({"a", "a2"})}, {"r": (f"ipc://{tmp_path / 'r'}", frozenset({"a", "a2"}))})
+        sub = _own_subscriber(context, publisher, "r", frozenset({"a"}))
+        everything = subscribe(context, publisher, b"")
+        scopes = {b"a": {"a"}, b"a2": {"a2"}, b"both": {"a", "a2"}, b"b": {"b"}, b"ab": {"a", "b"},
+                  b"unknown": None}
+        for topic, tenants in scopes.items():
+            stream = publisher.stream(topic)
+            stream.rescope(None if tenants is None else frozenset(tenants))
+            stream.stored([len(topic)], None, [1, 2], 2, MEDIUM_CPU)
+        publisher.publish()
+        assert {m[0] for m in receive(everything, len(scopes))} == set(scopes)
+        assert {m[0] for m in receive(sub, 3)} == {b"a", b"a2", b"both"}
+
+
+def test_a_stream_an_identity_no_longer_reads_says_all_blocks_cleared_on_its_socket_for_a_while(context, tmp_path):
+    """Reader "r" moves from tenant a to tenant b: at each batch of a's stream its
+    socket carries ``AllBlocksCleared`` in the batch's place (same seq; none of its
+    blocks) for ``left_clear_s``, then nothing; b's stream shows from its next batch.
+    A stream it never carried is never announced to it, not even as cleared."""
+    now = [0.0]
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", context=context, left_clear_s=5.0,
+                        monotonic=lambda: now[0]) as publisher:
+        own = f"ipc://{tmp_path / 'r'}"
+        publisher.set_readers({"r": frozenset({"a"})}, {"r": (own, frozenset({"a"}))})
+        sub = _own_subscriber(context, publisher, "r", frozenset({"a"}))
+        streams = {name: publisher.stream(name.encode()) for name in ("a", "b", "c")}
+        for name, stream in streams.items():
+            stream.rescope(frozenset({name}))
+            stream.stored([1], None, [1, 2], 2, MEDIUM_CPU)
+        publisher.publish()
+        assert [m[0] for m in receive(sub, 1)] == [b"a"]
+        publisher.set_readers({"r": frozenset({"b"})}, {"r": (own, frozenset({"b"}))})
+        assert publisher.own_endpoints["r"].startswith("ipc://")
+        seqs = []
+        for step in range(1, 8):
+            now[0] = float(step)
+            for name, stream in streams.items():
+                seqs.append((name, stream.next_seq))
+                stream.stored([step + 1], step, [step, step], 2, MEDIUM_CPU)
+            publisher.publish()
+        got = receive(sub, 7 + 4)  # (b's seven batches; a's clears at 1..4 s: the while ends at 5 s)
+        on_a = [(int.from_bytes(m[1], "big"), decode(m[2]).events) for m in got if m[0] == b"a"]
+        assert on_a == [(seq, [AllBlocksCleared()]) for name, seq in seqs if name == "a"][:4]
+        on_b = [int.from_bytes(m[1], "big") for m in got if m[0] == b"b"]
+        assert on_b == [seq for name, seq in seqs if name == "b"]
+        assert all(isinstance(e, BlockStored) for m in got if m[0] == b"b" for e in decode(m[2]).events)
+
+
+def test_an_own_socket_goes_when_its_identity_does_and_moves_with_its_endpoint(context, tmp_path):
+    """set_readers binds a socket per identity named, keeps one whose endpoint did not
+    change (its subscribers with it), closes one whose identity is gone, and binds anew
+    at a changed endpoint; one that cannot bind is returned and logged, the others serve."""
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", context=context) as publisher:
+        first = {"r": (f"ipc://{tmp_path / 'r'}", frozenset({"a"})), "s": (f"ipc://{tmp_path / 's'}", None)}
+        assert publisher.set_readers({"r": frozenset({"a"}), "s": None}, first) == []
+        sub = _own_subscriber(context, publisher, "r", frozenset({"a"}))
+        on_s = context.socket(zmq.SUB)
+        on_s.setsockopt(zmq.LINGER, 0)
+        monitor = on_s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        on_s.connect(first["s"][0])
+        assert monitor.poll(int(WAIT_S * 1000)) and recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+        moved = {"r": first["r"], "s2": (f"ipc://{tmp_path / 's2'}", None),
+                 "bad": (f"ipc://{tmp_path / 'no-such-dir' / 'x'}", None)}
+        assert publisher.set_readers(None, moved) == [moved["bad"][0]]
+        assert publisher.own_endpoints == {"r": moved["r"][0], "s2": moved["s2"][0]}
+        stream = publisher.stream(b"a")
+        stream.rescope(frozenset({"a"}))
+        stream.stored([1], None, [1, 2], 2, MEDIUM_CPU)
+        publisher.publish()
+        assert [m[0] for m in receive(sub, 1)] == [b"a"]  # (the kept socket kept its subscriber)
+        assert monitor.poll(int(WAIT_S * 1000))  # (s's socket closed: its subscriber is cut off)
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        monitor.close(0)
+        on_s.close(0)
+

@@ -141,3 +141,24 @@ def vllm_kv_caches(layer_names, num_blocks: int, *, heads: int = 2, block_size: 
                       dtype=str(dtype).removeprefix("torch."), model="test/vllm-shaped",
                       layout=f"vllm/{device}/{'BLHNC' if block_major else 'LBHNC'}/test")
     return caches, [tensor], spec
+
+
+def as_older_daemon(monkeypatch, hello_field: str) -> list:
+    """The client sees hellos without ``hello_field`` (a daemon older than it, which
+    refuses the fields it names); returns the list every message the clients send from
+    now on is appended to."""
+    from hicache import protocol as p
+
+    decode_reply = p.decode_reply
+
+    def older(frame):
+        reply = decode_reply(frame)
+        if isinstance(reply, p.HelloReply):
+            setattr(reply, hello_field, False)
+        return reply
+
+    monkeypatch.setattr(p, "decode_reply", older)
+    sent = []
+    send = CacheClient._send_locked
+    monkeypatch.setattr(CacheClient, "_send_locked", lambda client, m: sent.append(m) or send(client, m))
+    return sent

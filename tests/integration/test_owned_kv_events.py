@@ -13,9 +13,8 @@ import zmq
 
 from daemon_util import DaemonProcess, clean_daemon, events_socket, replayed
 from hicache import protocol as p
-from hicache.client import CacheClient
 from kv_event_shapes import BlockStored, decode
-from owned_util import OWNED_SPEC, OwnedEngine, layer_major, registered_again, tp_rank_spec
+from owned_util import OWNED_SPEC, OwnedEngine, as_older_daemon, layer_major, registered_again, tp_rank_spec
 
 PS = OWNED_SPEC.page_size
 SEQ = list(range(500, 500 + 3 * PS))
@@ -69,18 +68,7 @@ def test_only_the_first_ranks_pool_publishes_a_stream(tmp_path):
 def test_an_older_daemon_is_not_sent_the_field_and_gives_the_pool_a_stream(tmp_path, monkeypatch):
     """A daemon whose hello does not say ``owned_kv_events`` refuses unknown fields: the
     client registers the pool without it (the pool then has a stream of its own there)."""
-    decode_reply = p.decode_reply
-
-    def older(frame):
-        reply = decode_reply(frame)
-        if isinstance(reply, p.HelloReply):
-            reply.owned_kv_events = False
-        return reply
-
-    monkeypatch.setattr(p, "decode_reply", older)
-    sent = []
-    send = CacheClient._send_locked
-    monkeypatch.setattr(CacheClient, "_send_locked", lambda client, m: sent.append(m) or send(client, m))
+    sent = as_older_daemon(monkeypatch, "owned_kv_events")
     with clean_daemon(tmp_path, events={"enabled": True}, disk={"enabled": False}) as daemon:
         quiet = OwnedEngine(daemon.endpoint, layer_major(8, tp_rank_spec(1, 2)), name="r1", kv_events=False)
         replay, _ = events_socket(zmq.DEALER, f"ipc://{tmp_path / 'hicache-events-replay.sock'}")

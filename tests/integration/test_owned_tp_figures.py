@@ -17,7 +17,7 @@ from hicache.client import CacheClient, load_into_each, match_each
 from hicache.errors import InvalidArgument
 from hicache.foreign import OwnedPoolHandle
 from hicache.storage.mooncake_local import free_port
-from owned_util import OWNED_SPEC, OwnedEngine, layer_major, tp_rank_spec
+from owned_util import OWNED_SPEC, OwnedEngine, as_older_daemon, layer_major, tp_rank_spec
 
 PS = OWNED_SPEC.page_size
 SEQ = list(range(500, 500 + 3 * PS + 2))  # three whole pages and two tokens
@@ -205,18 +205,7 @@ def test_a_rank_left_alone_still_counts_nothing(daemon):
 def test_an_older_daemon_is_not_sent_the_field(tmp_path, monkeypatch):
     """A daemon whose hello does not say ``owned_counts_tokens`` refuses unknown fields:
     the client registers the pool without it (its tokens then count there)."""
-    decode_reply = p.decode_reply
-
-    def older(frame):
-        reply = decode_reply(frame)
-        if isinstance(reply, p.HelloReply):
-            reply.owned_counts_tokens = False
-        return reply
-
-    monkeypatch.setattr(p, "decode_reply", older)
-    sent = []
-    send = CacheClient._send_locked
-    monkeypatch.setattr(CacheClient, "_send_locked", lambda client, m: sent.append(m) or send(client, m))
+    sent = as_older_daemon(monkeypatch, "owned_counts_tokens")
     d = Daemon(tmp_path)
     try:
         quiet = OwnedEngine(d.endpoint, layer_major(8, tp_rank_spec(1, 2)), name="r1", counts_tokens=False)

@@ -49,7 +49,13 @@ def subscribe(context, publisher: EventPublisher, *topics: bytes) -> zmq.Socket:
     sub.connect(publisher.endpoint)
     for topic in (*topics, PROBE):
         sub.setsockopt(zmq.SUBSCRIBE, topic)
-    probe = publisher.stream(PROBE + str(len(publisher.streams)).encode())
+    _probe_until_joined(publisher, sub, publisher.stream(PROBE + str(len(publisher.streams)).encode()))
+    sub.setsockopt(zmq.UNSUBSCRIBE, PROBE)
+    return sub
+
+
+def _probe_until_joined(publisher: EventPublisher, sub: zmq.Socket, probe: EventStream) -> None:
+    """Batches of ``probe`` go out until ``sub`` receives one; then the probes are drained."""
     deadline = time.monotonic() + WAIT_S
     while not sub.poll(20):
         assert time.monotonic() < deadline, "the subscriber never joined"
@@ -57,8 +63,6 @@ def subscribe(context, publisher: EventPublisher, *topics: bytes) -> zmq.Socket:
         publisher.publish()
     while sub.poll(20):
         assert sub.recv_multipart()[0].startswith(PROBE)
-    sub.setsockopt(zmq.UNSUBSCRIBE, PROBE)
-    return sub
 
 
 def receive(sub: zmq.Socket, count: int) -> list[list[bytes]]:
@@ -828,13 +832,7 @@ def _own_subscriber(context, publisher: EventPublisher, name: str, tenants: froz
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     probe = publisher.stream(PROBE + name.encode())
     probe.rescope(tenants)
-    deadline = time.monotonic() + WAIT_S
-    while not sub.poll(20):
-        assert time.monotonic() < deadline, "the subscriber never joined"
-        probe.removed([1], MEDIUM_CPU)
-        publisher.publish()
-    while sub.poll(20):
-        assert sub.recv_multipart()[0].startswith(PROBE)
+    _probe_until_joined(publisher, sub, probe)
     publisher.end(probe)
     publisher.publish()
     assert sub.poll(int(WAIT_S * 1000)) and decode(sub.recv_multipart()[2]).events == [AllBlocksCleared()]

@@ -158,6 +158,16 @@ def test_the_zap_handler_answers_every_request():
         context.term()
 
 
+def _status_of(zap: ZapHandler):
+    """``status(domain, mechanism, address, key="")``: ``zap``'s status code for such a
+    connection."""
+    def status(domain: bytes, mechanism: bytes, address: bytes, key: str = "") -> bytes:
+        credentials = [zmq.utils.z85.decode(key.encode())] if key else []
+        return zap.answer([b"1.0", b"1", domain, address, b"", mechanism, *credentials])[2]
+
+    return status
+
+
 def test_the_zap_handler_admits_to_the_events_only_identities_allowed_to_read_them():
     """The KV events carry every tenant's token ids: their domain admits administrators
     and identities with ``events = true``, not any other identity the server's socket
@@ -169,11 +179,7 @@ def test_the_zap_handler_admits_to_the_events_only_identities_allowed_to_read_th
     refused = []
     context = zmq.Context()
     zap = ZapHandler(context, lambda: table, refused.append)
-
-    def status(domain: bytes, mechanism: bytes, address: bytes, key: str = "") -> bytes:
-        credentials = [zmq.utils.z85.decode(key.encode())] if key else []
-        return zap.answer([b"1.0", b"1", domain, address, b"", mechanism, *credentials])[2]
-
+    status = _status_of(zap)
     try:
         assert status(EVENTS_ZAP_DOMAIN, b"CURVE", b"127.0.0.1", KEY) == b"200"
         assert status(EVENTS_ZAP_DOMAIN, b"NULL", b"localhost:1001:5:9") == b"200"  # an administrator
@@ -203,11 +209,7 @@ def test_an_identitys_own_events_socket_admits_that_identity_alone():
     refused = []
     context = zmq.Context()
     zap = ZapHandler(context, lambda: table, refused.append)
-
-    def status(domain: bytes, mechanism: bytes, address: bytes, key: str = "") -> bytes:
-        credentials = [zmq.utils.z85.decode(key.encode())] if key else []
-        return zap.answer([b"1.0", b"1", domain, address, b"", mechanism, *credentials])[2]
-
+    status = _status_of(zap)
     router, other = (b"CURVE", b"127.0.0.1", KEY), (b"CURVE", b"127.0.0.1", KEY2)
     ops, engine = (b"NULL", b"localhost:1001:5:9"), (b"NULL", b"localhost:1002:5:9")
     try:

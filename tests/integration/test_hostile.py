@@ -549,9 +549,10 @@ def test_engine_owned_pool_messages_from_a_hostile_peer(daemon, victim, raw):
                                             key_check=key_self_test(spec.fingerprint, spec.page_size), pools=[],
                                             owned=owned))
                 error(reply, bad)
-            # A pool's KV events switch takes a bool and nothing else.
-            for kv_events in ("no", 0, None, [False], {"off": True}, b"\0", 2**64 - 1):
-                owned = {"layout": layer_major(4).to_dict(), "kv_events": kv_events,
+            # A pool's KV events and token-count switches take a bool and nothing else.
+            junk = ("no", 0, None, [False], {"off": True}, b"\0", 2**64 - 1)
+            for switch, value in [("kv_events", v) for v in junk] + [("counts_tokens", v) for v in junk]:
+                owned = {"layout": layer_major(4).to_dict(), switch: value,
                          "buffers": [{"kind": "memfd", "nbytes": exported.handle.buffers[0].nbytes,
                                       "token": raw.offer(exported.handle.buffers[0].fd)}]}
                 reply = raw.call(p.Register(id=0, session=session, spec=OWNED_SPEC.to_dict(),

@@ -587,7 +587,7 @@ class Daemon:
         return future
 
     def bind_events(self, context: zmq.Context | None = None,
-                    secure: Callable[[zmq.Socket, str], None] | None = None) -> None:
+                    secure: Callable[[zmq.Socket, str, bytes], None] | None = None) -> None:
         """Bind the KV events sockets ([events]; nothing when off, or bound already).
         ``context`` and ``secure``: the server's context, whose ZAP handler admits the
         subscribers, and its security options (see

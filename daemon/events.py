@@ -133,7 +133,6 @@ class _OwnSocket:
     of; ``hiding``: those it no longer carries, each told ``AllBlocksCleared`` at its
     stream's batches until when."""
 
-    name: str
     endpoint: str  # as configured
     bound: str  # as bound (a tcp:// port 0 resolved)
     tenants: frozenset[str] | None
@@ -566,7 +565,7 @@ class EventPublisher:
             if self._secure is not None:
                 self._secure(sock, endpoint, own_events_domain(name))
             sock.bind(endpoint)
-            return _OwnSocket(name, endpoint, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), tenants, sock)
+            return _OwnSocket(endpoint, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), tenants, sock)
         except BaseException:
             sock.close(linger=0)
             raise

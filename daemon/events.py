@@ -786,16 +786,11 @@ class EventPublisher:
             readable = [(topic, s) for topic, s in self._streams.items() if s.visible_to(tenants)]
             stream = next((s for topic, s in readable if topic not in self._left),
                           next((s for _, s in readable), None))
-        elif len(body) == 2:
+        elif len(body) == 2:  # (one the asker does not read: the end marker, see _send_replies)
             stream = self._streams.get(body[0])
-            if stream is not None and not stream.visible_to(tenants):
-                stream = None
         if stream is None or len(body[-1]) != 8:
             return _Reply(None)
-        start = int.from_bytes(body[-1], "big")
-        if tenants is not None:  # (nothing from before the stream showed what it shows now)
-            start = max(start, stream.scope_seq)
-        return _Reply(stream.topic, start, stream.next_seq, tenants)
+        return _Reply(stream.topic, int.from_bytes(body[-1], "big"), stream.next_seq, tenants)
 
     def _send_replies(self, identity: bytes) -> None:
         """Send ``identity``'s replies in order, each ending with the end marker, until
@@ -806,7 +801,7 @@ class EventPublisher:
             while replies:
                 reply = replies[0]
                 stream = self._streams.get(reply.topic) if reply.topic is not None else None
-                if stream is not None and reply.tenants is not None:  # (its scope may have changed since)
+                if stream is not None and reply.tenants is not None:  # (at each send: its scope may change)
                     if not stream.visible_to(reply.tenants):
                         stream = None
                     else:

@@ -203,7 +203,7 @@ _MIB = 1 << 20
 # Keeps successive access stamps strictly increasing, so the order persisted for a
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
-_CHECK_ATTEMPTS = 1000  # check_invariants' reads of a store that writes keep changing
+_CHECK_WAIT_S = 30.0  # check_invariants' wait for a moment between two commits
 _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
 _VICTIMS_SHARE = 16  # ... or this fraction of the records
@@ -845,9 +845,9 @@ class LmdbBackend:
         self._num_corrupt = 0
         self._num_evicted = 0
         # The writer is between its transaction's start and the index update (then the
-        # store and the index may differ); ``_commits`` counts finished commits.
+        # store and the index may differ).
         self._committing = False
-        self._commits = 0
+        self._between_commits = threading.Condition(self._lock)  # notified as a commit ends
         # The writer's eviction candidates, oldest first: (last access, key).
         self._victims: deque[tuple[float, bytes]] = deque()
 
@@ -1233,75 +1233,77 @@ class LmdbBackend:
         """The record and byte counts equal the committed store's; every legacy record
         has its payload value and nothing else has one; no two records share a slot, no
         record's slot is free or waiting to be, and every other slot is free or waiting
-        to be, once. Writes may go on meanwhile: the store is read between two commits
-        (retried until no commit ran during the read, a bounded number of times)."""
+        to be, once. Writes may go on meanwhile: the store is read in one transaction,
+        begun between two commits together with a copy of what the writer keeps in
+        memory, so both are the state of one commit whatever is committed during the
+        read. (That read, like any, keeps the slots freed meanwhile from being taken
+        again until it ends.)"""
         self._check_usable()
         self.flush()
-        for _ in range(_CHECK_ATTEMPTS):
-            with self._lock:
-                if not self._committing:
-                    commits = self._commits
-                    num_records = self._num_records
-                    num_bytes = self._num_bytes
-                else:
-                    commits = None
-            if commits is None:
-                time.sleep(0.001)
-                continue
-            stored, legacy_keys, payload_keys, used = self._read_index()
-            free = {slot_bytes: (slab.end, list(slab.free)) for slot_bytes, slab in list(self._slabs.items())}
-            dirty = {slot_bytes: slab.dirty | slab.stale for slot_bytes, slab in list(self._slabs.items())}
-            file_bytes = {slot_bytes: os.fstat(slab.fd).st_size for slot_bytes, slab in list(self._slabs.items())}
-            waiting = [slot for _, slots in list(self._freed) for slot in slots]
-            with self._lock:
-                if self._committing or self._commits != commits:
-                    continue
-            assert payload_keys == legacy_keys, "legacy payload and metadata keys differ"
-            for slot_bytes, slots in used.items():
-                assert slot_bytes in free, f"no slab of {slot_bytes}-byte slots"
-                end, free_slots = free[slot_bytes]
-                assert len(set(slots)) == len(slots), "two records share a slot"
-                assert max(slots) < end, "a record's slot is past its slab's end"
-                assert not set(slots) & set(free_slots), "a record's slot is free"
-                assert not set(slots) & {slot for size, slot in waiting if size == slot_bytes}, \
-                    "a record's slot is waiting to be freed"
-            assert {size for size, _ in waiting} <= set(free), "a slot waits in a slab that does not exist"
-            for slot_bytes, (end, free_slots) in free.items():
-                assert len(set(free_slots)) == len(free_slots), "a slot is free twice"
-                held_slots = [slot for size, slot in waiting if size == slot_bytes]
-                held = set(held_slots)
-                assert len(held) == len(held_slots), "a slot is waiting to be freed twice"
-                assert not held & set(free_slots), "a slot is free and waiting to be freed"
-                assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
-                    "a slot is neither used, free nor waiting (lost), or past the slab's end"
-                assert dirty[slot_bytes] <= set(free_slots), "a slot to punch out is not free"
-                assert end - 1 not in free_slots or end - 1 in dirty[slot_bytes], \
-                    "the slab's last slot is free but will not be cut"
-                assert file_bytes[slot_bytes] <= end * slot_bytes, "the slab file goes on past its last slot"
-            assert num_records == len(stored), "record count differs from the store"
-            assert num_bytes == sum(stored.values()), "byte count differs from the store"
-            assert num_bytes <= self._capacity_bytes, "over capacity"
-            return
-        raise AssertionError(f"the store changed during each of {_CHECK_ATTEMPTS} reads")
+        while True:
+            with self._between_commits:
+                if not self._between_commits.wait_for(lambda: not self._committing, _CHECK_WAIT_S):
+                    raise StorageUnavailable(f"storage {self._path}: a commit has run for over "
+                                             f"{_CHECK_WAIT_S:g} s; nothing checked")
+            with self._gate.shared():
+                self._check_open()
+                with self._lock:
+                    if self._committing:  # (one began since: wait for its end again)
+                        continue
+                    # The transaction and the copy are of the same commit: the writer
+                    # starts the next one under this lock only.
+                    txn = self._env.begin(buffers=True)
+                    num_records, num_bytes = self._num_records, self._num_bytes
+                    free = {slot_bytes: (slab.end, list(slab.free)) for slot_bytes, slab in self._slabs.items()}
+                    dirty = {slot_bytes: slab.dirty | slab.stale for slot_bytes, slab in self._slabs.items()}
+                    file_bytes = {slot_bytes: os.fstat(slab.fd).st_size for slot_bytes, slab in self._slabs.items()}
+                    waiting = [slot for _, slots in self._freed for slot in slots]
+                try:
+                    stored, legacy_keys, payload_keys, used = self._read_index(txn)
+                finally:
+                    txn.abort()
+            break
+        assert payload_keys == legacy_keys, "legacy payload and metadata keys differ"
+        for slot_bytes, slots in used.items():
+            assert slot_bytes in free, f"no slab of {slot_bytes}-byte slots"
+            end, free_slots = free[slot_bytes]
+            assert len(set(slots)) == len(slots), "two records share a slot"
+            assert max(slots) < end, "a record's slot is past its slab's end"
+            assert not set(slots) & set(free_slots), "a record's slot is free"
+            assert not set(slots) & {slot for size, slot in waiting if size == slot_bytes}, \
+                "a record's slot is waiting to be freed"
+        assert {size for size, _ in waiting} <= set(free), "a slot waits in a slab that does not exist"
+        for slot_bytes, (end, free_slots) in free.items():
+            assert len(set(free_slots)) == len(free_slots), "a slot is free twice"
+            held_slots = [slot for size, slot in waiting if size == slot_bytes]
+            held = set(held_slots)
+            assert len(held) == len(held_slots), "a slot is waiting to be freed twice"
+            assert not held & set(free_slots), "a slot is free and waiting to be freed"
+            assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
+                "a slot is neither used, free nor waiting (lost), or past the slab's end"
+            assert dirty[slot_bytes] <= set(free_slots), "a slot to punch out is not free"
+            assert end - 1 not in free_slots or end - 1 in dirty[slot_bytes], \
+                "the slab's last slot is free but will not be cut"
+            assert file_bytes[slot_bytes] <= end * slot_bytes, "the slab file goes on past its last slot"
+        assert num_records == len(stored), "record count differs from the store"
+        assert num_bytes == sum(stored.values()), "byte count differs from the store"
+        assert num_bytes <= self._capacity_bytes, "over capacity"
 
-    def _read_index(self) -> tuple[dict[bytes, int], set[bytes], set[bytes], dict[int, list[int]]]:
-        """Every committed key with its payload size, the keys of legacy records, the
+    def _read_index(self, txn) -> tuple[dict[bytes, int], set[bytes], set[bytes], dict[int, list[int]]]:
+        """Every key ``txn`` sees with its payload size, the keys of legacy records, the
         payload table's keys, and the slots in use by slot size."""
         stored: dict[bytes, int] = {}
         legacy: set[bytes] = set()
         used: dict[int, list[int]] = {}
-        with self._gate.shared():
-            self._check_open()
-            with self._env.begin(buffers=True) as txn:
-                for key, value in txn.cursor(db=self._meta_db):
-                    fields = _meta_fields(value)
-                    assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
-                    stored[bytes(key)] = fields[1]
-                    if fields[0] == LEGACY_META_VERSION:
-                        legacy.add(bytes(key))
-                    else:
-                        used.setdefault(slot_bytes_for(fields[1]), []).append(_slot_of(value)[0])
-                payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
+        for key, value in txn.cursor(db=self._meta_db):
+            fields = _meta_fields(value)
+            assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
+            stored[bytes(key)] = fields[1]
+            if fields[0] == LEGACY_META_VERSION:
+                legacy.add(bytes(key))
+            else:
+                used.setdefault(slot_bytes_for(fields[1]), []).append(_slot_of(value)[0])
+        payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
         return stored, legacy, payload_keys, used
 
     def _check_usable(self) -> None:
@@ -1624,7 +1626,7 @@ class LmdbBackend:
         finally:
             with self._lock:
                 self._committing = False
-                self._commits += 1
+                self._between_commits.notify_all()
 
     def _reclaim(self) -> None:
         """Make free the slots that no read can use any more; each time the slots freed

@@ -639,6 +639,43 @@ def _read_one(slab: _Slab, slot: int, i: int, checksum: int, targets: list[np.nd
         return None
 
 
+def _check_slabs(used: dict[int, array], free: dict[int, tuple[int, list[int]]], dirty: dict[int, set[int]],
+                 file_bytes: dict[int, int], waiting: list[tuple[int, int]]) -> None:
+    """:meth:`LmdbBackend.check_invariants` of the slots: each slot of a slab below its
+    end used by one record, free, or waiting to be freed — once — and nothing past it.
+    ``used``: slot bytes -> the records' slots; ``free``: slot bytes -> (end, free
+    slots); ``dirty``: the slots to punch out; ``waiting``: (slot bytes, slot) freed by
+    commits that reads may still see. Counted with numpy, a few milliseconds of the
+    interpreter a slab of a million slots (sets of them held it for a tenth of a second
+    each)."""
+    for slot_bytes in used:
+        assert slot_bytes in free, f"no slab of {slot_bytes}-byte slots"
+    held_by_size: dict[int, list[int]] = {}
+    for slot_bytes, slot in waiting:
+        held_by_size.setdefault(slot_bytes, []).append(slot)
+    assert held_by_size.keys() <= free.keys(), "a slot waits in a slab that does not exist"
+    for slot_bytes, (end, free_slots) in free.items():
+        taken = np.frombuffer(used.get(slot_bytes, array("q")), dtype=np.int64)
+        assert not len(taken) or taken.max() < end, "a record's slot is past its slab's end"
+        freed = np.asarray(free_slots, dtype=np.int64)
+        held = np.asarray(held_by_size.get(slot_bytes, ()), dtype=np.int64)
+        size = max([end] + [int(a.max()) + 1 for a in (freed, held) if len(a)])
+        u, f, h = (np.bincount(a, minlength=size) for a in (taken, freed, held))
+        assert (u <= 1).all(), "two records share a slot"
+        assert not ((u > 0) & (f > 0)).any(), "a record's slot is free"
+        assert not ((u > 0) & (h > 0)).any(), "a record's slot is waiting to be freed"
+        assert (f <= 1).all(), "a slot is free twice"
+        assert (h <= 1).all(), "a slot is waiting to be freed twice"
+        assert not ((h > 0) & (f > 0)).any(), "a slot is free and waiting to be freed"
+        assert size == end and ((u + f + h) == 1).all(), \
+            "a slot is neither used, free nor waiting (lost), or past the slab's end"
+        punched = np.fromiter(dirty[slot_bytes], dtype=np.int64, count=len(dirty[slot_bytes]))
+        assert ((punched >= 0) & (punched < end)).all() and (f[punched] > 0).all(), "a slot to punch out is not free"
+        assert not end or not f[end - 1] or end - 1 in dirty[slot_bytes], \
+            "the slab's last slot is free but will not be cut"
+        assert file_bytes[slot_bytes] <= end * slot_bytes, "the slab file goes on past its last slot"
+
+
 class _ReadGate:
     """Many transactions of this process at once, or one exclusive holder (map resize,
     close). A waiting exclusive holder stops new readers, so a stream of gets cannot
@@ -1259,52 +1296,38 @@ class LmdbBackend:
                     file_bytes = {slot_bytes: os.fstat(slab.fd).st_size for slot_bytes, slab in self._slabs.items()}
                     waiting = [slot for _, slots in self._freed for slot in slots]
                 try:
-                    stored, legacy_keys, payload_keys, used = self._read_index(txn)
+                    stored_records, stored_bytes, legacy_keys, payload_keys, used = self._read_index(txn)
                 finally:
                     txn.abort()
             break
         assert payload_keys == legacy_keys, "legacy payload and metadata keys differ"
-        for slot_bytes, slots in used.items():
-            assert slot_bytes in free, f"no slab of {slot_bytes}-byte slots"
-            end, free_slots = free[slot_bytes]
-            assert len(set(slots)) == len(slots), "two records share a slot"
-            assert max(slots) < end, "a record's slot is past its slab's end"
-            assert not set(slots) & set(free_slots), "a record's slot is free"
-            assert not set(slots) & {slot for size, slot in waiting if size == slot_bytes}, \
-                "a record's slot is waiting to be freed"
-        assert {size for size, _ in waiting} <= set(free), "a slot waits in a slab that does not exist"
-        for slot_bytes, (end, free_slots) in free.items():
-            assert len(set(free_slots)) == len(free_slots), "a slot is free twice"
-            held_slots = [slot for size, slot in waiting if size == slot_bytes]
-            held = set(held_slots)
-            assert len(held) == len(held_slots), "a slot is waiting to be freed twice"
-            assert not held & set(free_slots), "a slot is free and waiting to be freed"
-            assert set(used.get(slot_bytes, ())) | set(free_slots) | held == set(range(end)), \
-                "a slot is neither used, free nor waiting (lost), or past the slab's end"
-            assert dirty[slot_bytes] <= set(free_slots), "a slot to punch out is not free"
-            assert end - 1 not in free_slots or end - 1 in dirty[slot_bytes], \
-                "the slab's last slot is free but will not be cut"
-            assert file_bytes[slot_bytes] <= end * slot_bytes, "the slab file goes on past its last slot"
-        assert num_records == len(stored), "record count differs from the store"
-        assert num_bytes == sum(stored.values()), "byte count differs from the store"
+        _check_slabs(used, free, dirty, file_bytes, waiting)
+        assert num_records == stored_records, "record count differs from the store"
+        assert num_bytes == stored_bytes, "byte count differs from the store"
         assert num_bytes <= self._capacity_bytes, "over capacity"
 
-    def _read_index(self, txn) -> tuple[dict[bytes, int], set[bytes], set[bytes], dict[int, list[int]]]:
-        """Every key ``txn`` sees with its payload size, the keys of legacy records, the
-        payload table's keys, and the slots in use by slot size."""
-        stored: dict[bytes, int] = {}
+    def _read_index(self, txn) -> tuple[int, int, set[bytes], set[bytes], dict[int, array]]:
+        """The records ``txn`` sees and their payload bytes, the keys of legacy records,
+        the payload table's keys, and the slots in use by slot size. (No collection of
+        every key: a dict of millions grows in steps that each hold the interpreter for
+        a tenth of a second, and the daemon's loop with it.)"""
+        num_records = num_bytes = 0
         legacy: set[bytes] = set()
-        used: dict[int, list[int]] = {}
+        used: dict[int, array] = {}
         for key, value in txn.cursor(db=self._meta_db):
             fields = _meta_fields(value)
             assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
-            stored[bytes(key)] = fields[1]
+            num_records += 1
+            num_bytes += fields[1]
             if fields[0] == LEGACY_META_VERSION:
                 legacy.add(bytes(key))
             else:
-                used.setdefault(slot_bytes_for(fields[1]), []).append(_slot_of(value)[0])
+                slots = used.get(slot_bytes := slot_bytes_for(fields[1]))
+                if slots is None:
+                    slots = used[slot_bytes] = array("q")
+                slots.append(_slot_of(value)[0])
         payload_keys = {bytes(k) for k in txn.cursor(db=self._payload_db).iternext(values=False)}
-        return stored, legacy, payload_keys, used
+        return num_records, num_bytes, legacy, payload_keys, used
 
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:

@@ -578,3 +578,23 @@ def test_deepest_keeps_the_nodes_no_other_is_below(tree, alloc):
     assert tree.deepest([b, a]) == [b]
     assert tree.deepest([a]) == [a] and tree.deepest([]) == []
     assert tree.deepest([d, c]) == [d, c]
+
+
+def test_the_check_finds_a_page_held_twice(tree, alloc):
+    """A device page held by two nodes, or twice by one: the check names the page and
+    the nodes (the faults are injected: no tree operation is known to make them)."""
+    a = insert(tree, alloc, seq(100, pages=3)).node
+    b = insert(tree, alloc, seq(900, pages=2)).node
+    (slot,) = a.residency
+    a_pages, b_pages = a.residency[slot], b.residency[slot]
+    page = int(np.frombuffer(a_pages, dtype=np.int32)[1])
+    b.residency[slot] = a_pages[4:8] + b_pages[4:]
+    with pytest.raises(AssertionError, match=f"page {page} of .* held by nodes ({a.node_id} and {b.node_id}|"
+                                             f"{b.node_id} and {a.node_id})"):
+        tree.check_invariants()
+    b.residency[slot] = b_pages
+    a.residency[slot] = a_pages[:8] + a_pages[4:8]
+    with pytest.raises(AssertionError, match=f"page {page} of .* held by nodes {a.node_id} and {a.node_id}"):
+        tree.check_invariants()
+    a.residency[slot] = a_pages
+    tree.check_invariants()

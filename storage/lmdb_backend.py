@@ -204,6 +204,7 @@ _MIB = 1 << 20
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
 _CHECK_WAIT_S = 30.0  # check_invariants' wait for a moment between two commits
+_CHECK_CLOSING_EVERY = 1 << 16  # records it reads between two looks at a close
 _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
 _VICTIMS_SHARE = 16  # ... or this fraction of the records
@@ -1318,6 +1319,8 @@ class LmdbBackend:
             fields = _meta_fields(value)
             assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
             num_records += 1
+            if not num_records % _CHECK_CLOSING_EVERY and self._closing:  # (close waits for this read)
+                raise StorageUnavailable(f"storage {self._path} is closing; the check stopped")
             num_bytes += fields[1]
             if fields[0] == LEGACY_META_VERSION:
                 legacy.add(bytes(key))

@@ -987,6 +987,39 @@ def test_a_check_waits_for_the_commit_under_way_and_reads_what_it_left(open_stor
     store.check_invariants()
 
 
+def test_a_close_stops_a_check_that_is_reading(open_store, monkeypatch):
+    """The check's read holds the store open (a close waits for reads): it looks for a
+    close now and then, and stops with StorageUnavailable, so the close does not wait
+    for a walk of every record."""
+    store = open_store()
+    _put(store, "abc")
+    monkeypatch.setattr(lmdb_backend, "_CHECK_CLOSING_EVERY", 1)
+    reading, real_fields = threading.Event(), lmdb_backend._meta_fields
+
+    def fields_then_wait_for_the_close(value):
+        if threading.current_thread().name == "check" and not reading.is_set():
+            reading.set()
+            while not store._closing:
+                threading.Event().wait(0.001)
+        return real_fields(value)
+
+    monkeypatch.setattr(lmdb_backend, "_meta_fields", fields_then_wait_for_the_close)
+    outcome = []
+
+    def check():
+        try:
+            store.check_invariants()
+        except StorageUnavailable as exc:
+            outcome.append(exc)
+
+    checking = threading.Thread(target=check, name="check")
+    checking.start()
+    reading.wait()
+    store.close()
+    checking.join()
+    assert len(outcome) == 1 and "the check stopped" in str(outcome[0])
+
+
 def test_batches_preserve_queue_order(open_store):
     store = open_store(max_batch_records=3)
     futures = [store.put([record(key_of("k"), 100 + i)], fingerprint=FP) for i in range(10)]

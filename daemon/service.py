@@ -23,11 +23,9 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -42,6 +40,7 @@ from hicache.daemon.kv_events import KvEvents
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
 from hicache.daemon.specs import Specs
+from hicache.daemon.store_check import StoreCheck, broken
 from hicache.daemon.tenant_log import TenantLog
 from hicache.errors import (
     Draining,
@@ -97,13 +96,6 @@ def _as_error(exc: BaseException) -> HicacheError:
     return ResourceExhausted("not enough memory to handle the request")
 
 
-def _broken(where: str, exc: AssertionError) -> InvariantBroken:
-    """The invariant an ``assert`` of ``where`` found broken: its source line."""
-    frame = traceback.extract_tb(exc.__traceback__)[-1]
-    values = f" with {exc}" if str(exc) else ""
-    return InvariantBroken(f"{where}: {frame.line} ({Path(frame.filename).name}:{frame.lineno}){values}")
-
-
 class Daemon:
     """See the module docstring. Owner thread only."""
 
@@ -141,6 +133,8 @@ class Daemon:
             storage = LmdbBackend(config.disk.store_path, capacity_bytes=config.disk.capacity_bytes,
                                   sync=config.disk.sync)
         self.storage = storage
+        self._store_check = (StoreCheck(storage, self.completions)
+                             if storage is not None and hasattr(storage, "check_invariants") else None)
         if remote is None and config.remote.enabled:
             from hicache.storage.mooncake_backend import MooncakeBackend
 
@@ -556,21 +550,18 @@ class Daemon:
         threading.Thread(target=run, name="hicache-purge", daemon=True).start()
         return done
 
-    def _check(self, m: p.Check) -> p.Ok:
+    def _check(self, m: p.Check) -> p.Ok | Future:
         """Every structure's invariants; a broken one is answered as an INTERNAL error
         naming it (the tier manager's and the store's own checks assert: what failed
-        is their assertion's line)."""
+        is their assertion's line). The tier managers' and the sessions' here, as
+        requests leave them; then the store's, a walk of every record, off this thread
+        (see :mod:`hicache.daemon.store_check`): requests are answered meanwhile."""
         try:
             for fingerprint, manager in self.managers.items():
                 try:
                     manager.check_invariants()
                 except AssertionError as exc:
-                    raise _broken(f"tier manager of spec {fingerprint.hex()}", exc) from None
-            if self.storage is not None and hasattr(self.storage, "check_invariants"):
-                try:
-                    self.storage.check_invariants()
-                except AssertionError as exc:
-                    raise _broken("storage", exc) from None
+                    raise broken(f"tier manager of spec {fingerprint.hex()}", exc) from None
             self.sessions.check_invariants()
             serving = list(self.managers.values())
             for session in self.sessions.values():
@@ -579,7 +570,12 @@ class Daemon:
         except InvariantBroken as exc:
             logger.error("check: %s", exc.message)
             raise
-        return p.Ok(id=m.id)
+        if self._store_check is None:
+            return p.Ok(id=m.id)
+        reply: Future = Future()
+        self._store_check.ask().add_done_callback(
+            lambda f: reply.set_exception(f.exception()) if f.exception() else reply.set_result(p.Ok(id=m.id)))
+        return reply
 
     def when_idle(self, make_reply: Callable[[], Any]) -> Future:
         future: Future = Future()

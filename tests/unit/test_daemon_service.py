@@ -3,6 +3,7 @@ groups, leases (with an injected clock)."""
 
 import gc
 import os
+import threading
 from concurrent.futures import Future
 
 import numpy as np
@@ -41,7 +42,8 @@ def make_daemon(tmp_path, clock=None, **overrides):
 
 
 def ok(reply):
-    assert not isinstance(reply, p.Error), reply
+    """A reply that is not an error (a future: see :func:`answered`)."""
+    assert not isinstance(reply, (p.Error, Future)), reply
     return reply
 
 
@@ -155,7 +157,7 @@ def test_a_hello_ends_the_session_its_engine_gave_up_on_and_no_other(tmp_path, e
              b"again"))  # the same memory: the old session's no longer
     assert len(_pages(ok(daemon.handle(p.Alloc(id=6, session=new, num_pages=7), b"again")))) == 7
     assert daemon.metrics.registry.get_sample_value("hicache_sessions_ended_total", {"reason": "replaced"}) == 1
-    ok(daemon.handle(p.Check(id=7)))
+    ok(answered(daemon, daemon.handle(p.Check(id=7))))
     daemon.close()
 
 
@@ -190,7 +192,7 @@ def test_sessions_cannot_touch_each_others_locks_and_pages(tmp_path, engines):
     ok(daemon.handle(p.Unlock(id=10, session=sa, node=inserted.node)))
     error(daemon.handle(p.Unlock(id=11, session=sa, node=inserted.node)), ErrorCode.LOCK_UNDERFLOW)
     ok(daemon.handle(p.Release(id=12, session=sa, pages=mine)))
-    ok(daemon.handle(p.Check(id=13)))
+    ok(answered(daemon, daemon.handle(p.Check(id=13))))
     daemon.close()
 
 
@@ -217,7 +219,7 @@ def test_expired_lease_gives_everything_back(tmp_path, engines):
     assert not any(place.tier == Tier.DEVICE for place in manager.accounting())  # the pool is gone
     assert manager.accounting()[Place(Tier.HOST)].cached_protected == 0
     error(daemon.handle(p.Match(id=4, session=sid, tokens=tokens)), ErrorCode.UNKNOWN_SESSION)
-    ok(daemon.handle(p.Check(id=5)))
+    ok(answered(daemon, daemon.handle(p.Check(id=5))))
     daemon.close()
 
 
@@ -285,9 +287,9 @@ def test_a_pool_whose_engine_went_while_its_backup_copied_is_unmapped_once_the_c
     while not manager.idle():
         daemon.poll(0.01)
     assert not any(place.tier == Tier.DEVICE for place in manager.accounting())  # the pool is gone
-    ok(daemon.handle(p.Check(id=4)))
+    ok(answered(daemon, daemon.handle(p.Check(id=4))))
     session(daemon, engine)  # its memory is no other pool's
-    ok(daemon.handle(p.Check(id=5)))
+    ok(answered(daemon, daemon.handle(p.Check(id=5))))
     daemon.close()
 
 
@@ -384,7 +386,7 @@ def test_a_session_forgets_its_oldest_unlocked_handles(tmp_path, engines, monkey
     tokens = np.arange(1000, 1000 + PS, dtype="<i4").tobytes()
     again = ok(daemon.handle(p.Match(id=7, session=sid, tokens=tokens))).node  # a new handle for it
     assert again not in (-1, handles[1])
-    ok(daemon.handle(p.Check(id=8)))
+    ok(answered(daemon, daemon.handle(p.Check(id=8))))
     daemon.close()
 
 
@@ -405,7 +407,7 @@ def test_sharing_off_for_the_daemon_or_one_extra_key(tmp_path, engines):
             pages = ok(daemon.handle(p.Alloc(id=4, session=sid, num_pages=3))).pages
             ok(daemon.handle(p.Insert(id=5, session=sid, tokens=tokens, pages=pages)))
             assert ok(daemon.handle(p.Match(id=6, session=sid, tokens=tokens))).device_pages == pages
-        ok(daemon.handle(p.Check(id=7)))
+        ok(answered(daemon, daemon.handle(p.Check(id=7))))
         daemon.close()
 
 
@@ -444,7 +446,7 @@ def test_a_tp_group_registers_once_and_host_pages_hold_every_rank(tmp_path):
             data = manager.host_pool.page(host_page).numpy()
             half = spec.rank_page_bytes
             assert (data[:half] == 1).all() and (data[half:] == 2).all()
-        ok(daemon.handle(p.Check(id=3)))
+        ok(answered(daemon, daemon.handle(p.Check(id=3))))
     finally:
         daemon.close()
         for exported in ranks:
@@ -536,7 +538,7 @@ def test_specs_sharing_the_store_hear_of_each_others_evictions(tmp_path, engines
     disk_keys_present(manager_a)
     disk_keys_present(manager_b)
     assert sum(n.num_pages for n in manager_a.tree.nodes() if manager_a.tree.is_live(n) and n.on_disk) <= 1
-    ok(daemon.handle(p.Check(id=4)))
+    ok(answered(daemon, daemon.handle(p.Check(id=4))))
     daemon.close()
 
 
@@ -745,7 +747,7 @@ def test_a_spec_rebuilt_while_others_are_served_answers_its_registration_when_do
     assert gc.isenabled()
     hit = ok(daemon.handle(p.Match(id=9, session=sa2, tokens=tokens_a)))
     assert hit.disk_pages + hit.host_pages == 6 and hit.device_pages == b""
-    ok(daemon.handle(p.Check(id=10)))
+    ok(answered(daemon, daemon.handle(p.Check(id=10))))
     daemon.close()
 
 
@@ -795,7 +797,7 @@ def test_a_rebuild_goes_on_when_another_specs_writes_evict_its_records_meanwhile
     daemon.managers[SPEC.fingerprint].flush()
     # ... nor to take room in the store.
     assert not [key for key, meta in daemon.storage.iter_metadata() if meta.fingerprint == SPEC.fingerprint]
-    ok(daemon.handle(p.Check(id=6)))
+    ok(answered(daemon, daemon.handle(p.Check(id=6))))
     daemon.close()
 
 
@@ -835,7 +837,7 @@ def test_a_rebuild_at_once_that_fails_lets_go_of_the_new_tiers(tmp_path, engines
     sid = session(daemon, engine)
     ok(daemon.handle(p.Alloc(id=4, session=sid, num_pages=2)))
     assert made[-1].buffer is not None
-    ok(daemon.handle(p.Check(id=5)))
+    ok(answered(daemon, daemon.handle(p.Check(id=5))))
     daemon.close()
 
 
@@ -862,12 +864,12 @@ def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
     ``assert`` (gone under ``python -O``)."""
     daemon = make_daemon(tmp_path)
     session(daemon, engines())
-    ok(daemon.handle(p.Check(id=1)))
+    ok(answered(daemon, daemon.handle(p.Check(id=1))))
     daemon.sessions.unregistered["uid:4242"] += 1  # a count with no session behind it
     reply = error(daemon.handle(p.Check(id=2)), ErrorCode.INTERNAL)
     assert "unregistered sessions per peer" in reply.message, reply.message
     del daemon.sessions.unregistered["uid:4242"]
-    ok(daemon.handle(p.Check(id=3)))
+    ok(answered(daemon, daemon.handle(p.Check(id=3))))
 
     def broken():
         assert 1 + 1 == 3, "made up"
@@ -877,6 +879,55 @@ def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
     reply = error(daemon.handle(p.Check(id=4)), ErrorCode.INTERNAL)
     assert f"tier manager of spec {SPEC.fingerprint_hex}" in reply.message and "1 + 1 == 3" in reply.message
     assert "made up" in reply.message
+    daemon.close()
+
+
+def test_check_walks_the_store_off_the_owner_thread_and_requests_are_answered_meanwhile(tmp_path, engines,
+                                                                                         monkeypatch):
+    """The store's check reads every record (seconds for a large store): it runs on a
+    thread of its own, one at a time; the loop answers requests meanwhile, and the
+    ``check`` requests that come during a walk share the next one, which begins after
+    it — each answered by a walk that began after it was asked."""
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
+    sid = session(daemon, engines())
+    real_check = daemon.storage.check_invariants
+    walks, release = [], [threading.Event(), threading.Event()]
+
+    def walk():
+        walks.append(threading.current_thread())
+        if not release[len(walks) - 1].wait(60):
+            raise AssertionError("never released")  # (the loop did not get on without it)
+        real_check()
+
+    monkeypatch.setattr(daemon.storage, "check_invariants", walk)
+    first = daemon.handle(p.Check(id=1))
+    assert isinstance(first, Future) and not first.done()
+    ok(daemon.handle(p.Health(id=2)))
+    ok(daemon.handle(p.Match(id=3, session=sid, tokens=list(range(2 * PS)))))
+    later = [daemon.handle(p.Check(id=4)), daemon.handle(p.Check(id=5))]
+    assert all(isinstance(f, Future) and not f.done() for f in later)
+    assert len(walks) <= 1
+    release[0].set()
+    assert isinstance(answered(daemon, first), p.Ok) and answered(daemon, first).id == 1
+    assert not any(f.done() for f in later)  # (their walk began after the first ended)
+    release[1].set()
+    assert [answered(daemon, f).id for f in later] == [4, 5]
+    assert len(walks) == 2 and threading.main_thread() not in walks
+    daemon.close()
+
+
+def test_check_names_a_broken_invariant_of_the_store(tmp_path, engines, monkeypatch):
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
+    session(daemon, engines())
+
+    def broken():
+        assert 2 + 2 == 5, "made up"
+
+    monkeypatch.setattr(daemon.storage, "check_invariants", broken)
+    reply = error(answered(daemon, daemon.handle(p.Check(id=1))), ErrorCode.INTERNAL)
+    assert reply.id == 1 and "storage" in reply.message and "2 + 2 == 5" in reply.message, reply.message
+    monkeypatch.undo()
+    ok(answered(daemon, daemon.handle(p.Check(id=2))))
     daemon.close()
 
 

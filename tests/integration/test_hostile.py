@@ -565,3 +565,21 @@ def test_engine_owned_pool_messages_from_a_hostile_peer(daemon, victim, raw):
         assert owner.client.match(SEQ[: 2 * OWNED_SPEC.page_size]).num_host_pages == 2
     finally:
         owner.close()
+
+
+def test_a_flood_of_checks_that_never_reads_its_replies(daemon, victim, raw):
+    """``check`` reads the store on a thread of its own: 300 of them sent at once, with
+    junk between them, cost the daemon one read at a time — the victim is served
+    meanwhile (and checked by the fixture) — and each gets its own answer, in order."""
+    ids = []
+    for n in range(300):
+        ids.append((1 << 41) + n)
+        raw.send(p.encode(p.Check(id=ids[-1])))
+        if n % 50 == 0:
+            raw.send(b"\xc1" * (n + 1))  # (never valid msgpack: an error reply, id 0)
+    assert victim.engine.client.match(SEQ).num_device_pages == 6  # answered while the checks wait
+    assert victim.engine.client.health().state == "serving"
+    replies = [raw.recv(timeout_s=60.0) for _ in range(300 + 6)]
+    checks = [r for r in replies if r.id]
+    assert [r.id for r in checks] == ids and all(isinstance(r, p.Ok) for r in checks), checks[:3]
+    assert all(isinstance(r, p.Error) and r.code == ErrorCode.INVALID_ARGUMENT for r in replies if not r.id)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -36,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.client import CacheClient
-from hicache.daemon.spawn import start_daemon
+from hicache.daemon.spawn import start_daemon, stop_daemon
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.spec import KVSpec
 
@@ -134,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
     finally:
         kv.close()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(120)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory)
     worst = max(rounds, key=lambda r: r["max_wait_during_check_s"] / r["check_s"])
     result = {
         "pages": args.pages, "prompts": prompts, "tree_pages": int(figures.get("pages", 0)),

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -146,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from hicache.daemon.spawn import start_daemon
+    from hicache.daemon.spawn import start_daemon, stop_daemon
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-ranks-"))
     pages = TOKENS // PAGE_SIZE
@@ -159,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for tp in TP_SIZES:
             figures.update(run_tp(endpoint, tp, args.rounds))
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory, 30)
 
     print(f"a {TOKENS:,}-token hit ({pages} pages) on every TP rank's pool, scheduler side, "
           f"medians of {args.rounds}, {os.cpu_count()} cores")

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import multiprocessing
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -145,7 +144,7 @@ def serve_while_rebuilding(root: str, spec: KVSpec) -> tuple[float, list[float],
     that started meanwhile — a degraded one counts as infinite —, disk pages the daemon
     reports for this spec)."""
     from hicache.client import CacheClient
-    from hicache.daemon.spawn import start_daemon
+    from hicache.daemon.spawn import start_daemon, stop_daemon
     from hicache.engine.kv_pool import export_kv_pool
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-restart-serve-"))
@@ -175,9 +174,7 @@ def serve_while_rebuilding(root: str, spec: KVSpec) -> tuple[float, list[float],
         exported.close()
         other.join(30)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(120)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory)
     return end - start, samples, disk["cached_evictable"] + disk["cached_protected"]
 
 

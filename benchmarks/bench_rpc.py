@@ -39,8 +39,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -248,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hicache import protocol as p
     from hicache.auth import read_public, write_keypair
-    from hicache.daemon.spawn import start_daemon
+    from hicache.daemon.spawn import start_daemon, stop_daemon
 
     directory = Path(tempfile.mkdtemp(prefix="hicache-bench-rpc-"))
     payload_size = len(p.encode(p.Match(id=1, session=2**62, tokens=b"\0" * (4 * TOKENS))))
@@ -285,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         four_ops, _ = run_engines(endpoint, 4, args.seconds)
         batched_ops, _ = run_engines(endpoint, 1, args.seconds, batch=16)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory, 30)
 
     figures = {
         "tokens": TOKENS,

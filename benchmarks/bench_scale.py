@@ -51,8 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -65,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.client import CacheClient
-from hicache.daemon.spawn import start_daemon
+from hicache.daemon.spawn import start_daemon, stop_daemon
 from hicache.engine.kv_pool import export_kv_pool
 from hicache.spec import KVSpec
 
@@ -287,9 +285,7 @@ def run_hicache(trace: Trace, device_pages: int, host_pages: int, disk_pages: in
         client.close()
     finally:
         kv.close()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(120)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory)
     (figures,) = stats["specs"].values()
     cached = int(figures.get("pages", 0))
     host_bytes = host_pages * SPEC.host_page_bytes

@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -49,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import multi_turn  # noqa: E402
 
 from hicache.client import CacheClient  # noqa: E402
-from hicache.daemon.spawn import start_daemon  # noqa: E402
+from hicache.daemon.spawn import start_daemon, stop_daemon  # noqa: E402
 from hicache.engine.kv_pool import export_kv_pool  # noqa: E402
 from hicache.keys import namespace_id, page_keys  # noqa: E402
 from hicache.pages import PageAllocator  # noqa: E402
@@ -115,9 +113,7 @@ def run_hicache(requests, device_pages: int, host_pages: int) -> list[tuple[int,
         return saved
     finally:
         kv.close()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_daemon(daemon, directory, 60)
 
 
 def _evict_device(tree: HiRadixTree, num_pages: int) -> np.ndarray:

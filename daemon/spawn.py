@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,3 +27,11 @@ def start_daemon(directory: Path, config_toml: str, *, name: str = "hicache", ti
             raise SystemExit(f"{name}: the daemon did not start")
         time.sleep(0.05)
     return daemon
+
+
+def stop_daemon(daemon: subprocess.Popen, directory: Path, timeout_s: float = 120.0) -> None:
+    """Stop a daemon :func:`start_daemon` started (SIGTERM: its drain and close), wait
+    up to ``timeout_s`` for it, and remove ``directory``."""
+    daemon.send_signal(signal.SIGTERM)
+    daemon.wait(timeout_s)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -63,6 +63,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from hicache.daemon.auth import EVENTS_REPLAY_ZAP_DOMAIN, EVENTS_ZAP_DOMAIN, own_events_domain, parse_user_id
 from hicache.errors import InvalidArgument
@@ -91,6 +92,8 @@ LEFT_CLEAR_S = 60.0  # how long the streams a killed run left open are cleared a
 LEFT_RESEND_S = 1.0
 IDLE_BEAT_S = 10.0  # a stream that sent nothing for this long sends a batch with no event
 _REBIND_S = 2.0  # how long a rebind waits for the old listener to let its port go
+_WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_WATCH_S = 0.1  # how often publish() reads the sockets' monitors (their queues are bounded)
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
@@ -139,6 +142,40 @@ class _OwnSocket:
     sock: zmq.Socket
     shown: set[bytes] = field(default_factory=set)
     hiding: dict[bytes, float] = field(default_factory=dict)
+    connections: _Connections | None = None
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self.connections is not None:
+            self.connections.close()
+        self.sock.close(linger=linger_ms)
+
+
+class _Connections:
+    """The connections open on a PUB socket, from its monitor's accepted and
+    disconnected events (a subscriber that failed its handshake counts until its
+    disconnection, a moment later). Read by :meth:`EventPublisher.subscribers`."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(_WATCHED)
+        self._open: set[int] = set()  # their descriptors
+
+    def count(self) -> int:
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return len(self._open)
+            event = parse_monitor_message(frames)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._open.add(event["value"])
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._open.discard(event["value"])
+
+    def close(self) -> None:
+        """Before its socket closes."""
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -472,6 +509,8 @@ class EventPublisher:
         context = context if context is not None else zmq.Context.instance()
         self._context, self._secure, self._hwm = context, secure, hwm
         self._pub = context.socket(zmq.PUB)
+        self._connections = None
+        self._watch_next = 0.0
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -479,6 +518,7 @@ class EventPublisher:
                 secure(self._pub, endpoint, EVENTS_ZAP_DOMAIN)
             self._pub.bind(endpoint)
             self.endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # port 0 resolved
+            self._connections: _Connections | None = _Connections(self._pub)
             if replay_endpoint is not None:
                 self._replay = context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
@@ -537,7 +577,7 @@ class EventPublisher:
         that could not be bound (each logged; the others serve)."""
         self._readers = None if readers is None else dict(readers)
         for name in [n for n, s in self._own.items() if n not in own or own[n][0] != s.endpoint]:
-            self._own.pop(name).sock.close(linger=0)
+            self._own.pop(name).close()
         failed = []
         until = self._monotonic() + self._left_clear_s
         for name, (endpoint, tenants) in own.items():
@@ -565,10 +605,19 @@ class EventPublisher:
             if self._secure is not None:
                 self._secure(sock, endpoint, own_events_domain(name))
             sock.bind(endpoint)
-            return _OwnSocket(endpoint, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), tenants, sock)
+            return _OwnSocket(endpoint, sock.getsockopt(zmq.LAST_ENDPOINT).decode(), tenants, sock,
+                              connections=_Connections(sock))
         except BaseException:
             sock.close(linger=0)
             raise
+
+    def subscribers(self) -> dict[str, int]:
+        """The connections open on each PUB socket: ``daemon`` (the daemon's), and
+        ``own:<identity>`` for each identity's own (see :class:`_Connections`)."""
+        out = {"daemon": self._connections.count()} if self._connections is not None else {}
+        out.update((f"own:{name}", own.connections.count()) for name, own in self._own.items()
+                   if own.connections is not None)
+        return out
 
     @property
     def own_endpoints(self) -> dict[str, str]:
@@ -636,6 +685,9 @@ class EventPublisher:
         if now is None:
             now = self._clock()
         beat = self._monotonic()
+        if beat >= self._watch_next:  # (their monitors' queues are bounded: read them now and then)
+            self._watch_next = beat + _WATCH_S
+            self.subscribers()
         if (self._left or self._nudging) and beat >= self._left_next:
             self._clear_left()
         if beat >= self._beat_next:
@@ -829,10 +881,13 @@ class EventPublisher:
         most. (On ``ipc://`` a subscriber whose receive queue is full when the
         connection then closes still loses what its socket buffer held: its libzmq
         drops it at the hang-up.) A replay in progress is cut short."""
+        if self._connections is not None:
+            self._connections.close()
+            self._connections = None
         if self._pub is not None:
             self._pub.close(linger=max(0, int(linger_s * 1000)))
         for own in self._own.values():
-            own.sock.close(linger=max(0, int(linger_s * 1000)))
+            own.close(max(0, int(linger_s * 1000)))
         if self._replay is not None:
             self._replay.close(linger=0)
 

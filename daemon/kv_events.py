@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -341,9 +342,10 @@ class KvEvents:
         for events in self._managers.values():
             events.retenant()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         p = self.publisher
-        return {"batches": p.batches_sent, "events": p.events_sent, "dropped": p.dropped}
+        return {"batches": p.batches_sent, "events": p.events_sent, "dropped": p.dropped,
+                "subscribers": p.subscribers()}
 
     def close(self, linger_s: float = 0.0) -> None:
         """Every stream ends (the daemon's tiers serve nothing while it is down; a

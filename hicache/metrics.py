@@ -110,6 +110,9 @@ hicache_disk_unreadable_pages_total             — (pages forgotten on disk bec
 hicache_kv_events_total / _event_batches_total  — (with [events]: events and batches published;
 hicache_kv_events_dropped_total                   dropped: lost before the wire, each loss
                                                   restarting its stream with a snapshot)
+hicache_kv_events_subscribers          (gauge)  socket (daemon: the daemon's PUB socket;
+                                                own:<identity>: an identity's own): the
+                                                connections open on it (with [events])
 hicache_checkpoints                    (gauge)  tier (device, host, disk): recurrent-state
                                                 checkpoints held (specs with state layers
                                                 only; device: copies in the state slots
@@ -475,7 +478,7 @@ class StateCollector:
          "oldest_lock_s": seconds,           # age of the oldest lock held, 0.0 if none
          "queues": {queue: [pages, limit or None]},  # every spec together
          "tenants": {tenant: [host pages, disk pages]},  # every spec together
-         "events": {"events": n, "batches": n, "dropped": n} or absent (no [events]),
+         "events": {"events": n, "batches": n, "dropped": n, "subscribers": {socket: n}} or absent (no [events]),
          "checkpoints": {"host": n, "disk": n, "host_slots": n, "offered": n, ...} or absent
                         (no spec with state layers yet; the events keep the counts of
                         specs let go),
@@ -538,6 +541,11 @@ class StateCollector:
             yield CounterMetricFamily("hicache_kv_events_dropped",
                                       "KV events lost before the wire (each loss restarts its stream)",
                                       value=events["dropped"])
+            subscribers = GaugeMetricFamily("hicache_kv_events_subscribers",
+                                            "Connections open on each KV events PUB socket", labels=["socket"])
+            for sock, n in sorted(events.get("subscribers", {}).items()):
+                subscribers.add_metric([sock], n)
+            yield subscribers
         checkpoints = snap.get("checkpoints")
         if checkpoints is not None:
             held = GaugeMetricFamily("hicache_checkpoints", "Recurrent-state checkpoints held", labels=["tier"])

@@ -110,7 +110,7 @@ def exported_metric_names() -> set[str]:
     storage = {"bytes": 0, "records": 0, "capacity_bytes": 1, "map_size_bytes": 1, "corrupt_records": 0}
     queues = {"host_staging": [0, 1], "disk_write": [0, 1]}  # (bounded: a spec registered, with a disk tier)
     metrics.add_state_collector(lambda: {"pages": {}, "sessions": 0, "storage": storage, "tenants": {"t": [0, 0]},
-                                         "queues": queues, "events": {"events": 0, "batches": 0, "dropped": 0},
+                                         "queues": queues, "events": {"events": 0, "batches": 0, "dropped": 0, "subscribers": {"daemon": 0}},
                                          "build": {"version": "0", "protocol_version": 1, "mode": "cpu"}})
     # *_created series are an exposition detail that Prometheus does not keep as such.
     return {sample.name for family in metrics.registry.collect() for sample in family.samples

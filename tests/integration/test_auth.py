@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from daemon_util import (HICACHE, ClientEngine, DaemonProcess, events_socket, handshake, replayed, run_hicache,
-                         token_ids)
+                         scraped, token_ids)
 from hicache import protocol as p
 from hicache.auth import read_public, read_secret, write_keypair
 from hicache.client import CacheClient, RemoteError
@@ -664,7 +664,7 @@ def _own_events_auth(keys, tenants=("a",)) -> dict:
     return auth
 
 
-def _own_events_daemon(tmp_path, keys) -> tuple[DaemonProcess, str, str]:
+def _own_events_daemon(tmp_path, keys, **sections: dict) -> tuple[DaemonProcess, str, str]:
     """A daemon with its events on tcp:// (CURVE) and identity "router-a" (tenant a, no
     ``events`` right) reading its own tenants' streams on a socket of its own:
     (daemon, the daemon's events PUB endpoint, its replay endpoint)."""
@@ -672,7 +672,7 @@ def _own_events_daemon(tmp_path, keys) -> tuple[DaemonProcess, str, str]:
     keys["own_endpoint"] = own
     d = DaemonProcess(tmp_path, server={"tcp": endpoint}, auth=_own_events_auth(keys),
                       events={"enabled": True, "endpoint": pub, "replay_endpoint": replay_endpoint},
-                      probe={"endpoint": endpoint, **_creds(keys, "y")})
+                      probe={"endpoint": endpoint, **_creds(keys, "y")}, **sections)
     d.tcp = endpoint
     return d.start(), pub, replay_endpoint
 
@@ -753,6 +753,37 @@ def test_an_identity_reads_its_own_tenants_streams_on_its_own_socket(tmp_path, k
         for engine in engines.values():
             engine.close()
         for sock, monitor in (*subs.values(), *main.values(), (replay, replay_monitor)):
+            sock.close(0)
+            monitor.close(0)
+        d.stop()
+
+
+def test_the_connections_on_each_events_socket_are_a_gauge(tmp_path, keys):
+    """``hicache_kv_events_subscribers{socket}``: the connections open on the daemon's
+    events socket (``daemon``) and on router-a's own (``own:router-a``). Those the
+    sockets refuse are dropped, so they stop counting; one that closes is no longer
+    counted."""
+    port = _free_port()
+    d, pub, _ = _own_events_daemon(tmp_path, keys, metrics={"enabled": True, "address": "127.0.0.1", "port": port})
+    own = keys["own_endpoint"]
+    subs = {who: events_socket(zmq.SUB, own, keys, who) for who in ("router", "stranger")}
+    main = {who: events_socket(zmq.SUB, pub, keys, who) for who in ("router", "y", "x")}
+
+    def counted(expected: dict[str, float], what: str) -> None:
+        deadline = time.monotonic() + 30.0  # (a guard against hanging: the figures are refreshed every second)
+        while {sock: scraped(port, "hicache_kv_events_subscribers", socket=sock) for sock in expected} != expected:
+            assert time.monotonic() < deadline, f"never counted {what}"
+            time.sleep(0.1)
+
+    try:
+        assert {who: handshake(m) for who, (_, m) in subs.items()} == {"router": "admitted", "stranger": "refused"}
+        assert {who: handshake(m) for who, (_, m) in main.items()} == {
+            "router": "refused", "y": "admitted", "x": "refused"}
+        counted({"daemon": 1.0, "own:router-a": 1.0}, "the admitted subscribers alone")
+        main["y"][0].close(0)
+        counted({"daemon": 0.0, "own:router-a": 1.0}, "y's subscriber gone")
+    finally:
+        for sock, monitor in (*subs.values(), *main.values()):
             sock.close(0)
             monitor.close(0)
         d.stop()

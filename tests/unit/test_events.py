@@ -920,3 +920,30 @@ def test_an_own_socket_goes_when_its_identity_does_and_moves_with_its_endpoint(c
         monitor.close(0)
         on_s.close(0)
 
+
+
+def _until(predicate, what: str):
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def test_the_connections_open_on_each_socket_are_counted(context, tmp_path):
+    """subscribers(): the connections open on the daemon's socket and on each
+    identity's own, from their monitors — a subscriber counts once it connected and no
+    more once it closed; an identity's socket closed with it is no longer reported."""
+    with EventPublisher(f"ipc://{tmp_path / 'e'}", context=context) as publisher:
+        assert publisher.subscribers() == {"daemon": 0}
+        assert publisher.set_readers(None, {"r": (f"ipc://{tmp_path / 'r'}", None)}) == []
+        assert publisher.subscribers() == {"daemon": 0, "own:r": 0}
+        subs = [subscribe(context, publisher) for _ in range(2)]
+        own = _own_subscriber(context, publisher, "r", frozenset({"a"}))
+        _until(lambda: publisher.subscribers() == {"daemon": 2, "own:r": 1}, "three subscribers counted")
+        subs[0].close(0)
+        _until(lambda: publisher.subscribers() == {"daemon": 1, "own:r": 1}, "a closed one no longer counted")
+        assert publisher.set_readers(None, {}) == []
+        assert publisher.subscribers() == {"daemon": 1}
+        own.close(0)
+        subs[1].close(0)
+        _until(lambda: publisher.subscribers() == {"daemon": 0}, "none left")

@@ -147,6 +147,7 @@ class _OwnSocket:
     def close(self, linger_ms: int = 0) -> None:
         if self.connections is not None:
             self.connections.close()
+            self.connections = None
         self.sock.close(linger=linger_ms)
 
 

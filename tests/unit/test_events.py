@@ -947,3 +947,11 @@ def test_the_connections_open_on_each_socket_are_counted(context, tmp_path):
         own.close(0)
         subs[1].close(0)
         _until(lambda: publisher.subscribers() == {"daemon": 0}, "none left")
+
+
+def test_a_publisher_closes_twice_with_its_own_sockets_and_their_monitors(context, tmp_path):
+    publisher = EventPublisher(f"ipc://{tmp_path / 'e'}", context=context)
+    assert publisher.set_readers(None, {"r": (f"ipc://{tmp_path / 'r'}", None)}) == []
+    publisher.close()
+    publisher.close()  # (the daemon's stop, then the context manager's exit)
+    assert publisher.subscribers() == {}

@@ -39,10 +39,6 @@ class StoreCheck:
         self._running: Future | None = None  # the check under way
         self._next: Future | None = None  # the one to start after it: requests that came meanwhile
 
-    @property
-    def busy(self) -> bool:
-        return self._running is not None
-
     def ask(self) -> Future:
         """A check of the store that begins now, or as soon as the one under way ended;
         done on the owner thread: ``None``, or ``InvariantBroken`` naming the assertion

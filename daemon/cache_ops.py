@@ -100,8 +100,11 @@ class CacheOps:
         restored pages' KV events). Only for a namespace that holds pages or is about
         to: what the tree and the log keep of a namespace they keep for good, and a
         lookup naming ever new extra keys (a per-request salt, a hostile client) must
-        leave nothing behind. O(1) when recorded already."""
-        if manager.assign(ns, tenant) and self._tenant_log is not None:
+        leave nothing behind. O(1) when recorded already. The log is told each time: it
+        keeps what was named since its last compaction (which drops the namespaces that
+        hold no page), and notes again a namespace it dropped that holds pages again."""
+        manager.assign(ns, tenant)
+        if self._tenant_log is not None:
             self._tenant_log.note(manager.spec.fingerprint, ns, tenant, extra_key)
 
     def _claim_if_known(self, manager, ns: NamespaceId, tenant: str, extra_key: str) -> None:

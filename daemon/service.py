@@ -146,7 +146,7 @@ class Daemon:
         # (what is kept across restarts besides the pages: next to them, when there is a disk tier)
         self._state_dir = config.disk.store_path if config.disk.enabled and storage is not None else None
         self.tenant_log = TenantLog(self._state_dir / "tenants" if self._state_dir is not None else None,
-                                    extra_keys=config.events.enabled)
+                                    config.disk.tenant_namespaces, extra_keys=config.events.enabled)
         # Called now and then during long work on the owner thread at a spec's first
         # registration (pinning its host pool, rebuilding its disk tier) with a count
         # of what is done; the server feeds the systemd watchdog from it.
@@ -485,7 +485,7 @@ class Daemon:
                 if found:
                     on_disk[fingerprint] = found
         if on_disk and self.storage is not None:
-            waits.append(("disk", 0, self.specs.store_purges.start(on_disk)))
+            waits.append(("disk", 0, self.specs.store_walks.start(on_disk)))
         if remote and self.remote is not None:
             waits.append(("remote", len(remote), self._remote_purge(remote)))
         what = f"tenant {tenant!r}" + ("" if extra_key is None else f" extra key {extra_key[:64]!r}")
@@ -675,14 +675,38 @@ class Daemon:
             for session in self.specs.waiting_sessions():  # their clients wait for the answer: no heartbeats
                 self.sessions.hold_lease(session)
             self.specs.run_rebuild()
-        elif self.specs.store_purges.busy:
-            self.specs.store_purges.run_slice()
+        elif self.specs.store_walks.busy:
+            self.specs.store_walks.run_slice()
+        if self.tenant_log.wants_compaction and not self.specs.rebuilding:
+            self._compact_tenant_log()
         return ran
+
+    def _compact_tenant_log(self) -> None:
+        """A tenant is at the tenant log's bound: a walk of the store (between requests)
+        finds which of the namespaces the log names hold records; those with a node in
+        a tree now hold pages too; the log keeps them (see
+        :mod:`hicache.daemon.tenant_log`)."""
+        log = self.tenant_log
+        walk = self.specs.store_walks.find(log.begin_compaction())
+
+        def walked(_: Future) -> None:  # (on the owner thread: the walk's last slice)
+            error = walk.exception()
+            if error is not None:
+                logger.warning("tenant log compaction: the store could not be walked (%s): nothing dropped", error)
+                log.abandon_compaction()
+                return
+            holding = walk.result()
+            for manager in self.specs.all_managers():
+                fingerprint = manager.spec.fingerprint
+                holding.update((fingerprint, ns) for ns in manager.tree.namespaces_in_use())
+            log.compact(holding, self.completions.post)
+
+        walk.add_done_callback(walked)
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's
         timer), if ever."""
-        if self.specs.rebuilding or self.specs.store_purges.busy or self.completions.pending:
+        if self.specs.rebuilding or self.specs.store_walks.busy or self.completions.pending:
             return self.clock()  # a rebuild's or a purge's next slice, the next slice of completions
         due = [self.sessions.next_lease_check] if self.sessions else []
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)

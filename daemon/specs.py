@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from hicache.config import DaemonConfig
 from hicache.daemon.sessions import Session
-from hicache.daemon.store_purge import StorePurges
+from hicache.daemon.store_purge import StoreWalks
 from hicache.errors import Draining, InvalidArgument, ResourceExhausted
 from hicache.jobs import Completions
 from hicache.metrics import CHECKPOINT_EVENTS
@@ -86,7 +86,7 @@ class Specs:
         self.managers: dict[bytes, TierManager] = {}
         self._registered_at: dict[bytes, float] = {}  # spec fingerprint -> its last registration
         self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
-        self.store_purges = StorePurges(storage, completions, clock)  # purges of specs that no manager serves
+        self.store_walks = StoreWalks(storage, completions, clock)  # purges of specs that no manager serves
         self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
         # The checkpoint event counts of the managers let go: the metric is a counter, so
         # they stay in it (with the counts of those serving) instead of leaving with them.
@@ -115,7 +115,7 @@ class Specs:
         if manager is not None or spec.fingerprint in self._rebuilds:
             self._registered_at[spec.fingerprint] = self.clock()
             return manager
-        self.store_purges.finish(spec.fingerprint)  # (its rebuild must not restore what a purge deletes)
+        self.store_walks.finish(spec.fingerprint)  # (its rebuild must not restore what a purge deletes)
         self._make_room()
         started = self._registered_at[spec.fingerprint] = self.clock()
         host = self.config.host
@@ -277,7 +277,7 @@ class Specs:
                 waiting.answer(Draining("the daemon shut down before the spec's disk tier was rebuilt"))
         self._rebuilds.clear()
         self._resume_gc()
-        self.store_purges.stop()
+        self.store_walks.stop()
         return closed
 
 

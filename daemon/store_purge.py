@@ -9,13 +9,16 @@ walks the store's metadata and deletes their records — a batch at a time betwe
 requests, as a background rebuild runs (a store of millions of records takes seconds to
 walk). A registration of one of those specs meanwhile first finishes the walks that
 concern it: its rebuild must not restore records being deleted.
+
+The same walks find which of the namespaces the tenant log names still hold records
+(:meth:`StoreWalks.find`), for its compaction (:mod:`hicache.daemon.tenant_log`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Container, Generator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -33,8 +36,9 @@ class _Walk:
     steps: Generator[None, None, None]
 
 
-class StorePurges:
-    """The walks under way, oldest first. Owner thread only."""
+class StoreWalks:
+    """The walks of the store under way (purges, and :meth:`find`), oldest first.
+    Owner thread only."""
 
     def __init__(self, storage, completions: Completions, clock: Callable[[], float]) -> None:
         self._storage = storage
@@ -52,6 +56,15 @@ class StorePurges:
         error)."""
         done: Future = Future()
         self._walks.append(_Walk(targets, self._walk(targets, done)))
+        return done
+
+    def find(self, wanted: Mapping[bytes, Container[bytes]]) -> Future:
+        """Which of ``wanted``'s namespaces (spec fingerprint -> namespaces, read as the
+        walk goes) hold a record: the future's set of ``(fingerprint, namespace)``, at
+        the walk's end (or the store's error). Deletes nothing: a registration does not
+        wait for it."""
+        done: Future = Future()
+        self._walks.append(_Walk({}, self._find(wanted, done)))
         return done
 
     def finish(self, fingerprint: bytes) -> None:
@@ -99,6 +112,20 @@ class StorePurges:
             done.set_exception(exc)
             return
         self._when_committed(deletes, done)
+
+    def _find(self, wanted: Mapping[bytes, Container[bytes]], done: Future) -> Generator[None, None, None]:
+        found: set[tuple[bytes, bytes]] = set()
+        try:
+            for seen, (_, meta) in enumerate(self._storage.iter_metadata(batch=WALK_STEP), 1):
+                if meta.namespace in wanted.get(meta.fingerprint, ()):
+                    found.add((meta.fingerprint, meta.namespace))
+                if seen % WALK_STEP == 0:
+                    yield
+        except Exception as exc:  # a store that fails to read: nothing is dropped
+            logger.exception("tenant log compaction: walking the store failed")
+            done.set_exception(exc)
+            return
+        done.set_result(found)
 
     def _when_committed(self, deletes: list[Future], done: Future) -> None:
         """Resolve ``done`` with the records the ``deletes`` removed, once all are

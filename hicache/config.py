@@ -17,7 +17,7 @@ Sections and keys (all optional; see ``systemd/hicache.toml`` for an annotated f
                max_batch, lease_s, register_within_s, max_unregistered_per_peer,
                max_specs, max_pool_pages, drain_timeout_s
     [host]     bytes, ratio, max_bytes
-    [disk]     enabled, path, capacity_bytes, sync
+    [disk]     enabled, path, capacity_bytes, sync, tenant_namespaces
     [tiers]    write_policy, write_threshold, disk_policy, prefetch_policy,
                prefetch_timeout_s, prefetch_min_pages, counter_slots, eviction,
                copy_threads, io_threads, disk_write_backlog, eviction_log_slots,
@@ -134,9 +134,10 @@ class DiskConfig:
     path: str = ""  # "" = <state dir>/lmdb
     capacity_bytes: int = 64 << 30
     sync: bool = False
+    tenant_namespaces: int = 100_000  # namespaces holding pages kept per tenant in the tenant log
 
     def __post_init__(self) -> None:
-        _positive(self, "capacity_bytes")
+        _positive(self, "capacity_bytes", "tenant_namespaces")
 
     @property
     def store_path(self) -> Path:

@@ -856,6 +856,11 @@ class HiRadixTree:
     def namespaces_of(self, groups: "set[str] | frozenset[str]") -> set[NamespaceId]:
         return {ns for ns, group in self._group_of.items() if group in groups}
 
+    def namespaces_in_use(self) -> set[NamespaceId]:
+        """The namespaces with a node now (pages in some tier, or on their way).
+        O(namespaces)."""
+        return {ns for ns, entry in self._namespaces.items() if entry.root.children}
+
     def _count(self, namespace: NamespaceId, slot: Slot, delta: int) -> None:
         i = 0 if slot == HOST_SLOT else 1
         counts = self._ns_pages.get(namespace)

@@ -4,6 +4,8 @@ other namespace."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import numpy as np
 import pytest
@@ -190,3 +192,65 @@ def test_a_purge_reaches_the_records_of_a_spec_no_engine_serves_now(daemon):
         admin.check()
     finally:
         admin.close()
+
+
+def _logged_extra_keys(directory) -> list[str]:
+    """The extra keys of the tenant log's lines (``<store>/tenants``)."""
+    lines = (directory / "lmdb" / "tenants").read_text().splitlines()
+    return sorted(bytes.fromhex(line.split()[3]).decode() for line in lines)
+
+
+def test_a_tenant_past_the_tenant_logs_bound_is_purged_whole_after_a_restart(tmp_path):
+    """The tenant log keeps 3 namespaces a tenant here (``[disk].tenant_namespaces``).
+    Two of a tenant's three are purged (by extra key: their lines stay); after a restart
+    the tenant stores under two new extra keys — past the bound, so the log compacts to
+    the namespaces that still hold pages, and then names the new ones. After another
+    restart, before any engine registers, a purge of the tenant alone finds every
+    namespace that holds pages, and deletes their records: none comes back."""
+    daemon = DaemonProcess(tmp_path, disk={"tenant_namespaces": 3}).start()
+    pages = {f"user-{i}": _tokens(20 + i, 2) for i in range(5)}
+    engine = ClientEngine(daemon.endpoint)
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        for key in ("user-0", "user-1", "user-2"):
+            engine.prefill(pages[key], key)
+        assert admin.flush()["not_on_disk_pages"] == 0
+        for key in ("user-0", "user-1"):
+            assert admin.purge("default", key)["disk_pages"] == 2
+    finally:
+        engine.close()
+        admin.close()
+        daemon.stop()
+    assert _logged_extra_keys(tmp_path) == ["user-0", "user-1", "user-2"]
+    daemon.start()
+    engine = ClientEngine(daemon.endpoint)
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        for key in ("user-3", "user-4"):
+            engine.prefill(pages[key], key)
+        assert admin.flush()["not_on_disk_pages"] == 0
+        deadline = time.monotonic() + 30
+        while _logged_extra_keys(tmp_path) != ["user-2", "user-3", "user-4"]:  # (the compaction: between requests)
+            assert time.monotonic() < deadline, _logged_extra_keys(tmp_path)
+            admin.health()
+            time.sleep(0.05)
+        admin.check()
+    finally:
+        engine.close()
+        admin.close()
+        daemon.stop()
+    daemon.start()
+    admin = CacheClient(daemon.endpoint, heartbeat=False)
+    try:
+        out = admin.purge("default")
+        assert out["namespaces"] == 3 and out["disk_pages"] == 3 * 2, out
+        engine = ClientEngine(daemon.endpoint)
+        try:
+            for key, tokens in pages.items():
+                assert _cached(engine, tokens, key) == 0, key
+        finally:
+            engine.close()
+        admin.check()
+    finally:
+        admin.close()
+        daemon.stop()

@@ -1,4 +1,4 @@
-"""A purge's walk of the store for specs no tier manager serves (``StorePurges``), over a
+"""A purge's walk of the store for specs no tier manager serves (``StoreWalks``), over a
 real LMDB store: exactly the records of its (spec, namespace) pairs go, in slices or at
 once when the spec's manager is about to read the store; a store that fails says so.
 And ``when_all``, which a purge's answer waits on."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.daemon import store_purge
-from hicache.daemon.store_purge import StorePurges
+from hicache.daemon.store_purge import StoreWalks
 from hicache.jobs import Completions
 from hicache.storage.base import PageMeta, PageRecord
 from hicache.storage.lmdb_backend import LmdbBackend
@@ -47,7 +47,7 @@ def test_a_walk_in_slices_deletes_exactly_its_spec_namespace_pairs(store, monkey
     monkeypatch.setattr(store_purge, "WALK_STEP", 2)  # (several batches, several slices)
     ticks = iter(range(1_000_000))
     completions = Completions()
-    purges = StorePurges(store, completions, lambda: next(ticks))  # (every look at the clock: a slice over)
+    purges = StoreWalks(store, completions, lambda: next(ticks))  # (every look at the clock: a slice over)
     done = purges.start({SPEC_A: {NS_1}})
     slices = 0
     while purges.busy:
@@ -59,12 +59,32 @@ def test_a_walk_in_slices_deletes_exactly_its_spec_namespace_pairs(store, monkey
     assert _left(store) == {(SPEC_A, NS_2): 3, (SPEC_B, NS_1): 4}
 
 
+def test_find_tells_which_namespaces_hold_records_deleting_nothing(store, monkeypatch):
+    """The tenant log's compaction asks which of its namespaces still hold records: a
+    walk in slices that answers the pairs it was asked for and found, reads its
+    question as it goes, deletes nothing, and is not run by a registration's finish."""
+    monkeypatch.setattr(store_purge, "WALK_STEP", 2)
+    ticks = iter(range(1_000_000))
+    walks = StoreWalks(store, Completions(), lambda: next(ticks))
+    wanted: dict[bytes, set[bytes]] = {SPEC_A: {NS_2, bytes(16)}}
+    found = walks.find(wanted)
+    walks.finish(SPEC_A)  # (nothing of it: it deletes nothing)
+    assert walks.busy and not found.done()
+    walks.run_slice()
+    assert walks.busy and not found.done()
+    wanted[SPEC_B] = {NS_1}  # (asked while it walks: spec B's records come after spec A's)
+    while walks.busy:
+        walks.run_slice()
+    assert found.result() == {(SPEC_A, NS_2), (SPEC_B, NS_1)}
+    assert _left(store) == {(SPEC_A, NS_1): 5, (SPEC_A, NS_2): 3, (SPEC_B, NS_1): 4}
+
+
 def test_finish_deletes_and_commits_before_the_spec_is_read(store):
     """A registration of a spec a walk deletes from: the walk ends now and its deletes
     are committed (the spec's rebuild reads the store next); another spec's walk waits
     for its slices."""
     completions = Completions()
-    purges = StorePurges(store, completions, lambda: 0.0)
+    purges = StoreWalks(store, completions, lambda: 0.0)
     for_b = purges.start({SPEC_B: {NS_1}})
     for_a = purges.start({SPEC_A: {NS_1, NS_2}})
     purges.finish(SPEC_A)
@@ -84,7 +104,7 @@ def test_a_store_that_fails_to_read_fails_the_walk(store, monkeypatch):
         yield
 
     monkeypatch.setattr(store, "iter_metadata", broken)
-    purges = StorePurges(store, Completions(), lambda: 0.0)
+    purges = StoreWalks(store, Completions(), lambda: 0.0)
     done = purges.start({SPEC_A: {NS_1}})
     while purges.busy:
         purges.run_slice()

@@ -100,9 +100,9 @@ class CacheOps:
         restored pages' KV events). Only for a namespace that holds pages or is about
         to: what the tree and the log keep of a namespace they keep for good, and a
         lookup naming ever new extra keys (a per-request salt, a hostile client) must
-        leave nothing behind. O(1) when recorded already. The log is told each time: it
-        keeps what was named since its last compaction (which drops the namespaces that
-        hold no page), and notes again a namespace it dropped that holds pages again."""
+        leave nothing behind. O(1) when recorded already. The log is told each time: its
+        compaction keeps what was named lately (a store under way), and a namespace it
+        dropped (no page left) that holds pages again is noted again."""
         manager.assign(ns, tenant)
         if self._tenant_log is not None:
             self._tenant_log.note(manager.spec.fingerprint, ns, tenant, extra_key)

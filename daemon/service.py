@@ -707,7 +707,7 @@ class Daemon:
         """When :meth:`poll` next has work of its own (a lease check, a tier manager's
         timer), if ever."""
         if self.specs.rebuilding or self.specs.store_walks.busy or self.completions.pending:
-            return self.clock()  # a rebuild's or a purge's next slice, the next slice of completions
+            return self.clock()  # a rebuild's or a store walk's next slice, the next slice of completions
         due = [self.sessions.next_lease_check] if self.sessions else []
         due.extend(t for t in (m.next_timer() for m in self.managers.values()) if t is not None)
         return min(due, default=None)

@@ -86,7 +86,7 @@ class Specs:
         self.managers: dict[bytes, TierManager] = {}
         self._registered_at: dict[bytes, float] = {}  # spec fingerprint -> its last registration
         self._rebuilds: dict[bytes, _Rebuild] = {}  # spec fingerprint -> its rebuild in the background
-        self.store_walks = StoreWalks(storage, completions, clock)  # purges of specs that no manager serves
+        self.store_walks = StoreWalks(storage, completions, clock)  # purges of specs that no manager serves, and the tenant log's compactions
         self._gc_was_enabled = False  # automatic collection, before background rebuilds paused it
         # The checkpoint event counts of the managers let go: the metric is a counter, so
         # they stay in it (with the counts of those serving) instead of leaving with them.

@@ -85,15 +85,22 @@ def test_a_compaction_keeps_what_holds_pages_or_was_named_lately_and_then_notes_
     log.close()
 
 
-def test_a_namespace_dropped_that_holds_pages_again_is_noted_again(tmp_path):
-    clock, posted = Clock(), Posted()
-    path = tmp_path / "tenants"
+def _at_the_bound(path):
+    """A log of tenant a's namespaces k0 and k1 (its bound), and k2 noted long after
+    them, waiting."""
+    clock = Clock()
     log = TenantLog(path, max_entries=2, clock=clock)
-    a0, a1, a2 = (ns("a", f"k{i}") for i in range(3))
-    log.note(FP, a0, "a")
-    log.note(FP, a1, "a")
+    names = [ns("a", f"k{i}") for i in range(3)]
+    log.note(FP, names[0], "a")
+    log.note(FP, names[1], "a")
     clock.now = 2 * GRACE_S
-    log.note(FP, a2, "a")
+    log.note(FP, names[2], "a")
+    return log, names
+
+
+def test_a_namespace_dropped_that_holds_pages_again_is_noted_again(tmp_path):
+    path, posted = tmp_path / "tenants", Posted()
+    log, (a0, a1, a2) = _at_the_bound(path)
     log.begin_compaction()
     assert log.compact(set(), posted) == 2  # (a2 waited: named, kept, appended)
     posted.run(log)
@@ -107,14 +114,8 @@ def test_a_rewrite_that_does_not_land_leaves_the_old_log_and_its_appends(tmp_pat
     """The daemon stops while the rewrite runs (or the machine goes down before the
     rename): the log is the old one with what was appended since — it names more
     namespaces than it must, none fewer — and no rewritten file lies beside it."""
-    clock, posted = Clock(), Posted()
-    path = tmp_path / "tenants"
-    log = TenantLog(path, max_entries=2, clock=clock)
-    a0, a1, a2 = (ns("a", f"k{i}") for i in range(3))
-    log.note(FP, a0, "a")
-    log.note(FP, a1, "a")
-    clock.now = 2 * GRACE_S
-    log.note(FP, a2, "a")
+    path, posted = tmp_path / "tenants", Posted()
+    log, (a0, a1, a2) = _at_the_bound(path)
     log.begin_compaction()
     log.compact({(FP, a1)}, posted)
     log.note(FP, ns("b", "x"), "b")

@@ -40,7 +40,7 @@ from hicache.daemon.kv_events import KvEvents
 from hicache.daemon.registration import Registrar
 from hicache.daemon.sessions import LOCAL, PeerCreds, Session, Sessions
 from hicache.daemon.specs import Specs
-from hicache.daemon.store_check import StoreCheck, broken
+from hicache.daemon.check_thread import CheckThread, broken
 from hicache.daemon.tenant_log import TenantLog
 from hicache.errors import (
     Draining,
@@ -133,8 +133,7 @@ class Daemon:
             storage = LmdbBackend(config.disk.store_path, capacity_bytes=config.disk.capacity_bytes,
                                   sync=config.disk.sync)
         self.storage = storage
-        self._store_check = (StoreCheck(storage, self.completions)
-                             if storage is not None and hasattr(storage, "check_invariants") else None)
+        self._check_thread = CheckThread(storage, self.completions)  # (check's long parts)
         if remote is None and config.remote.enabled:
             from hicache.storage.mooncake_backend import MooncakeBackend
 
@@ -550,16 +549,18 @@ class Daemon:
         threading.Thread(target=run, name="hicache-purge", daemon=True).start()
         return done
 
-    def _check(self, m: p.Check) -> p.Ok | Future:
+    def _check(self, m: p.Check) -> Future:
         """Every structure's invariants; a broken one is answered as an INTERNAL error
         naming it (the tier manager's and the store's own checks assert: what failed
         is their assertion's line). The tier managers' and the sessions' here, as
-        requests leave them; then the store's, a walk of every record, off this thread
-        (see :mod:`hicache.daemon.store_check`): requests are answered meanwhile."""
+        requests leave them, but for their page keys' hashes; those, and the store's
+        walk of every record, off this thread (see :mod:`hicache.daemon.check_thread`):
+        requests are answered meanwhile."""
+        chains: dict[bytes, dict] = {}
         try:
             for fingerprint, manager in self.managers.items():
                 try:
-                    manager.check_invariants()
+                    manager.check_invariants(chains.setdefault(fingerprint, {}))
                 except AssertionError as exc:
                     raise broken(f"tier manager of spec {fingerprint.hex()}", exc) from None
             self.sessions.check_invariants()
@@ -570,10 +571,8 @@ class Daemon:
         except InvariantBroken as exc:
             logger.error("check: %s", exc.message)
             raise
-        if self._store_check is None:
-            return p.Ok(id=m.id)
         reply: Future = Future()
-        self._store_check.ask().add_done_callback(
+        self._check_thread.ask(chains).add_done_callback(
             lambda f: reply.set_exception(f.exception()) if f.exception() else reply.set_result(p.Ok(id=m.id)))
         return reply
 

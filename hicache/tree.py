@@ -1265,8 +1265,11 @@ class HiRadixTree:
             self.on_remove(node)
 
 
-    def check_invariants(self) -> None:
-        """Verify every structure against a full walk. O(nodes + pages); for tests."""
+    def check_invariants(self, chains: "Chains | None" = None) -> None:
+        """Verify every structure against a full walk. O(nodes + pages). ``chains``: the
+        page keys' hashes are not recomputed here but collected into it, for
+        :func:`check_chains` to recompute later, on another thread (half the walk's
+        time): what it holds is immutable bytes, as they are now."""
         seen: dict[int, Node] = {}
         expected_locks: dict[int, dict[int, int]] = {}
         for (node_id, lock_key), count in self._direct_locks.items():
@@ -1282,7 +1285,7 @@ class HiRadixTree:
             assert root.namespace == namespace and self._nodes.get(root.node_id) is root
             assert not root.lock_ref and root.lock_total == 0
             seen[root.node_id] = root
-            self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen)
+            self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen, chains)
         assert seen.keys() == self._nodes.keys(), "node registry disagrees with the tree"
         for slot, held in owners.items():
             _check_owned_once(slot, held)
@@ -1324,6 +1327,7 @@ class HiRadixTree:
         leaves: dict[int, set[Node]],
         owners: dict[int, list[tuple[bytes, int]]],
         seen: dict[int, Node],
+        chains: "Chains | None",
     ) -> None:
         # Post-order walk so that lock references can be summed from the children.
         stack: list[tuple[Node, bool]] = [(c, False) for c in entry.root.children.values()]
@@ -1337,7 +1341,7 @@ class HiRadixTree:
                 stack.append((node, True))
                 stack.extend((c, False) for c in node.children.values())
                 continue
-            self._check_node(entry, node, expected_locks, sizes, leaves, owners)
+            self._check_node(entry, node, expected_locks, sizes, leaves, owners, chains)
             assert node.node_id not in seen, f"node {node.node_id} reached twice"
             seen[node.node_id] = node
 
@@ -1349,6 +1353,7 @@ class HiRadixTree:
         sizes: dict[int, list[int]],
         leaves: dict[int, set[Node]],
         owners: dict[int, list[tuple[bytes, int]]],
+        chains: "Chains | None",
     ) -> None:
         page_bytes = entry.page_bytes
         parent = node.parent
@@ -1360,9 +1365,11 @@ class HiRadixTree:
             assert not node.tokens, f"node {node.node_id} is on disk only and keeps its tokens"
         if node.tokens:
             assert len(node.tokens) == node.num_pages * page_bytes, node
-            assert node.page_keys == chain_page_keys(node.namespace, parent.last_page_key, node.tokens,
-                                                     entry.page_size), (
-                f"page keys of node {node.node_id} do not chain from its parent")
+            link = (node.namespace, parent.last_page_key, node.tokens, entry.page_size)
+            if chains is None:
+                _check_chain(node.node_id, node.page_keys, link)
+            else:
+                chains[node.node_id, node.page_keys] = link
         for first, child in node.children.items():
             assert child.page_keys[:PAGE_KEY_BYTES] == first and child.parent is node, child
         assert node.by_tokens == {c.tokens[:page_bytes]: c for c in node.children.values() if c.tokens}, node
@@ -1394,6 +1401,22 @@ class HiRadixTree:
                 leaves.setdefault(slot, set()).add(node)
         for slot, count in node.resident_children.items():
             assert count > 0 and slot in node.residency, (node, slot, count)
+
+
+# A node's page keys as a check found them ((node id, page keys) -> namespace, the parent's
+# last page key, the tokens, the page size): see HiRadixTree.check_invariants.
+Chains = dict[tuple[int, bytes], tuple[NamespaceId, bytes, bytes, int]]
+
+
+def check_chains(chains: Chains) -> None:
+    """Each node's page keys chain from its parent's last one over its tokens, as
+    :meth:`HiRadixTree.check_invariants` collected them (any thread)."""
+    for (node_id, page_keys), link in chains.items():
+        _check_chain(node_id, page_keys, link)
+
+
+def _check_chain(node_id: int, page_keys: bytes, link: tuple[NamespaceId, bytes, bytes, int]) -> None:
+    assert page_keys == chain_page_keys(*link), f"page keys of node {node_id} do not chain from its parent"
 
 
 def _check_owned_once(slot: int, held: list[tuple[bytes, int]]) -> None:

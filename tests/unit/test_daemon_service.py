@@ -871,7 +871,7 @@ def test_check_names_the_broken_invariant(tmp_path, engines, monkeypatch):
     del daemon.sessions.unregistered["uid:4242"]
     ok(answered(daemon, daemon.handle(p.Check(id=3))))
 
-    def broken():
+    def broken(chains=None):
         assert 1 + 1 == 3, "made up"
 
     (manager,) = daemon.managers.values()
@@ -913,6 +913,69 @@ def test_check_walks_the_store_off_the_owner_thread_and_requests_are_answered_me
     release[1].set()
     assert [answered(daemon, f).id for f in later] == [4, 5]
     assert len(walks) == 2 and threading.main_thread() not in walks
+    daemon.close()
+
+
+def test_check_hashes_page_keys_off_the_owner_thread_and_names_a_node_that_does_not_chain(tmp_path, engines,
+                                                                                           monkeypatch):
+    """Half of a tree's check is hashing every node's tokens again to see its page keys
+    chain from its parent's: the loop collects them (immutable bytes) and the check's
+    thread hashes them. A node whose page keys do not chain is named in the INTERNAL
+    reply; the tree's other checks still run on the loop, as requests leave it."""
+    from hicache import tree as tree_module
+
+    daemon = make_daemon(tmp_path)
+    sid = session(daemon, engines())
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages
+    tokens = np.arange(3 * PS, dtype="<i4").tobytes()
+    ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages)))
+    hashed_on = []
+    real_chain = tree_module.chain_page_keys
+
+    def chain(*args):
+        hashed_on.append(threading.current_thread())
+        return real_chain(*args)
+
+    monkeypatch.setattr(tree_module, "chain_page_keys", chain)
+    ok(answered(daemon, daemon.handle(p.Check(id=3))))
+    assert hashed_on and threading.main_thread() not in hashed_on
+    (manager,) = daemon.managers.values()
+    (node,) = [n for n in manager.tree._nodes.values() if n.parent is not None]
+    node_id = node.node_id
+    node.page_keys = node.page_keys[:-1] + bytes([node.page_keys[-1] ^ 1])  # (what a bug in a split would do)
+    reply = error(answered(daemon, daemon.handle(p.Check(id=4))), ErrorCode.INTERNAL)
+    assert f"tier manager of spec {SPEC.fingerprint_hex}" in reply.message, reply.message
+    assert f"page keys of node {node_id} do not chain" in reply.message, reply.message
+    daemon.close()
+
+
+def test_a_check_that_shares_the_next_walk_has_what_its_tree_check_collected_hashed(tmp_path, engines,
+                                                                                  monkeypatch):
+    """A check asked while another walks shares the next walk: the page keys its own
+    tree check collected — a node broken since the first — are hashed by that walk."""
+    daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
+    sid = session(daemon, engines())
+    pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages
+    ok(daemon.handle(p.Insert(id=2, session=sid, tokens=np.arange(3 * PS, dtype="<i4").tobytes(), pages=pages)))
+    release = threading.Event()
+    real_check = daemon.storage.check_invariants
+
+    def walk():
+        if not release.wait(60):
+            raise AssertionError("never released")
+        real_check()
+
+    monkeypatch.setattr(daemon.storage, "check_invariants", walk)
+    first = daemon.handle(p.Check(id=3))
+    (manager,) = daemon.managers.values()
+    (node,) = [n for n in manager.tree._nodes.values() if n.parent is not None]
+    node.page_keys = node.page_keys[:-1] + bytes([node.page_keys[-1] ^ 1])
+    second = daemon.handle(p.Check(id=4))
+    assert isinstance(second, Future) and not second.done()
+    release.set()
+    assert isinstance(answered(daemon, first), p.Ok)
+    reply = error(answered(daemon, second), ErrorCode.INTERNAL)
+    assert reply.id == 4 and f"page keys of node {node.node_id} do not chain" in reply.message, reply.message
     daemon.close()
 
 

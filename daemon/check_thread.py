@@ -2,15 +2,14 @@
 
 The store's check reads every record (a store of a million records takes seconds) and
 reads one commit whatever its writers do meanwhile (see
-:meth:`hicache.storage.lmdb_backend.LmdbBackend.check_invariants`); the trees' page
-keys are hashed again from their tokens (half of a tree's check) from what the tree's
-check collected on the owner thread, immutable bytes as they were then (see
+:meth:`hicache.storage.lmdb_backend.LmdbBackend.check_invariants`); a tree's check
+(~10 µs a node) checks a copy the owner thread made of it (~3 µs a node; see
 :meth:`hicache.tree.HiRadixTree.check_invariants`). Both run on a thread of their own
 while the loop answers requests. One runs at a time: ``check`` requests that arrive
 while one runs share the next one, which starts once it ended — each is answered by a
-check that began after it arrived (with what its tree checks collected: those of every
-request sharing it), and a client that sends ``check`` after ``check`` costs one walk
-at a time, not one thread each.
+check that began after it arrived (the trees as the last of them copied them: one copy
+a spec waits, not one a request), and a client that sends ``check`` after ``check``
+costs one walk at a time, not one thread each.
 """
 
 from __future__ import annotations
@@ -18,12 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 from hicache.errors import InvariantBroken
 from hicache.jobs import Completions
-from hicache.tree import Chains, check_chains
 
 logger = logging.getLogger(__name__)
 
@@ -44,31 +43,32 @@ class CheckThread:
         self._completions = completions
         self._running: Future | None = None  # the check under way
         self._next: Future | None = None  # the one to start after it: requests that came meanwhile
-        self._next_chains: dict[bytes, Chains] = {}  # what the requests for the next one collected
+        self._next_checks: dict[bytes, list[Callable[[], None]]] = {}  # the last asker's
 
-    def ask(self, chains: dict[bytes, Chains]) -> Future:
-        """A check of the store, and of the page keys ``chains`` holds (spec fingerprint
-        -> what its tree's check collected), that begins now, or as soon as the one under
-        way ended; done on the owner thread: ``None``, or ``InvariantBroken`` naming the
-        assertion that failed (``StorageUnavailable`` for a store that closed or whose
-        writer hangs)."""
+    def ask(self, checks: dict[bytes, list[Callable[[], None]]]) -> Future:
+        """A check of the store, and the ``checks`` (spec fingerprint -> what its tier
+        manager's check left to run later: see :meth:`TierManager.check_invariants`),
+        that begins now, or as soon as the one under way ended (with the ``checks`` of
+        the last request that asks for it); done on the owner thread: ``None``, or
+        ``InvariantBroken`` naming the assertion that failed (``StorageUnavailable`` for
+        a store that closed or whose writer hangs)."""
         if self._running is None:
-            self._running = self._start(Future(), chains)
+            self._running = self._start(Future(), checks)
             return self._running
         if self._next is None:
             self._next = Future()
-        for fingerprint, collected in chains.items():  # (a node unchanged since: once)
-            self._next_chains.setdefault(fingerprint, {}).update(collected)
+        self._next_checks = checks  # (taken after the others': their copies are let go)
         return self._next
 
-    def _start(self, future: Future, chains: dict[bytes, Chains]) -> Future:
+    def _start(self, future: Future, checks: dict[bytes, list[Callable[[], None]]]) -> Future:
         def walk() -> None:
             error: BaseException | None = None
             where = ""
             try:
-                for fingerprint, collected in chains.items():
+                for fingerprint, deferred in checks.items():
                     where = f"tier manager of spec {fingerprint.hex()}"
-                    check_chains(collected)
+                    for check in deferred:
+                        check()
                 if self._storage is not None:
                     where = "storage"
                     self._storage.check_invariants()
@@ -84,8 +84,8 @@ class CheckThread:
     def _ended(self, future: Future, error: BaseException | None) -> None:
         self._running = None
         if self._next is not None:
-            chains, self._next_chains = self._next_chains, {}
-            self._running, self._next = self._start(self._next, chains), None
+            checks, self._next_checks = self._next_checks, {}
+            self._running, self._next = self._start(self._next, checks), None
         if error is None:
             future.set_result(None)
         else:

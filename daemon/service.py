@@ -553,14 +553,14 @@ class Daemon:
         """Every structure's invariants; a broken one is answered as an INTERNAL error
         naming it (the tier manager's and the store's own checks assert: what failed
         is their assertion's line). The tier managers' and the sessions' here, as
-        requests leave them, but for their page keys' hashes; those, and the store's
-        walk of every record, off this thread (see :mod:`hicache.daemon.check_thread`):
-        requests are answered meanwhile."""
-        chains: dict[bytes, dict] = {}
+        requests leave them — but for their trees, copied here and checked off this
+        thread, with the store's walk of every record (see
+        :mod:`hicache.daemon.check_thread`): requests are answered meanwhile."""
+        deferred: dict[bytes, list] = {}
         try:
             for fingerprint, manager in self.managers.items():
                 try:
-                    manager.check_invariants(chains.setdefault(fingerprint, {}))
+                    manager.check_invariants(deferred.setdefault(fingerprint, []))
                 except AssertionError as exc:
                     raise broken(f"tier manager of spec {fingerprint.hex()}", exc) from None
             self.sessions.check_invariants()
@@ -572,7 +572,7 @@ class Daemon:
             logger.error("check: %s", exc.message)
             raise
         reply: Future = Future()
-        self._check_thread.ask(chains).add_done_callback(
+        self._check_thread.ask(deferred).add_done_callback(
             lambda f: reply.set_exception(f.exception()) if f.exception() else reply.set_result(p.Ok(id=m.id)))
         return reply
 

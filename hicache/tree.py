@@ -50,6 +50,7 @@ them (duplicates from :meth:`insert`, pages from :meth:`drop`) for the caller to
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -1264,159 +1265,212 @@ class HiRadixTree:
         if node.checkpoint is not None and self.on_remove is not None:
             self.on_remove(node)
 
+    def check_invariants(self, deferred: "list[Callable[[], None]] | None" = None) -> None:
+        """Verify every structure against a full walk. O(nodes + pages). The structures
+        are copied first (:meth:`_snapshot`: what the tree's owner must wait for), then
+        checked (most of the time, the page keys' hashes among it): now, or —
+        ``deferred`` given — by the callable appended to it, on any thread, later,
+        whatever the tree does meanwhile."""
+        snapshot = self._snapshot()
+        if deferred is None:
+            _check_snapshot(snapshot)
+        else:
+            deferred.append(lambda: _check_snapshot(snapshot))
 
-    def check_invariants(self, chains: "Chains | None" = None) -> None:
-        """Verify every structure against a full walk. O(nodes + pages). ``chains``: the
-        page keys' hashes are not recomputed here but collected into it, for
-        :func:`check_chains` to recompute later, on another thread (half the walk's
-        time): what it holds is immutable bytes, as they are now."""
-        seen: dict[int, Node] = {}
-        expected_locks: dict[int, dict[int, int]] = {}
-        for (node_id, lock_key), count in self._direct_locks.items():
-            assert count > 0, (node_id, lock_key, count)
-            assert node_id in self._nodes, f"direct lock on dead node {node_id}"
-            expected_locks.setdefault(node_id, {})[lock_key] = count
-        sizes: dict[int, list[int]] = {}
-        leaves: dict[int, set[Node]] = {}
-        owners: dict[int, list[tuple[bytes, int]]] = {}  # slot -> (page ids, node id) of each node there
-        for namespace, entry in self._namespaces.items():
-            root = entry.root
-            assert root.parent is None and root.num_pages == 0 and not root.residency
-            assert root.namespace == namespace and self._nodes.get(root.node_id) is root
-            assert not root.lock_ref and root.lock_total == 0
-            seen[root.node_id] = root
-            self._check_subtree(entry, expected_locks, sizes, leaves, owners, seen, chains)
-        assert seen.keys() == self._nodes.keys(), "node registry disagrees with the tree"
-        for slot, held in owners.items():
-            _check_owned_once(slot, held)
+    def _snapshot(self) -> "_Snapshot":
+        """What :func:`_check_snapshot` checks, as it is now: each node's fields with
+        nodes named by id (dicts and tuples of numbers and bytes, which the cyclic
+        collector leaves alone), the indexes, the counts. Each child is the registry's
+        node of its id (checked here: ids stand for nodes from now on)."""
+        nodes: dict[int, _View] = {}
+        registry = self._nodes
+        view, none = tuple.__new__, _NONE  # (a _View without its constructor's Python frame: ~3 µs a node in all)
+        was_enabled = gc.isenabled()
+        gc.disable()  # (the views are tuples of numbers, bytes and such dicts: the next collection lets them go)
+        try:
+            for node_id, node in registry.items():
+                if node.children:
+                    children: dict[bytes, int] = {}
+                    for first, child in node.children.items():
+                        assert registry.get(child.node_id) is child, f"node registry disagrees with the tree at {child}"
+                        children[first] = child.node_id
+                else:
+                    children = none
+                by_tokens = {t: c.node_id for t, c in node.by_tokens.items()} if node.by_tokens else none
+                parent = node.parent
+                nodes[node_id] = view(_View, (
+                    node.namespace, -1 if parent is None else parent.node_id, node.tokens, node.page_keys,
+                    node.num_pages, children, by_tokens, dict(node.residency) if node.residency else none,
+                    dict(node.resident_children) if node.resident_children else none,
+                    dict(node.lock_ref) if node.lock_ref else none, node.lock_total))
+        finally:
+            if was_enabled:
+                gc.enable()
+        slots = {}
         for slot, index in self._slots.items():
-            evictable, protected = sizes.get(slot, (0, 0))
-            assert (index.evictable, index.protected) == (evictable, protected), (
-                _slot_name(slot), (index.evictable, index.protected), (evictable, protected))
-            assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
-            first: dict[int, Any] = {}  # each leaf's smallest key in the kept order: never above its own
-            for key, node_id, _ in index.heap:
-                if node_id not in first or key < first[node_id]:
-                    first[node_id] = key
-            assert all(n.node_id in first and not index.key(n) < first[n.node_id] for n in index.leaves), (
-                f"eviction order of {_slot_name(slot)}")
-            by_ns: dict[NamespaceId, set[Node]] = {}
-            for leaf in index.leaves:
-                by_ns.setdefault(leaf.namespace, set()).add(leaf)
-            assert index.by_ns == by_ns, f"evictable leaves of {_slot_name(slot)} by namespace"
-        for slot in sizes:
-            assert slot in self._slots, _slot_name(slot)
-        clean = sum(n.num_pages for n in self._nodes.values()
-                    if HOST_SLOT in n.residency and DISK_SLOT in n.residency and not n.lock_total)
-        assert self._clean_host == clean, ("clean host pages", self._clean_host, clean)
-        per_ns: dict[NamespaceId, list[int]] = {}
-        per_group: dict[str, list[int]] = {}
-        for n in self._nodes.values():
-            for slot, i in ((HOST_SLOT, 0), (DISK_SLOT, 1)):
-                if slot in n.residency:
-                    per_ns.setdefault(n.namespace, [0, 0])[i] += n.num_pages
-                    per_group.setdefault(self._group_of.get(n.namespace, ""), [0, 0])[i] += n.num_pages
-        assert {ns: c for ns, c in self._ns_pages.items() if any(c)} == per_ns, "host / disk pages per namespace"
-        assert {g: c for g, c in self._group_pages.items() if any(c)} == per_group, "host / disk pages per group"
+            slots[slot] = _SlotView(
+                index.evictable, index.protected, {n.node_id for n in index.leaves},
+                {ns: {n.node_id for n in leaves} for ns, leaves in index.by_ns.items()}, list(index.heap),
+                {n.node_id: index.key(n) for n in index.leaves})
+        return _Snapshot(
+            nodes, [(ns, entry.root.node_id, entry.page_size, entry.page_bytes) for ns, entry in self._namespaces.items()],
+            dict(self._direct_locks), slots, self._clean_host, {ns: list(c) for ns, c in self._ns_pages.items()},
+            {g: list(c) for g, c in self._group_pages.items()}, dict(self._group_of))
 
-    def _check_subtree(
-        self,
-        entry: _Namespace,
-        expected_locks: dict[int, dict[int, int]],
-        sizes: dict[int, list[int]],
-        leaves: dict[int, set[Node]],
-        owners: dict[int, list[tuple[bytes, int]]],
-        seen: dict[int, Node],
-        chains: "Chains | None",
-    ) -> None:
+
+_NONE: dict = {}  # a snapshot's empty dicts (never changed)
+
+
+class _View(NamedTuple):
+    """A node as :meth:`HiRadixTree._snapshot` found it; other nodes by id."""
+
+    namespace: NamespaceId
+    parent: int  # -1: a root
+    tokens: bytes
+    page_keys: bytes
+    num_pages: int
+    children: dict[bytes, int]
+    by_tokens: dict[bytes, int]
+    residency: dict[Slot, Residency]
+    resident_children: dict[Slot, int]
+    lock_ref: dict[LockKey, int]
+    lock_total: int
+
+
+class _SlotView(NamedTuple):
+    evictable: int
+    protected: int
+    leaves: set[int]
+    by_ns: dict[NamespaceId, set[int]]
+    heap: list[tuple[Any, int, int]]
+    keys: dict[int, Any]  # each leaf's eviction key
+
+
+class _Snapshot(NamedTuple):
+    nodes: dict[int, _View]
+    namespaces: list[tuple[NamespaceId, int, int, int]]  # (namespace, root's id, page size, page bytes)
+    direct_locks: dict[tuple[int, LockKey], int]
+    slots: dict[Slot, _SlotView]
+    clean_host: int
+    ns_pages: dict[NamespaceId, list[int]]
+    group_pages: dict[str, list[int]]
+    group_of: dict[NamespaceId, str]
+
+
+def _check_snapshot(snap: _Snapshot) -> None:
+    """:meth:`HiRadixTree.check_invariants` of a snapshot (any thread)."""
+    views = snap.nodes
+    seen: set[int] = set()
+    expected_locks: dict[int, dict[LockKey, int]] = {}
+    for (node_id, lock_key), count in snap.direct_locks.items():
+        assert count > 0, (node_id, lock_key, count)
+        assert node_id in views, f"direct lock on dead node {node_id}"
+        expected_locks.setdefault(node_id, {})[lock_key] = count
+    sizes: dict[Slot, list[int]] = {}
+    leaves: dict[Slot, set[int]] = {}
+    owners: dict[Slot, list[tuple[bytes, int]]] = {}  # slot -> (page ids, node id) of each node there
+    for namespace, root_id, page_size, page_bytes in snap.namespaces:
+        root = views.get(root_id)
+        assert root is not None, f"the root of namespace {namespace.hex()} is not in the node registry"
+        assert root.parent == -1 and root.num_pages == 0 and not root.residency
+        assert root.namespace == namespace
+        assert not root.lock_ref and root.lock_total == 0
+        seen.add(root_id)
+        for first, child in root.children.items():
+            assert views[child].page_keys[:PAGE_KEY_BYTES] == first
+        assert root.by_tokens == {views[c].tokens[:page_bytes]: c for c in root.children.values() if views[c].tokens}
         # Post-order walk so that lock references can be summed from the children.
-        stack: list[tuple[Node, bool]] = [(c, False) for c in entry.root.children.values()]
-        for first, child in entry.root.children.items():
-            assert child.page_keys[:PAGE_KEY_BYTES] == first
-        assert entry.root.by_tokens == {c.tokens[: entry.page_bytes]: c
-                                        for c in entry.root.children.values() if c.tokens}
+        stack: list[tuple[int, bool]] = [(c, False) for c in root.children.values()]
         while stack:
-            node, children_done = stack.pop()
+            node_id, children_done = stack.pop()
             if not children_done:
-                stack.append((node, True))
-                stack.extend((c, False) for c in node.children.values())
+                stack.append((node_id, True))
+                stack.extend((c, False) for c in views[node_id].children.values())
                 continue
-            self._check_node(entry, node, expected_locks, sizes, leaves, owners, chains)
-            assert node.node_id not in seen, f"node {node.node_id} reached twice"
-            seen[node.node_id] = node
-
-    def _check_node(
-        self,
-        entry: _Namespace,
-        node: Node,
-        expected_locks: dict[int, dict[int, int]],
-        sizes: dict[int, list[int]],
-        leaves: dict[int, set[Node]],
-        owners: dict[int, list[tuple[bytes, int]]],
-        chains: "Chains | None",
-    ) -> None:
-        page_bytes = entry.page_bytes
-        parent = node.parent
-        assert parent is not None and parent.children.get(node.page_keys[:PAGE_KEY_BYTES]) is node, node
-        assert self._nodes.get(node.node_id) is node, node
-        assert node.namespace == parent.namespace, node
-        assert node.num_pages > 0 and len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, node
-        if DISK_SLOT in node.residency and not any(slot >= 0 for slot in node.residency):
-            assert not node.tokens, f"node {node.node_id} is on disk only and keeps its tokens"
-        if node.tokens:
-            assert len(node.tokens) == node.num_pages * page_bytes, node
-            link = (node.namespace, parent.last_page_key, node.tokens, entry.page_size)
-            if chains is None:
-                _check_chain(node.node_id, node.page_keys, link)
-            else:
-                chains[node.node_id, node.page_keys] = link
-        for first, child in node.children.items():
-            assert child.page_keys[:PAGE_KEY_BYTES] == first and child.parent is node, child
-        assert node.by_tokens == {c.tokens[:page_bytes]: c for c in node.children.values() if c.tokens}, node
-        # Lock references: own direct locks plus the children's references.
-        locks = dict(expected_locks.get(node.node_id, {}))
-        for child in node.children.values():
-            for lock_key, count in child.lock_ref.items():
-                locks[lock_key] = locks.get(lock_key, 0) + count
-        assert node.lock_ref == locks, (node, node.lock_ref, locks)
-        assert node.lock_total == sum(locks.values()), node
-        assert all(count > 0 for count in node.lock_ref.values()), node
-        # Residency: closure under ancestors, child counts, sizes, leaves, unique pages.
-        assert node.residency or node.lock_total, f"node {node.node_id} lives nowhere"
-        for slot, value in node.residency.items():
-            if parent.parent is not None:
-                assert slot in parent.residency, f"{node} resident in {_slot_name(slot)}, parent not"
-            if slot == DISK_SLOT:
-                assert value is True, node
-            else:
-                assert slot >= HOST_SLOT and isinstance(value, bytes), node
-                assert len(value) == node.num_pages * _ID_BYTES, node
-                owners.setdefault(slot, []).append((value, node.node_id))
-            protected = self._is_protected(node, slot)
-            counts = sizes.setdefault(slot, [0, 0])
-            counts[1 if protected else 0] += node.num_pages
-            resident_children = sum(1 for c in node.children.values() if slot in c.residency)
-            assert node.resident_children.get(slot, 0) == resident_children, (node, slot)
-            if not protected and not resident_children:
-                leaves.setdefault(slot, set()).add(node)
-        for slot, count in node.resident_children.items():
-            assert count > 0 and slot in node.residency, (node, slot, count)
+            _check_node(views, node_id, page_size, page_bytes, expected_locks, sizes, leaves, owners)
+            assert node_id not in seen, f"node {node_id} reached twice"
+            seen.add(node_id)
+    assert seen == views.keys(), "node registry disagrees with the tree"
+    for slot, held in owners.items():
+        _check_owned_once(slot, held)
+    for slot, index in snap.slots.items():
+        evictable, protected = sizes.get(slot, (0, 0))
+        assert (index.evictable, index.protected) == (evictable, protected), (
+            _slot_name(slot), (index.evictable, index.protected), (evictable, protected))
+        assert index.leaves == leaves.get(slot, set()), f"evictable leaves of {_slot_name(slot)}"
+        first_key: dict[int, Any] = {}  # each leaf's smallest key in the kept order: never above its own
+        for key, node_id, _ in index.heap:
+            if node_id not in first_key or key < first_key[node_id]:
+                first_key[node_id] = key
+        assert all(n in first_key and not index.keys[n] < first_key[n] for n in index.leaves), (
+            f"eviction order of {_slot_name(slot)}")
+        by_ns: dict[NamespaceId, set[int]] = {}
+        for leaf in index.leaves:
+            by_ns.setdefault(views[leaf].namespace, set()).add(leaf)
+        assert index.by_ns == by_ns, f"evictable leaves of {_slot_name(slot)} by namespace"
+    for slot in sizes:
+        assert slot in snap.slots, _slot_name(slot)
+    clean = sum(v.num_pages for v in views.values()
+                if HOST_SLOT in v.residency and DISK_SLOT in v.residency and not v.lock_total)
+    assert snap.clean_host == clean, ("clean host pages", snap.clean_host, clean)
+    per_ns: dict[NamespaceId, list[int]] = {}
+    per_group: dict[str, list[int]] = {}
+    for v in views.values():
+        for slot, i in ((HOST_SLOT, 0), (DISK_SLOT, 1)):
+            if slot in v.residency:
+                per_ns.setdefault(v.namespace, [0, 0])[i] += v.num_pages
+                per_group.setdefault(snap.group_of.get(v.namespace, ""), [0, 0])[i] += v.num_pages
+    assert {ns: c for ns, c in snap.ns_pages.items() if any(c)} == per_ns, "host / disk pages per namespace"
+    assert {g: c for g, c in snap.group_pages.items() if any(c)} == per_group, "host / disk pages per group"
 
 
-# A node's page keys as a check found them ((node id, page keys) -> namespace, the parent's
-# last page key, the tokens, the page size): see HiRadixTree.check_invariants.
-Chains = dict[tuple[int, bytes], tuple[NamespaceId, bytes, bytes, int]]
-
-
-def check_chains(chains: Chains) -> None:
-    """Each node's page keys chain from its parent's last one over its tokens, as
-    :meth:`HiRadixTree.check_invariants` collected them (any thread)."""
-    for (node_id, page_keys), link in chains.items():
-        _check_chain(node_id, page_keys, link)
-
-
-def _check_chain(node_id: int, page_keys: bytes, link: tuple[NamespaceId, bytes, bytes, int]) -> None:
-    assert page_keys == chain_page_keys(*link), f"page keys of node {node_id} do not chain from its parent"
+def _check_node(views: dict[int, _View], node_id: int, page_size: int, page_bytes: int,
+                expected_locks: dict[int, dict[LockKey, int]], sizes: dict[Slot, list[int]],
+                leaves: dict[Slot, set[int]], owners: dict[Slot, list[tuple[bytes, int]]]) -> None:
+    node = views[node_id]
+    parent = views.get(node.parent)
+    what = f"node {node_id}"
+    assert parent is not None and parent.children.get(node.page_keys[:PAGE_KEY_BYTES]) == node_id, what
+    assert node.namespace == parent.namespace, what
+    assert node.num_pages > 0 and len(node.page_keys) == node.num_pages * PAGE_KEY_BYTES, what
+    if DISK_SLOT in node.residency and not any(slot >= 0 for slot in node.residency):
+        assert not node.tokens, f"node {node_id} is on disk only and keeps its tokens"
+    if node.tokens:
+        assert len(node.tokens) == node.num_pages * page_bytes, what
+        parent_key = parent.page_keys[-PAGE_KEY_BYTES:] if parent.num_pages else ROOT_PARENT_KEY
+        assert node.page_keys == chain_page_keys(node.namespace, parent_key, node.tokens, page_size), (
+            f"page keys of node {node_id} do not chain from its parent")
+    for first, child in node.children.items():
+        assert views[child].page_keys[:PAGE_KEY_BYTES] == first and views[child].parent == node_id, child
+    assert node.by_tokens == {views[c].tokens[:page_bytes]: c for c in node.children.values() if views[c].tokens}, what
+    # Lock references: own direct locks plus the children's references.
+    locks = dict(expected_locks.get(node_id, {}))
+    for child in node.children.values():
+        for lock_key, count in views[child].lock_ref.items():
+            locks[lock_key] = locks.get(lock_key, 0) + count
+    assert node.lock_ref == locks, (what, node.lock_ref, locks)
+    assert node.lock_total == sum(locks.values()), what
+    assert all(count > 0 for count in node.lock_ref.values()), what
+    # Residency: closure under ancestors, child counts, sizes, leaves, unique pages.
+    assert node.residency or node.lock_total, f"node {node_id} lives nowhere"
+    for slot, value in node.residency.items():
+        if parent.parent != -1:
+            assert slot in parent.residency, f"{what} resident in {_slot_name(slot)}, parent not"
+        if slot == DISK_SLOT:
+            assert value is True, what
+        else:
+            assert slot >= HOST_SLOT and isinstance(value, bytes), what
+            assert len(value) == node.num_pages * _ID_BYTES, what
+            owners.setdefault(slot, []).append((value, node_id))
+        protected = (_lock_key(slot) in node.lock_ref) if slot >= 0 else node.lock_total > 0  # (as _is_protected)
+        counts = sizes.setdefault(slot, [0, 0])
+        counts[1 if protected else 0] += node.num_pages
+        resident_children = sum(1 for c in node.children.values() if slot in views[c].residency)
+        assert node.resident_children.get(slot, 0) == resident_children, (what, slot)
+        if not protected and not resident_children:
+            leaves.setdefault(slot, set()).add(node_id)
+    for slot, count in node.resident_children.items():
+        assert count > 0 and slot in node.residency, (what, slot, count)
 
 
 def _check_owned_once(slot: int, held: list[tuple[bytes, int]]) -> None:

@@ -3,11 +3,13 @@ the allocators and the transfers in flight together."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hicache.tiers.core import Core
 from hicache.tiers.devices import DevicePools
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.results import TierAccount
-from hicache.tree import Chains, Place, Tier
+from hicache.tree import Place, Tier
 
 
 def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, TierAccount]:
@@ -33,12 +35,13 @@ def accounting(core: Core, pools: DevicePools, disk: DiskTier) -> dict[Place, Ti
     return out
 
 
-def check_invariants(core: Core, pools: DevicePools, disk: DiskTier, chains: Chains | None = None) -> None:
+def check_invariants(core: Core, pools: DevicePools, disk: DiskTier,
+                     deferred: list[Callable[[], None]] | None = None) -> None:
     """The tree's and allocators' own checks, plus the accounting between them
-    (``AssertionError`` names the first that fails); ``chains``: see
-    :meth:`HiRadixTree.check_invariants`."""
+    (``AssertionError`` names the first that fails); ``deferred``: where the tree's
+    check of what it copies goes, to run later (see :meth:`HiRadixTree.check_invariants`)."""
     tree, host_alloc = core.tree, core.host_alloc
-    tree.check_invariants(chains)
+    tree.check_invariants(deferred)
     host_alloc.check_invariants()
     host_cached = tree.sizes(Tier.HOST).cached
     assert host_alloc.num_allocated == host_cached + core.host_staging, (

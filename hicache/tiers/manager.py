@@ -61,7 +61,7 @@ from hicache.tiers.results import Hit, LoadTiming, Purged, TierAccount
 from hicache.tiers.timers import Timers
 from hicache.tiers.transfers import InFlight, Kind
 from hicache.tiers.windows import Windows, cut_match
-from hicache.tree import Chains, HiRadixTree, InsertResult, MatchResult, Node, Place, PoolId, Tier
+from hicache.tree import HiRadixTree, InsertResult, MatchResult, Node, Place, PoolId, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -969,11 +969,11 @@ class TierManager:
         """Pages per place (each device pool, host, disk) and state."""
         return accounting(self._core, self.pools, self.disk)
 
-    def check_invariants(self, chains: Chains | None = None) -> None:
+    def check_invariants(self, deferred: list[Callable[[], None]] | None = None) -> None:
         """The tree's and allocators' own checks, plus the accounting between them
-        (``chains``: the page keys' hashes to check later, off this thread; see
-        :meth:`HiRadixTree.check_invariants`)."""
-        check_invariants(self._core, self.pools, self.disk, chains)
+        (``deferred``: the tree's check of its copy goes there, to run later, on any
+        thread; see :meth:`HiRadixTree.check_invariants`)."""
+        check_invariants(self._core, self.pools, self.disk, deferred)
         if self.checkpoints is not None:
             self.checkpoints.check()
         if self.windows is not None:

@@ -916,12 +916,12 @@ def test_check_walks_the_store_off_the_owner_thread_and_requests_are_answered_me
     daemon.close()
 
 
-def test_check_hashes_page_keys_off_the_owner_thread_and_names_a_node_that_does_not_chain(tmp_path, engines,
-                                                                                           monkeypatch):
-    """Half of a tree's check is hashing every node's tokens again to see its page keys
-    chain from its parent's: the loop collects them (immutable bytes) and the check's
-    thread hashes them. A node whose page keys do not chain is named in the INTERNAL
-    reply; the tree's other checks still run on the loop, as requests leave it."""
+def test_check_checks_a_copy_of_the_tree_off_the_owner_thread_and_names_a_broken_node(tmp_path, engines,
+                                                                                       monkeypatch):
+    """A tree's check (~10 µs a node, most of it hashing every node's tokens again to see
+    its page keys chain from its parent's) runs on the check's thread, on a copy the
+    loop made (~3 µs a node). A node whose page keys do not chain is named in the
+    INTERNAL reply."""
     from hicache import tree as tree_module
 
     daemon = make_daemon(tmp_path)
@@ -949,10 +949,9 @@ def test_check_hashes_page_keys_off_the_owner_thread_and_names_a_node_that_does_
     daemon.close()
 
 
-def test_a_check_that_shares_the_next_walk_has_what_its_tree_check_collected_hashed(tmp_path, engines,
-                                                                                  monkeypatch):
-    """A check asked while another walks shares the next walk: the page keys its own
-    tree check collected — a node broken since the first — are hashed by that walk."""
+def test_a_check_that_shares_the_next_walk_has_its_copy_of_the_tree_checked(tmp_path, engines, monkeypatch):
+    """A check asked while another walks shares the next walk: the copy of the tree it
+    made — a node broken since the first — is what that walk checks."""
     daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
     sid = session(daemon, engines())
     pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=3))).pages

@@ -580,6 +580,62 @@ def test_deepest_keeps_the_nodes_no_other_is_below(tree, alloc):
     assert tree.deepest([d, c]) == [d, c]
 
 
+def _break_lock(tree, a, b):
+    a.lock_ref[99] = 1  # a lock no one took
+
+
+def _break_residency(tree, a, b):
+    b.residency[7] = a.residency[0]  # a pool the parent is not in, with the parent's pages too
+
+
+def _break_children(tree, a, b):
+    a.resident_children[0] += 1
+
+
+def _break_index(tree, a, b):
+    tree._slots[0].evictable += 1
+
+
+def _break_registry(tree, a, b):
+    del tree._nodes[b.node_id]
+
+
+@pytest.mark.parametrize("breaks", [_break_lock, _break_residency, _break_children, _break_index, _break_registry])
+def test_the_check_of_a_copy_finds_what_was_broken_when_it_was_made(tree, alloc, breaks):
+    """A check can copy the tree (the owner's part) and check the copy later, on another
+    thread (what ``check`` does): the copy is what it judges — a fault mended after
+    the copy is still found, and a tree that changes a lot after a clean copy is not
+    blamed for it. A child the registry does not know is found while copying."""
+    a = insert(tree, alloc, seq(100, pages=3)).node
+    b = insert(tree, alloc, seq(100, pages=5)).node  # (below a)
+    assert b.parent is a
+    clean: list = []
+    tree.check_invariants(clean)
+    saved = (dict(a.lock_ref), dict(b.residency), dict(a.resident_children), tree._slots[0].evictable,
+             dict(tree._nodes))
+    breaks(tree, a, b)
+    found: list = []
+    try:
+        tree.check_invariants(found)  # (the registry's fault: found while copying)
+    except AssertionError as exc:
+        assert breaks is _break_registry and "node registry disagrees" in str(exc), exc
+    a.lock_ref.clear(), a.lock_ref.update(saved[0])
+    b.residency.clear(), b.residency.update(saved[1])
+    a.resident_children.clear(), a.resident_children.update(saved[2])
+    tree._slots[0].evictable = saved[3]
+    tree._nodes.clear(), tree._nodes.update(saved[4])
+    tree.check_invariants()  # (mended)
+    if breaks is not _break_registry:
+        (check,) = found
+        with pytest.raises(AssertionError):
+            check()
+    for i in range(6):  # the tree moves on: the clean copy still passes
+        insert(tree, alloc, seq(1000 + 100 * i, pages=2))
+    evict(tree, Tier.DEVICE, 4, pool=0)
+    (check,) = clean
+    check()
+
+
 def test_the_check_finds_a_page_held_twice(tree, alloc):
     """A device page held by two nodes, or twice by one: the check names the page and
     the nodes (the faults are injected: no tree operation is known to make them)."""

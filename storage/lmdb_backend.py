@@ -204,7 +204,7 @@ _MIB = 1 << 20
 # restart is the in-memory LRU order even when the clock does not advance between calls.
 _STAMP_STEP_S = 1e-6
 _CHECK_WAIT_S = 30.0  # check_invariants' wait for a moment between two commits
-_CHECK_CLOSING_EVERY = 1 << 16  # records it reads between two looks at a close
+_CHECK_LOOK_EVERY = 4096  # records it reads between two looks at a close or a resize waiting for it
 _META_SIZE_ACCESS = struct.Struct("<Qd")  # payload size and last access, at offset 4
 _VICTIMS_MIN = 1024  # eviction candidates taken by one scan at least ...
 _VICTIMS_SHARE = 16  # ... or this fraction of the records
@@ -564,6 +564,10 @@ class _Slab:
         os.close(self.fd)
 
 
+class _MakeWay(Exception):
+    """A long read gives way to a map resize (see ``LmdbBackend.check_invariants``)."""
+
+
 class _BytesUnreadable(StorageUnavailable):
     """An I/O error (EIO) reading a slab file: the bytes read, not the store, failed."""
 
@@ -711,6 +715,11 @@ class _ReadGate:
                 self._num_readers -= 1
                 if not self._num_readers:
                     self._cond.notify_all()
+
+    @property
+    def wanted(self) -> bool:
+        """An exclusive holder waits (or holds it: not under the gate, then)."""
+        return self._exclusive
 
     def acquire_exclusive(self) -> None:
         with self._cond:
@@ -1275,9 +1284,11 @@ class LmdbBackend:
         begun between two commits together with a copy of what the writer keeps in
         memory, so both are the state of one commit whatever is committed during the
         read. (That read, like any, keeps the slots freed meanwhile from being taken
-        again until it ends.)"""
+        again until it ends. A map resize waits for every read: the check's gives way
+        to one, and reads again once the map has grown.)"""
         self._check_usable()
         self.flush()
+        made_way = 0  # reads given up for a map resize (the writer's, which waits for every read)
         while True:
             with self._between_commits:
                 if not self._between_commits.wait_for(lambda: not self._committing, _CHECK_WAIT_S):
@@ -1298,6 +1309,10 @@ class LmdbBackend:
                     waiting = [slot for _, slots in self._freed for slot in slots]
                 try:
                     stored_records, stored_bytes, legacy_keys, payload_keys, used = self._read_index(txn)
+                except _MakeWay:
+                    made_way += 1
+                    logger.debug("storage %s: the check's read made way for a map resize (%d)", self._path, made_way)
+                    continue  # (the gate stops new reads until the resize is done)
                 finally:
                     txn.abort()
             break
@@ -1319,8 +1334,11 @@ class LmdbBackend:
             fields = _meta_fields(value)
             assert fields is not None, f"unreadable metadata for {bytes(key).hex()}"
             num_records += 1
-            if not num_records % _CHECK_CLOSING_EVERY and self._closing:  # (close waits for this read)
-                raise StorageUnavailable(f"storage {self._path} is closing; the check stopped")
+            if not num_records % _CHECK_LOOK_EVERY:
+                if self._closing:  # (close waits for this read)
+                    raise StorageUnavailable(f"storage {self._path} is closing; the check stopped")
+                if self._gate.wanted:  # (a map resize waits for this read: it goes first)
+                    raise _MakeWay()
             num_bytes += fields[1]
             if fields[0] == LEGACY_META_VERSION:
                 legacy.add(bytes(key))

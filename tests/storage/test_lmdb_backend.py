@@ -993,7 +993,7 @@ def test_a_close_stops_a_check_that_is_reading(open_store, monkeypatch):
     for a walk of every record."""
     store = open_store()
     _put(store, "abc")
-    monkeypatch.setattr(lmdb_backend, "_CHECK_CLOSING_EVERY", 1)
+    monkeypatch.setattr(lmdb_backend, "_CHECK_LOOK_EVERY", 1)
     reading, real_fields = threading.Event(), lmdb_backend._meta_fields
 
     def fields_then_wait_for_the_close(value):
@@ -1018,6 +1018,48 @@ def test_a_close_stops_a_check_that_is_reading(open_store, monkeypatch):
     store.close()
     checking.join()
     assert len(outcome) == 1 and "the check stopped" in str(outcome[0])
+
+
+def test_a_check_that_is_reading_makes_way_for_a_map_resize(open_store, monkeypatch):
+    """A map resize waits for every read, and the check's is a walk of every record: it
+    looks now and then for a resize waiting, gives its read up, and reads again once the
+    map has grown — the writer is not held up for a walk of the store."""
+    store = open_store()
+    _put(store, "abcd")
+    store.flush()
+    monkeypatch.setattr(lmdb_backend, "_CHECK_LOOK_EVERY", 1)
+    reading, resumed, real_fields = threading.Event(), threading.Event(), lmdb_backend._meta_fields
+    events = []
+
+    def fields_then_wait(value):
+        if threading.current_thread().name == "check" and not reading.is_set():
+            reading.set()  # (the read holds the gate: a resize now waits for it)
+            resumed.wait()
+        return real_fields(value)
+
+    def read(*args):
+        events.append(store._env.info()["map_size"])  # (the map the read sees)
+        return real_read(*args)
+
+    real_read = store._read_index
+    monkeypatch.setattr(lmdb_backend, "_meta_fields", fields_then_wait)
+    monkeypatch.setattr(store, "_read_index", read)
+    size = store._map_size
+    outcome = []
+    checking = threading.Thread(target=lambda: outcome.append(store.check_invariants()), name="check")
+    checking.start()
+    reading.wait()
+    growing = threading.Thread(target=store._grow_map)
+    growing.start()
+    while not store._gate.wanted:  # (the resize waits for the check's read)
+        threading.Event().wait(0.001)
+    resumed.set()
+    growing.join()
+    checking.join()
+    assert outcome == [None]  # (the check passed)
+    assert events == [size, 2 * size] and store._map_size == 2 * size  # (read, gave way, read the grown map)
+    monkeypatch.undo()
+    store.check_invariants()
 
 
 def test_batches_preserve_queue_order(open_store):

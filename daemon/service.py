@@ -145,7 +145,7 @@ class Daemon:
         # (what is kept across restarts besides the pages: next to them, when there is a disk tier)
         self._state_dir = config.disk.store_path if config.disk.enabled and storage is not None else None
         self.tenant_log = TenantLog(self._state_dir / "tenants" if self._state_dir is not None else None,
-                                    config.disk.tenant_namespaces, extra_keys=config.events.enabled)
+                                    config.disk.tenant_namespaces, extra_keys=config.events.enabled, clock=clock)
         # Called now and then during long work on the owner thread at a spec's first
         # registration (pinning its host pool, rebuilding its disk tier) with a count
         # of what is done; the server feeds the systemd watchdog from it.

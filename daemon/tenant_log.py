@@ -44,7 +44,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, KeysView
+from collections.abc import Callable
 from pathlib import Path
 
 from hicache.config import check_name
@@ -206,13 +206,16 @@ class TenantLog:
         return (bool(self._waiting) and not self._compacting
                 and (not self._tried or self._notes >= max(1, self.max_entries // 4)))
 
-    def begin_compaction(self) -> dict[bytes, KeysView]:
-        """A compaction begins: the namespaces the log names, per spec fingerprint (live
-        views: those noted from now on are kept whatever :meth:`compact` is given), for
-        a walk of the store to tell which hold pages."""
+    def begin_compaction(self) -> dict[bytes, set[bytes]]:
+        """A compaction begins: the namespaces the log names and those waiting, per spec
+        fingerprint, for a walk of the store to tell which hold pages (those noted from
+        now on are kept whatever :meth:`compact` is given: named lately)."""
         self._compacting = self._tried = True
         self._began = self._clock()
-        return {fingerprint: known.keys() for fingerprint, known in self._by_spec.items()}
+        wanted = {fingerprint: set(known) for fingerprint, known in self._by_spec.items()}
+        for fingerprint, namespace in self._waiting:
+            wanted.setdefault(fingerprint, set()).add(namespace)
+        return wanted
 
     def abandon_compaction(self) -> None:
         """The walk failed: nothing is dropped (the next compaction tries again)."""
@@ -226,7 +229,8 @@ class TenantLog:
         their lines dropped by a rewrite of the file on a thread of its own, renamed
         over the log by ``post`` (which runs a callable on the owner thread) — lines
         appended meanwhile go with it. Then the namespaces waiting are noted, as room
-        allows. How many namespaces were dropped."""
+        allows (those that hold no page and were not named lately are let go). How many
+        namespaces were dropped from the log."""
         dropped: set[Key] = set()
         self._forget_named(self._began - GRACE_S)
         for fingerprint, known in self._by_spec.items():
@@ -244,7 +248,9 @@ class TenantLog:
         else:
             self._compacting = False
         for key, (tenant, extra_key) in list(self._waiting.items()):
-            if self._entries[tenant] < self.max_entries:
+            if key not in holding and key not in self._named:  # (its pages went while it waited)
+                del self._waiting[key]
+            elif self._entries[tenant] < self.max_entries:
                 del self._waiting[key]
                 self._append(*key, tenant, extra_key)
         logger.info("tenant log %s compacted: %d namespaces that hold no page dropped, %d kept, %d waiting",

@@ -978,6 +978,52 @@ def test_a_check_that_shares_the_next_walk_has_its_copy_of_the_tree_checked(tmp_
     daemon.close()
 
 
+def test_a_tenant_storing_under_ever_new_extra_keys_keeps_the_tenant_log_bounded(tmp_path, engines):
+    """A client stores under a new extra key (a cache salt per user) again and again,
+    the pages of most of them then dropped: the tenant log is compacted each time the
+    tenant reaches its bound (4 here) and enough was noted since, to the namespaces that
+    hold pages and those named in the last minute; the file never grows past the bound
+    by more than what waits meanwhile, and after the last compaction it names exactly
+    the namespaces that hold pages. The invariants hold throughout."""
+    from hicache.daemon.tenant_log import GRACE_S
+
+    clock = Clock()
+    daemon = make_daemon(tmp_path, clock, **{"disk.enabled": True, "disk.path": str(tmp_path / "store"),
+                                             "disk.tenant_namespaces": 4})
+    sid = session(daemon, engines())
+    (manager,) = daemon.managers.values()
+    log = tmp_path / "store" / "tenants"
+    kept = []
+    sizes = []
+    for i in range(24):
+        key = f"user-{i}"
+        pages = ok(daemon.handle(p.Alloc(id=1, session=sid, num_pages=1))).pages
+        tokens = (np.arange(PS, dtype="<i4") + 1000 * i).tobytes()
+        ok(daemon.handle(p.Insert(id=2, session=sid, tokens=tokens, pages=pages, extra_key=key)))
+        manager.flush()  # (its copies to host and disk done: nothing holds the pages)
+        if i % 8:  # (seven users of eight leave: their pages go)
+            purged = answered(daemon, daemon.handle(p.Purge(id=3, tenant="default", extra_key=key)))
+            assert purged.left_pages == 0 and purged.disk_pages == 1, purged
+        else:
+            kept.append(key)
+        clock.now += GRACE_S / 2
+        ok(daemon.handle(p.Heartbeat(id=5, session=sid)))  # (the lease: renewed at the new time)
+        while daemon.specs.store_walks.busy or daemon.tenant_log._compacting:
+            daemon.poll(0.01)
+        sizes.append(len(log.read_text().splitlines()))
+        ok(answered(daemon, daemon.handle(p.Check(id=4))))
+    assert daemon.tenant_log.compactions >= 3, daemon.tenant_log.compactions
+    assert max(sizes) <= 4 + 1, sizes  # (the bound, and the line appended after a compaction freed room)
+    clock.now += 2 * GRACE_S
+    ok(daemon.handle(p.Heartbeat(id=5, session=sid)))
+    daemon.tenant_log.note(SPEC.fingerprint, namespace_id(SPEC.fingerprint, "late", ""), "default", "late")
+    while daemon.tenant_log.wants_compaction or daemon.specs.store_walks.busy or daemon.tenant_log._compacting:
+        daemon.poll(0.01)
+    logged = sorted(bytes.fromhex(line.split()[3]).decode() for line in log.read_text().splitlines())
+    assert kept == ["user-0", "user-8", "user-16"] and logged == sorted([*kept, "late"]), logged
+    daemon.close()
+
+
 def test_check_names_a_broken_invariant_of_the_store(tmp_path, engines, monkeypatch):
     daemon = make_daemon(tmp_path, **{"disk.enabled": True, "disk.path": str(tmp_path / "store")})
     session(daemon, engines())

@@ -57,7 +57,7 @@ def test_a_compaction_keeps_what_holds_pages_or_was_named_lately_and_then_notes_
     log.note(FP, a3, "a", "k3")  # at the bound: waits
     assert log.tenants_of(FP) == {a0: "a", a1: "a", a2: "a", b0: "b"} and log.wants_compaction
     wanted = log.begin_compaction()
-    assert set(wanted[FP]) == {a0, a1, a2, b0} and set(wanted[OTHER_FP]) == {other}
+    assert wanted[FP] == {a0, a1, a2, b0, a3} and wanted[OTHER_FP] == {other}  # (a3: waiting)
     assert not log.wants_compaction  # (one at a time)
     log.note(FP, a1, "a", a1.hex()[:6])  # named during the walk: kept, pages or not
     log.note(FP, a4, "a", "k4")  # waits too
@@ -108,6 +108,18 @@ def test_a_namespace_dropped_that_holds_pages_again_is_noted_again(tmp_path):
     log.note(FP, a0, "a")  # a0 stores pages again
     log.close()
     assert TenantLog(path).tenants_of(FP) == {a0: "a", a2: "a"}
+
+
+def test_a_namespace_that_waited_and_holds_no_page_any_more_is_let_go(tmp_path):
+    path, posted = tmp_path / "tenants", Posted()
+    log, (a0, a1, a2) = _at_the_bound(path)
+    log._clock.now += 2 * GRACE_S  # (a2 waited long: its pages went meanwhile)
+    log.begin_compaction()
+    assert log.compact({(FP, a0)}, posted) == 1  # (a1: no page)
+    posted.run(log)
+    assert log.tenants_of(FP) == {a0: "a"} and not log._waiting
+    log.close()
+    assert TenantLog(path).tenants_of(FP) == {a0: "a"}
 
 
 def test_a_rewrite_that_does_not_land_leaves_the_old_log_and_its_appends(tmp_path):

@@ -1051,9 +1051,14 @@ def test_a_check_that_is_reading_makes_way_for_a_map_resize(open_store, monkeypa
     reading.wait()
     growing = threading.Thread(target=store._grow_map)
     growing.start()
-    while not store._gate.wanted:  # (the resize waits for the check's read)
-        threading.Event().wait(0.001)
-    resumed.set()
+    try:
+        for _ in range(60_000):  # (until the resize waits for the check's read)
+            if store._gate.wanted:
+                break
+            threading.Event().wait(0.001)
+        assert store._gate.wanted, "the resize never came to the gate"
+    finally:
+        resumed.set()
     growing.join()
     checking.join()
     assert outcome == [None]  # (the check passed)

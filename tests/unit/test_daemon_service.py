@@ -978,6 +978,15 @@ def test_a_check_that_shares_the_next_walk_has_its_copy_of_the_tree_checked(tmp_
     daemon.close()
 
 
+def _until(daemon, done, turns: int = 10_000) -> None:
+    """Drive the daemon's loop until ``done()`` (a compaction's walk and rewrite)."""
+    for _ in range(turns):
+        if done():
+            return
+        daemon.poll(0.01)
+    raise AssertionError("the daemon's loop never got there")
+
+
 def test_a_tenant_storing_under_ever_new_extra_keys_keeps_the_tenant_log_bounded(tmp_path, engines):
     """A client stores under a new extra key (a cache salt per user) again and again,
     the pages of most of them then dropped: the tenant log is compacted each time the
@@ -1008,8 +1017,7 @@ def test_a_tenant_storing_under_ever_new_extra_keys_keeps_the_tenant_log_bounded
             kept.append(key)
         clock.now += GRACE_S / 2
         ok(daemon.handle(p.Heartbeat(id=5, session=sid)))  # (the lease: renewed at the new time)
-        while daemon.specs.store_walks.busy or daemon.tenant_log._compacting:
-            daemon.poll(0.01)
+        _until(daemon, lambda: not (daemon.specs.store_walks.busy or daemon.tenant_log._compacting))
         sizes.append(len(log.read_text().splitlines()))
         ok(answered(daemon, daemon.handle(p.Check(id=4))))
     assert daemon.tenant_log.compactions >= 3, daemon.tenant_log.compactions
@@ -1017,8 +1025,8 @@ def test_a_tenant_storing_under_ever_new_extra_keys_keeps_the_tenant_log_bounded
     clock.now += 2 * GRACE_S
     ok(daemon.handle(p.Heartbeat(id=5, session=sid)))
     daemon.tenant_log.note(SPEC.fingerprint, namespace_id(SPEC.fingerprint, "late", ""), "default", "late")
-    while daemon.tenant_log.wants_compaction or daemon.specs.store_walks.busy or daemon.tenant_log._compacting:
-        daemon.poll(0.01)
+    _until(daemon, lambda: not (daemon.tenant_log.wants_compaction or daemon.specs.store_walks.busy
+                                or daemon.tenant_log._compacting))
     logged = sorted(bytes.fromhex(line.split()[3]).decode() for line in log.read_text().splitlines())
     assert kept == ["user-0", "user-8", "user-16"] and logged == sorted([*kept, "late"]), logged
     daemon.close()

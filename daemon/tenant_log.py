@@ -102,12 +102,12 @@ class TenantLog:
         except OSError as exc:
             logger.warning("cannot read the tenant log %s (%s): stored pages count as unattributed", path, exc)
             return
-        whole = data.rfind(b"\n") + 1
-        if whole < len(data):  # a line cut short: cut off before the next append
-            self._torn_at = whole
-            logger.warning("tenant log %s ends in a line cut short (%d bytes): skipped", path, len(data) - whole)
+        whole = _whole(data)
+        if len(whole) < len(data):  # a line cut short: cut off before the next append
+            self._torn_at = len(whole)
+            logger.warning("tenant log %s ends in a line cut short (%d bytes): skipped", path, len(data) - len(whole))
         skipped = 0
-        for line in data[:whole].decode("utf-8", errors="replace").split("\n")[:-1]:
+        for line in _lines(whole):
             entry = _parse(line)
             if entry is None:
                 skipped += 1
@@ -300,7 +300,7 @@ class TenantLog:
             with open(self.path, "rb") as old:
                 old.seek(upto)
                 tail = old.read()
-            tail = tail[: tail.rfind(b"\n") + 1]  # (a torn line past the rewrite: left out)
+            tail = _whole(tail)  # (a torn line past the rewrite: left out)
             with open(temp, "ab") as new:
                 new.write(tail)
                 new.flush()
@@ -329,9 +329,8 @@ def _rewrite(path: Path, temp: Path, upto: int, dropped: set[Key]) -> None:
     those that do not parse (torn, damaged), fsynced."""
     with open(path, "rb") as old:
         data = old.read(upto)
-    data = data[: data.rfind(b"\n") + 1]
     kept = []
-    for line in data.decode("utf-8", errors="replace").split("\n")[:-1]:
+    for line in _lines(_whole(data)):
         entry = _parse(line)
         if entry is not None and (entry[0], entry[1]) not in dropped:
             kept.append(line + "\n")
@@ -340,6 +339,15 @@ def _rewrite(path: Path, temp: Path, upto: int, dropped: set[Key]) -> None:
         new.writelines(kept)
         new.flush()
         os.fsync(new.fileno())
+
+
+def _whole(data: bytes) -> bytes:
+    """``data`` up to its last newline: its whole lines."""
+    return data[: data.rfind(b"\n") + 1]
+
+
+def _lines(whole: bytes) -> list[str]:
+    return whole.decode("utf-8", errors="replace").split("\n")[:-1]
 
 
 def _fsync_dir(path: Path) -> None:

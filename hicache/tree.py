@@ -1046,9 +1046,7 @@ class HiRadixTree:
         raise InvalidArgument(f"unknown tier {tier!r}")
 
     def _is_protected(self, node: Node, slot: Slot) -> bool:
-        if slot >= 0:
-            return _lock_key(slot) in node.lock_ref
-        return node.lock_total > 0
+        return _protected(node.lock_ref, node.lock_total, slot)
 
     def _make_node(
         self, namespace: NamespaceId, parent: Node | None, key: bytes, page_keys: bytes, num_pages: int
@@ -1462,7 +1460,7 @@ def _check_node(views: dict[int, _View], node_id: int, page_size: int, page_byte
             assert slot >= HOST_SLOT and isinstance(value, bytes), what
             assert len(value) == node.num_pages * _ID_BYTES, what
             owners.setdefault(slot, []).append((value, node_id))
-        protected = (_lock_key(slot) in node.lock_ref) if slot >= 0 else node.lock_total > 0  # (as _is_protected)
+        protected = _protected(node.lock_ref, node.lock_total, slot)
         counts = sizes.setdefault(slot, [0, 0])
         counts[1 if protected else 0] += node.num_pages
         resident_children = sum(1 for c in node.children.values() if slot in views[c].residency)
@@ -1471,6 +1469,14 @@ def _check_node(views: dict[int, _View], node_id: int, page_size: int, page_byte
             leaves.setdefault(slot, set()).add(node_id)
     for slot, count in node.resident_children.items():
         assert count > 0 and slot in node.residency, (what, slot, count)
+
+
+def _protected(lock_ref: dict[LockKey, int], lock_total: int, slot: Slot) -> bool:
+    """Whether a node of these locks is kept in ``slot``: a device pool's by a lock of
+    that pool, host and disk by any lock."""
+    if slot >= 0:
+        return _lock_key(slot) in lock_ref
+    return lock_total > 0
 
 
 def _check_owned_once(slot: int, held: list[tuple[bytes, int]]) -> None:

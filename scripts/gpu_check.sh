@@ -3,7 +3,7 @@
 #   - CUDA IPC pool export / import between two processes (a description whose storage
 #     reaches past its allocation refused once opened: cuMemGetAddressRange), pinned host pool,
 #     interprocess layer events, Triton kernels compiled for real vs their references
-#     (pytest -m gpu tests/gpu);
+#     (pytest -m gpu tests/gpu), and the kernel tests' cases compiled for real;
 #   - an engine-owned pool (vLLM-shaped layout) in CUDA memory: IPC registration,
 #     vLLM-shaped caches shared as the vLLM connector shares them (vllm_kv),
 #     store / load_into through a real daemon (tests/gpu too);
@@ -26,8 +26,9 @@ cd "$(dirname "$0")/.."
 VENV=${GPU_CHECK_VENV:-/tmp/hicache-gpu-venv}
 BASE_PYTHON=${BASE_PYTHON:-python3}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
-TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-360}
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-240}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-150}
+KERNELS_TIMEOUT_S=${KERNELS_TIMEOUT_S:-90}
 PIP=("$VENV/bin/python" -m pip)
 if [ ! -x "$VENV/bin/python" ]; then
     # A base Python without ensurepip (Debian's, without python3-venv) makes no venv
@@ -99,6 +100,13 @@ if "$VENV/bin/python" -c "import pytest_timeout" 2>/dev/null; then
 fi
 step "pytest -m gpu tests/gpu" "$TESTS_TIMEOUT_S" \
     "$VENV/bin/python" -m pytest -q -rA -m gpu tests/gpu -p no:cacheprovider "${per_test[@]}"
+
+# The kernel tests that put their tensors on the CUDA device when there is one: the
+# compiled kernels against their references over the same cases (hypothesis's too) that
+# CI runs under the interpreter.
+step "kernel tests, compiled" "$KERNELS_TIMEOUT_S" \
+    "$VENV/bin/python" -m pytest -q -rfE tests/kernels/test_kv_indices.py tests/kernels/test_slot_alloc.py \
+    -p no:cacheprovider "${per_test[@]}"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"

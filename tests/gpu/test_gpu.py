@@ -29,6 +29,11 @@ SPEC = KVSpec.mha(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, mode
 TIMEOUT_S = 120
 
 
+def _page_bytes(pool, layer: int, name: str, page: int) -> torch.Tensor:
+    size = SPEC.page_size
+    return pool.buffer_of(layer, name)[page * size : (page + 1) * size].contiguous().view(torch.uint8)
+
+
 def _engine(conn) -> None:
     """Child process: export a CUDA pool, fill it, and answer the parent's checks."""
     try:
@@ -48,12 +53,13 @@ def _engine(conn) -> None:
         for layer in range(SPEC.num_layers):
             waiter.wait_layer(ticket, layer, stream=stream)
         stream.synchronize()
-        ok = all(
-            torch.equal(exported.pool.buffer_of(layer, name)[d * 16 : (d + 1) * 16],
-                        exported.pool.buffer_of(layer, name)[s * 16 : (s + 1) * 16])
-            for layer in range(SPEC.num_layers) for name in ("k", "v") for s, d in zip(src, dst)
-        )
-        conn.send(("loaded", ok))
+        # Compared as bytes: the pool's float16 views of random bytes hold NaNs, which
+        # equal nothing (compared as floats, identical pages read as different).
+        wrong = [
+            (layer, name, s, d) for layer in range(SPEC.num_layers) for name in ("k", "v") for s, d in zip(src, dst)
+            if not torch.equal(_page_bytes(exported.pool, layer, name, d), _page_bytes(exported.pool, layer, name, s))
+        ]
+        conn.send(("loaded", wrong))
         assert conn.recv() == "close"
         waiter.close()
         exported.close()
@@ -106,8 +112,8 @@ def test_cuda_ipc_pool_pinned_host_and_layer_events_across_processes():
             mover.load(hosts, dst, on_layer=lambda layer: (counters.events.record(ticket, layer, stream),
                                                            counters.complete_layer(ticket, layer)))
         parent.send(("load", tuple(ticket), src, dst))
-        (ok,) = _expect(parent, "loaded")
-        assert ok, "the engine saw other bytes after waiting on the layer events"
+        (wrong,) = _expect(parent, "loaded")
+        assert not wrong, f"the engine saw other bytes after waiting on the layer events: (layer, k/v, src, dst) {wrong}"
         stream.synchronize()
         counters.finish(ticket)
         parent.send("close")
@@ -324,3 +330,75 @@ def test_vllm_shaped_cuda_caches_shared_as_the_connector_shares_them(tmp_path, b
         client.close()
         daemon.stop()
         shared.close()
+
+
+@pytest.mark.gpu
+def test_daemon_owned_cuda_pools_of_two_engines_through_the_daemon(tmp_path):
+    """hicache's own pool protocol on CUDA pools shared by IPC with a real daemon: engine
+    A's inserted pages backed up by the daemon's copy stream into its pinned host pool
+    and on to disk (``flush``); engine B (a pool of its own) matches them on the host,
+    loads them layer by layer, each layer waited on B's stream through the daemon's
+    interprocess events; B's pages hold A's bytes. Then the daemon restarts (host tier
+    gone) and B loads the same pages from disk."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from daemon_util import DaemonProcess
+    from hicache.client import CacheClient
+
+    page_bytes = SPEC.host_page_bytes
+    daemon = DaemonProcess(tmp_path, host={"bytes": 64 * page_bytes},
+                           disk={"path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * page_bytes}).start()
+    a, b = export_kv_pool(SPEC, 24, device="cuda"), export_kv_pool(SPEC, 24, device="cuda")
+    clients = []
+    try:
+        ca = CacheClient(daemon.endpoint)
+        clients.append(ca)
+        ca.register(SPEC, [a.handle])
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        a.pool.buffer.copy_(torch.randint(0, 256, (a.pool.buffer.numel(),), generator=gen, device="cuda",
+                                          dtype=torch.int32).to(torch.uint8))
+        torch.cuda.synchronize()
+        tokens = list(range(2000, 2000 + 5 * SPEC.page_size + 3))
+        pages = ca.alloc(5)
+        inserted = ca.insert(tokens, pages)
+        source = [int(x) for x in inserted.device_pages]
+        assert ca.flush()["not_on_disk_pages"] == 0
+
+        def load_into_b(tier: str) -> None:
+            cb = CacheClient(daemon.endpoint)
+            clients.append(cb)
+            cb.register(SPEC, [b.handle])
+            b.pool.buffer.zero_()
+            torch.cuda.synchronize()
+            m = cb.match(tokens)
+            assert m.num_device_pages == 0 and m.num_host_pages + m.num_disk_pages == 5, (tier, m)
+            assert (m.num_disk_pages if tier == "disk" else m.num_host_pages) == 5, (tier, m)
+            cb.lock(m.handle)
+            loaded = cb.load(m.handle)
+            assert loaded.num_loaded_pages == 5 and loaded.wait
+            stream = torch.cuda.Stream()
+            for layer in range(SPEC.num_layers):
+                cb.wait_layer(loaded.wait, layer, stream=stream)
+            stream.synchronize()
+            wrong = [(layer, name, s, int(d)) for layer in range(SPEC.num_layers) for name in ("k", "v")
+                     for s, d in zip(source, loaded.device_pages)
+                     if not torch.equal(_page_bytes(b.pool, layer, name, int(d)), _page_bytes(a.pool, layer, name, s))]
+            assert not wrong, f"{tier}: B's pages hold other bytes than A's: (layer, k/v, A's page, B's page) {wrong}"
+            cb.unlock(m.handle)
+            cb.check()
+
+        load_into_b("host")
+        for client in clients:
+            client.close()
+        clients.clear()
+        assert daemon.stop() == 0, daemon.log.read_text()
+        daemon.start()
+        load_into_b("disk")
+    finally:
+        for client in clients:
+            client.close()
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.stop()
+        a.close()
+        b.close()

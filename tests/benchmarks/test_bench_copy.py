@@ -16,6 +16,7 @@ def test_a_small_run_prints_its_figures_as_json_last():
     assert f["copy_gbps"] > 0
     # The first layer lands no later than the last; both figures are of the same loads.
     assert 0 < f["first_layer_ms"] <= f["all_layers_ms"]
+    assert 0 < f["enqueue_ms"]
     assert f["whole_copy_ms"] > 0
     assert math.isclose(f["first_layer_ratio"], f["first_layer_ms"] / f["whole_copy_ms"], rel_tol=1e-9)
     assert math.isclose(f["all_layers_ratio"], f["all_layers_ms"] / f["whole_copy_ms"], rel_tol=1e-9)

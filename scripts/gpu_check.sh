@@ -18,6 +18,8 @@
 # hangs does not keep the others from running: the benchmark comes first (its figures
 # are what an operator needs, whatever the tests say), and a summary of every step,
 # with the benchmark's figures, is printed last. Exits non-zero if any step failed.
+# GPU_CHECK_STEPS picks steps (default "bench tests kernels"): a rerun after a fix
+# within the same lease budget may need one only.
 # On the device tool, from here:
 #   scripts/gpu_wheels.sh, then run with carry [".whl"] and the command
 #   PYTHONUNBUFFERED=1 scripts/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log
@@ -29,6 +31,8 @@ BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-240}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-150}
 KERNELS_TIMEOUT_S=${KERNELS_TIMEOUT_S:-90}
+# Which steps to run (a lease is short: a rerun after a fix may need one step only).
+STEPS=" ${GPU_CHECK_STEPS:-bench tests kernels} "
 PIP=("$VENV/bin/python" -m pip)
 if [ ! -x "$VENV/bin/python" ]; then
     # A base Python without ensurepip (Debian's, without python3-venv) makes no venv
@@ -72,13 +76,18 @@ PY
 unset TRITON_INTERPRET
 command -v nvidia-smi >/dev/null && nvidia-smi -L || true
 
-# step NAME SECONDS COMMAND...: run one step under its time box (its process group
-# killed past it), note how it ended for the summary, and go on whatever happened.
+# step KEY NAME SECONDS COMMAND...: run one step (if KEY is in GPU_CHECK_STEPS) under
+# its time box (its process group killed past it), note how it ended for the summary,
+# and go on whatever happened.
 status=0
 summary=()
 step() {
-    local name=$1 seconds=$2 rc=0
-    shift 2
+    local key=$1 name=$2 seconds=$3 rc=0
+    shift 3
+    if [[ $STEPS != *" $key "* ]]; then
+        summary+=("$name: not asked for (GPU_CHECK_STEPS)")
+        return
+    fi
     echo "== $name (at most ${seconds} s)"
     timeout -k 10 "$seconds" "$@" || rc=$?
     case $rc in
@@ -90,7 +99,7 @@ step() {
 
 export BENCH_LOG
 BENCH_LOG=$(mktemp)
-step "bench_copy --device cuda" "$BENCH_TIMEOUT_S" bash -c '"$@" 2>&1 | tee "$BENCH_LOG"; exit "${PIPESTATUS[0]}"' _ \
+step bench "bench_copy --device cuda" "$BENCH_TIMEOUT_S" bash -c '"$@" 2>&1 | tee "$BENCH_LOG"; exit "${PIPESTATUS[0]}"' _ \
     "$VENV/bin/python" benchmarks/bench_copy.py --device cuda --pages "${PAGES:-512}" --pool-pages "${POOL_PAGES:-1024}" --json
 # A test that hangs in Python is stopped by pytest-timeout where the machine has it (the
 # rest still run); one stuck in a CUDA call, by the step's time box.
@@ -98,19 +107,19 @@ per_test=()
 if "$VENV/bin/python" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(--timeout "$TEST_TIMEOUT_S")
 fi
-step "pytest -m gpu tests/gpu" "$TESTS_TIMEOUT_S" \
+step tests "pytest -m gpu tests/gpu" "$TESTS_TIMEOUT_S" \
     "$VENV/bin/python" -m pytest -q -rA -m gpu tests/gpu -p no:cacheprovider "${per_test[@]}"
 
 # The kernel tests that put their tensors on the CUDA device when there is one: the
 # compiled kernels against their references over the same cases (hypothesis's too) that
 # CI runs under the interpreter.
-step "kernel tests, compiled" "$KERNELS_TIMEOUT_S" \
+step kernels "kernel tests, compiled" "$KERNELS_TIMEOUT_S" \
     "$VENV/bin/python" -m pytest -q -rfE tests/kernels/test_kv_indices.py tests/kernels/test_slot_alloc.py \
     -p no:cacheprovider "${per_test[@]}"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"
-figures=$(grep '^{' "$BENCH_LOG" | tail -n 1 || true)
+figures=$(grep '^{' "$BENCH_LOG" 2>/dev/null | tail -n 1 || true)
 if [ -n "$figures" ]; then
     "$VENV/bin/python" -c 'import json, sys
 for key, value in json.loads(sys.argv[1]).items():

@@ -295,8 +295,9 @@ class LayerWaiter:
                    stream: Any = None) -> None:
         """Return once ``layer`` of the load is complete (CPU mode: poll). GPU mode: poll
         until the layer's event is recorded for this load — its copy enqueued on the
-        daemon's stream, which the daemon does before it answers, so this finds it at
-        once — then make ``stream`` wait on the event, without blocking the CPU. An
+        daemon's stream, which the daemon's enqueuing thread does layer by layer while
+        its answer goes out (a launch each: ~60 µs on an H200) — then make ``stream``
+        wait on the event, without blocking the CPU. An
         event waited on before it was recorded for this load would hold its previous
         record (or none): the stream would not wait for this load's copy at all. A
         load that has ended (its slot moved on) is waited on no event: its copies have

@@ -203,5 +203,6 @@ class DevicePools:
         return [rank for pool in self._pools.values() for rank in pool.ranks]
 
     def close(self) -> None:
+        self._engines.close()  # (their threads first: nothing they enqueue reaches a ring closed below)
         for pool in self._pools.values():
             pool.counters.close()

@@ -31,14 +31,15 @@ exit 99
 """
 
 
-def _run(tmp_path, *, pytest: str, bench: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run(tmp_path, *, pytest: str, bench: str, **env_vars: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     log = tmp_path / "calls.log"
     python = venv / "bin" / "python"
     python.write_text(STUB.format(log=log, python=sys.executable, pytest=pytest, bench=bench))
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    env = dict(os.environ, GPU_CHECK_VENV=str(venv), TESTS_TIMEOUT_S="1", BENCH_TIMEOUT_S="20")
+    env = dict(os.environ, GPU_CHECK_VENV=str(venv), TESTS_TIMEOUT_S="1", KERNELS_TIMEOUT_S="1", BENCH_TIMEOUT_S="20",
+               **env_vars)
     result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     return result, log.read_text().splitlines()
 
@@ -49,13 +50,28 @@ def test_a_hanging_test_run_is_stopped_and_the_figures_still_summed_up(tmp_path)
     assert result.returncode != 0, result.stdout
     out = result.stdout
     assert "pytest -m gpu tests/gpu: TIMED OUT" in out, out
+    assert "kernel tests, compiled: TIMED OUT" in out, out
     assert "bench_copy --device cuda: ok" in out, out
     summary = out[out.index("== summary"):]
     assert "copy_h2d_gbps = 51.23" in summary and "pages = 512" in summary, out
-    # The benchmark ran before the tests: a hang there cannot cost its figures.
-    ran = [c.split()[0] if c.startswith("benchmarks/") else c.split()[1] for c in calls
-           if c.startswith("benchmarks/") or c.startswith("-m pytest")]
-    assert ran == ["benchmarks/bench_copy.py", "pytest"], calls
+    # The benchmark ran before the tests: a hang there cannot cost its figures; the
+    # kernel tests ran after the GPU tests hung.
+    assert _steps(calls) == ["bench", "gpu tests", "kernel tests"], calls
+
+
+def _steps(calls: list[str]) -> list[str]:
+    return ["bench" if c.startswith("benchmarks/") else "kernel tests" if "tests/kernels" in c else "gpu tests"
+            for c in calls if c.startswith("benchmarks/") or c.startswith("-m pytest")]
+
+
+def test_only_the_steps_asked_for_run(tmp_path):
+    result, calls = _run(tmp_path, pytest="exit 0", bench="echo '{\"pages\": 8}'; exit 0",
+                         GPU_CHECK_STEPS="kernels bench")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _steps(calls) == ["bench", "kernel tests"], calls
+    summary = result.stdout[result.stdout.index("== summary"):]
+    assert "pytest -m gpu tests/gpu: not asked for (GPU_CHECK_STEPS)" in summary
+    assert "kernel tests, compiled: ok" in summary and "pages = 8" in summary, summary
 
 
 def test_a_failed_benchmark_does_not_keep_the_tests_from_running(tmp_path):

@@ -99,7 +99,10 @@ class CudaCopy:
             error = failure or exc
             self._completions.post(lambda: done(error))
             return
-        self._workers.copy(finished.synchronize, lambda _, error: done(failure or error))
+        try:
+            self._workers.copy(finished.synchronize, lambda _, error: done(failure or error))
+        except BaseException as exc:  # noqa: BLE001 - (no transfer thread: closed) said, not lost on this thread
+            self._completions.post(lambda error=exc: done(failure or error))
 
     def layer_done(self, counters: LayerCounters, ticket: Ticket, layer: int) -> None:
         counters.events.record(ticket, layer, torch.cuda.current_stream())

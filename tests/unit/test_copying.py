@@ -74,11 +74,8 @@ def parts():
 
 
 def _drain(completions: Completions, done: list, count: int) -> None:
-    rounds = 0
     while len(done) < count:
-        completions.drain(timeout_s=GUARD_S)
-        rounds += 1
-        assert rounds < 10_000, f"only {len(done)} of {count} copies ended"
+        assert completions.drain(timeout_s=GUARD_S), f"only {len(done)} of {count} copies ended"
 
 
 def test_copies_are_enqueued_off_the_callers_thread_in_order_and_end_in_order(cuda, parts):
@@ -148,3 +145,19 @@ def test_close_returns_once_every_copy_given_is_enqueued(cuda, parts):
     assert done == [None, None]
     with pytest.raises(RuntimeError):  # (nothing is enqueued after close)
         engine.run(lambda: None, done.append)
+
+
+def test_a_copy_whose_end_cannot_be_waited_for_is_reported_not_lost(cuda):
+    """The transfer thread is gone (its pool shut down): the copy's ``done`` still
+    comes, with the error — a transfer never ended would keep a flush waiting."""
+    completions = Completions()
+    workers = Workers(completions)
+    engine = CudaCopy(workers, completions, torch.device("cuda", 0))
+    workers.close()
+    done: list[BaseException | None] = []
+    try:
+        engine.run(lambda: None, done.append)
+        _drain(completions, done, 1)
+    finally:
+        engine.close()
+    assert isinstance(done[0], RuntimeError)

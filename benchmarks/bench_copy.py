@@ -35,7 +35,8 @@ variants, ``foreign_layerwise_scatter_gbps`` / ``_ratio`` and ``foreign_gather_g
 ``_ratio`` (the engine-owned pool), and ``first_layer_ms``, ``all_layers_ms``,
 ``whole_copy_ms`` with ``first_layer_ratio`` and ``all_layers_ratio`` (each over
 ``whole_copy_ms``), and ``enqueue_ms``: how long starting the load kept the caller's
-thread (the daemon's loop) busy — on a GPU, every layer's copy and event enqueued.
+thread (the daemon's loop) busy — handing it to the copy engine (on a GPU its own
+enqueuing thread launches the layers' copies; until 1ae1d17 the caller did).
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ class LayerwiseLoads:
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> dict[str, float]:
         """One load: seconds from its start until layer 0, and until every layer, had
-        landed for the engine; and until ``copy_layers`` returned (``enqueue``: on a GPU
-        the caller's thread — the daemon's loop — enqueues every layer's copy before it
-        answers; on the CPU it hands the load to the copy threads)."""
+        landed for the engine; and until ``copy_layers`` returned (``enqueue``: how long
+        the caller's thread — the daemon's loop — is held by handing the load over, to
+        the copy engine's enqueuing thread on a GPU, to the transfer thread on the CPU)."""
         counters = self.state.counters
         ticket = counters.begin()
         entry = Entry(self.hold, np.asarray(host_pages, dtype=np.int64), np.asarray(device_pages, dtype=np.int64))

@@ -16,14 +16,19 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
+from daemon_util import DaemonProcess  # noqa: E402  (tests/: on the path by its conftest)
+from hicache.client import CacheClient  # noqa: E402
 from hicache.counters import CountersHandle, LayerCounters, LayerWaiter, Ticket  # noqa: E402
 from hicache.engine.kv_pool import export_kv_pool, export_owned_pool  # noqa: E402
+from hicache.foreign import OwnedPoolHandle  # noqa: E402
+from hicache.integrations.vllm_kv import layout_of, share_kv_caches  # noqa: E402
 from hicache.kernels.kv_indices import build_kv_indices, build_kv_page_indices  # noqa: E402
 from hicache.kernels.page_copy import copy_pages_reference, copy_pages_triton  # noqa: E402
 from hicache.kernels.slot_alloc import alloc_decode, alloc_extend  # noqa: E402
 from hicache.pools import DeviceLayout, DevicePool, HostPool, PoolHandle, page_segments  # noqa: E402
 from hicache.spec import KVSpec  # noqa: E402
 from hicache.transfer import PageMover  # noqa: E402
+from owned_util import OWNED_SPEC, layer_major, vllm_kv_caches  # noqa: E402
 
 SPEC = KVSpec.mha(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, model="gpu-check")
 TIMEOUT_S = 120
@@ -232,13 +237,6 @@ def test_engine_owned_cuda_pool_in_a_vllm_shaped_layout_through_the_daemon(tmp_p
     """An engine-owned pool in CUDA memory (one allocation, each layer's blocks one run,
     as vLLM 0.32 lays out its KV cache), shared by IPC with a real daemon: store from
     some blocks, load_into others layer by layer (waited on a stream), bytes equal."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from daemon_util import DaemonProcess
-    from hicache.client import CacheClient
-    from owned_util import OWNED_SPEC, layer_major
-
     daemon = DaemonProcess(tmp_path, host={"bytes": 64 * OWNED_SPEC.host_page_bytes},
                            disk={"path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * OWNED_SPEC.host_page_bytes})
     daemon.start()
@@ -288,15 +286,6 @@ def test_vllm_shaped_cuda_caches_shared_as_the_connector_shares_them(tmp_path, b
     lays them out, shared by ``share_kv_caches`` (IPC handles of the allocation as it
     is), described by ``layout_of``; a forward's writes waited for as the connector does
     before a store; an unlocked ``load_into`` waited on vLLM's stream; bytes equal."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from daemon_util import DaemonProcess
-    from hicache.client import CacheClient
-    from hicache.foreign import OwnedPoolHandle
-    from hicache.integrations.vllm_kv import layout_of, share_kv_caches
-    from owned_util import vllm_kv_caches
-
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     caches, tensors, spec = vllm_kv_caches(names, 64, heads=4, block_size=16, head_dim=64,
                                            block_major=block_major, device="cuda")
@@ -340,12 +329,6 @@ def test_daemon_owned_cuda_pools_of_two_engines_through_the_daemon(tmp_path):
     loads them layer by layer, each layer waited on B's stream through the daemon's
     interprocess events; B's pages hold A's bytes. Then the daemon restarts (host tier
     gone) and B loads the same pages from disk."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from daemon_util import DaemonProcess
-    from hicache.client import CacheClient
-
     page_bytes = SPEC.host_page_bytes
     daemon = DaemonProcess(tmp_path, host={"bytes": 64 * page_bytes},
                            disk={"path": str(tmp_path / "lmdb"), "capacity_bytes": 64 * page_bytes}).start()
